@@ -1,0 +1,245 @@
+"""Checkpoint conversion: load -> sanitize -> check shapes -> cast/quantize -> save.
+
+The output is written into a temporary sibling directory and renamed into place
+at the end, so a failure or Ctrl-C never leaves a half-written model.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..models import UnsupportedModelError, build_model
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+class ConvertError(RuntimeError):
+    """A conversion failure; the message names the file and the cause."""
+
+
+@dataclass
+class ConvertOptions:
+    """What to produce.
+
+    Args:
+        dtype: float16, bfloat16 or float32; None keeps the checkpoint's
+            ``torch_dtype`` (float16 if it names none).
+        quantize: quantize Linear and Embedding weights.
+        q_bits: 4 or 8. Default 4.
+        q_group_size: quantization group size. Default 64.
+        force: overwrite an existing destination.
+    """
+
+    dtype: Optional[str] = None
+    quantize: bool = False
+    q_bits: int = 4
+    q_group_size: int = 64
+    force: bool = False
+
+
+def _resolve_source(hf_path: str) -> Path:
+    p = Path(hf_path).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise ConvertError(f"{p}: not a directory")
+        return p
+    if hf_path.count("/") == 1 and not hf_path.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(
+                snapshot_download(
+                    hf_path,
+                    allow_patterns=["*.json", "*.safetensors", "*.bin", "tokenizer.model", "*.txt", "*.jinja"],
+                )
+            )
+        except Exception as e:  # network, auth, missing repo
+            raise ConvertError(f"{hf_path}: cannot download from the Hugging Face hub ({e})") from e
+    raise ConvertError(f"{hf_path}: no such directory")
+
+
+def read_config(src: Path) -> dict:
+    cfg = src / "config.json"
+    if not cfg.exists():
+        raise ConvertError(f"{cfg}: missing config.json")
+    try:
+        with open(cfg) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"{cfg}: invalid JSON ({e})") from e
+
+
+def _load_safetensors(path: str) -> Dict[str, mx.array]:
+    try:
+        return mx.load(path)
+    except Exception as e:  # mlx raises several types on corrupt/truncated files
+        raise ConvertError(f"{path}: cannot read safetensors ({e})") from e
+
+
+def read_weights(src: Path) -> Dict[str, mx.array]:
+    """All weights of a checkpoint: an index's shards, plain safetensors, or .bin via torch."""
+    index = src / "model.safetensors.index.json"
+    weights: Dict[str, mx.array] = {}
+    if index.exists():
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ConvertError(f"{index}: invalid index ({e})") from e
+        for shard in shards:
+            path = src / shard
+            if not path.exists():
+                raise ConvertError(f"{path}: shard listed in {index.name} is missing")
+            weights.update(_load_safetensors(str(path)))
+        return weights
+    files = [
+        f
+        for f in sorted(glob.glob(str(src / "*.safetensors")))
+        if not os.path.basename(f).startswith(("streams", "adapter_model"))
+    ]
+    if files:
+        for f in files:
+            weights.update(_load_safetensors(f))
+        return weights
+    bins = sorted(glob.glob(str(src / "pytorch_model*.bin")))
+    if bins:
+        return _read_torch_bins(bins)
+    raise ConvertError(f"{src}: no *.safetensors or pytorch_model*.bin weights")
+
+
+def _read_torch_bins(paths) -> Dict[str, mx.array]:
+    try:
+        import torch
+    except ImportError:
+        raise ConvertError(
+            f"{paths[0]}: .bin checkpoints need PyTorch to read; install it "
+            "(`pip install torch`) or convert the checkpoint to safetensors"
+        ) from None
+    import numpy as np
+
+    weights = {}
+    for p in paths:
+        try:
+            state = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ConvertError(f"{p}: cannot read PyTorch checkpoint ({e})") from e
+        for k, v in state.items():
+            weights[k] = mx.array(v.to(torch.float32).numpy().astype(np.float32))
+    return weights
+
+
+def check_shapes(model: nn.Module, weights: Dict[str, mx.array], src: Path) -> None:
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing:
+        raise ConvertError(f"{src}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    if extra:
+        raise ConvertError(f"{src}: checkpoint has {len(extra)} unexpected weights, e.g. {extra[:3]}")
+    for k, v in weights.items():
+        if tuple(v.shape) != tuple(expected[k].shape):
+            raise ConvertError(
+                f"{src}: shape mismatch for {k}: checkpoint {tuple(v.shape)}, "
+                f"config.json implies {tuple(expected[k].shape)}"
+            )
+
+
+def _target_dtype(config: dict, opts: ConvertOptions):
+    if opts.dtype is not None:
+        if opts.dtype not in DTYPES:
+            raise ConvertError(f"unsupported dtype {opts.dtype!r}; choose one of {', '.join(DTYPES)}")
+        return opts.dtype
+    stored = config.get("torch_dtype") or config.get("dtype")
+    return stored if stored in DTYPES else "float16"
+
+
+def convert(
+    hf_path: str,
+    mlx_path: str,
+    opts: Optional[ConvertOptions] = None,
+    log: Callable[[str], None] = lambda s: None,
+) -> Path:
+    """Convert ``hf_path`` into an MLX model directory at ``mlx_path``; returns it."""
+    opts = opts or ConvertOptions()
+    dst = Path(mlx_path).expanduser()
+    if dst.exists() and not opts.force:
+        raise ConvertError(f"{dst}: already exists; pass --force to overwrite it")
+    if opts.quantize and opts.q_bits not in (2, 3, 4, 6, 8):
+        raise ConvertError(f"unsupported --q-bits {opts.q_bits}; use 4 or 8")
+    src = _resolve_source(hf_path)
+    config = read_config(src)
+    try:
+        model = build_model(config)
+    except UnsupportedModelError as e:
+        raise ConvertError(f"{src / 'config.json'}: {e}") from e
+    except (TypeError, KeyError) as e:
+        raise ConvertError(f"{src / 'config.json'}: incomplete config ({e})") from e
+    log(f"[convert] {src} ({config['model_type']})")
+    weights = model.sanitize(read_weights(src))
+    check_shapes(model, weights, src)
+    dtype_name = _target_dtype(config, opts)
+    dtype = DTYPES[dtype_name]
+    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    model.load_weights(list(weights.items()), strict=True)
+    out_config = {k: v for k, v in config.items() if k not in ("quantization_config",)}
+    out_config["torch_dtype"] = dtype_name
+    if opts.quantize:
+        log(f"[convert] quantizing to {opts.q_bits} bits, group size {opts.q_group_size}")
+
+        def predicate(path, module):
+            return hasattr(module, "to_quantized") and module.weight.shape[-1] % opts.q_group_size == 0
+
+        nn.quantize(model, group_size=opts.q_group_size, bits=opts.q_bits, class_predicate=predicate)
+        out_config["quantization"] = {"group_size": opts.q_group_size, "bits": opts.q_bits}
+    _write_atomically(dst, model, out_config, src, opts.force)
+    log(f"[convert] wrote {dst}")
+    return dst
+
+
+def _write_atomically(dst: Path, model: nn.Module, config: dict, src: Path, force: bool) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        weights = dict(tree_flatten(model.parameters()))
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        with open(tmp / "config.json", "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        for name in TOKENIZER_FILES:
+            if (src / name).exists():
+                shutil.copy2(src / name, tmp / name)
+        if dst.exists():
+            if not force:
+                raise ConvertError(f"{dst}: already exists; pass --force to overwrite it")
+            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,116 @@
+"""Preallocated KV cache with commit of an accepted path.
+
+A step writes ``n`` rows (a token, a prompt chunk, or a flattened draft tree) at
+``offset .. offset+n`` and advances ``offset``. After verification,
+``commit(slots)`` gathers the accepted rows of that step into
+``start .. start+len(slots)`` and sets the offset there, so nothing of a
+rejected path stays visible. Storage grows in chunks of ``step`` rows and is
+never copied as a whole per decoding step.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import mlx.core as mx
+
+
+class KVCache:
+    """One layer's keys and values, shaped (B, kv_heads, capacity, head_dim)."""
+
+    step = 256
+
+    def __init__(self):
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self.offset = 0
+        # Where the last update_and_fetch started writing; commit() is relative to it.
+        self._last_start = 0
+        self._last_len = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def _grow(self, needed: int, like_k: mx.array, like_v: mx.array) -> None:
+        B, H, _, Dk = like_k.shape
+        Dv = like_v.shape[3]
+        n_steps = (needed - self.capacity + self.step - 1) // self.step
+        extra = n_steps * self.step
+        new_k = mx.zeros((B, H, extra, Dk), like_k.dtype)
+        new_v = mx.zeros((B, H, extra, Dv), like_v.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            # Only growth copies the stored rows; a chunk covers `step` more tokens.
+            self.keys = mx.concatenate([self.keys[..., : self.offset, :], new_k], axis=2)
+            self.values = mx.concatenate(
+                [self.values[..., : self.offset, :], new_v], axis=2
+            )
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Write (B, H, n, D) rows at the offset, advance it, return all visible rows."""
+        n = keys.shape[2]
+        start = self.offset
+        if self.keys is None or start + n > self.capacity:
+            self._grow(start + n, keys, values)
+        self.keys[..., start : start + n, :] = keys
+        self.values[..., start : start + n, :] = values
+        self.offset = start + n
+        self._last_start, self._last_len = start, n
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` rows; returns how many were trimmed."""
+        n = max(0, min(self.offset, n))
+        self.offset -= n
+        return n
+
+    def commit(self, slots: Union[Sequence[int], mx.array]) -> None:
+        """Keep rows ``slots`` (indices into the last step's rows, ascending path
+        order) at ``start .. start+len(slots)`` and make that the new offset."""
+        idx = slots if isinstance(slots, mx.array) else mx.array(list(slots), dtype=mx.int32)
+        a = int(idx.shape[0])
+        if a > self._last_len:
+            raise ValueError(f"commit of {a} slots after a step of {self._last_len} rows")
+        start = self._last_start
+        # A prefix 0..a-1 is already in place (the common all-main-path case).
+        if not _is_identity_prefix(slots, a):
+            src = start + idx
+            k = mx.take(self.keys, src, axis=2)
+            v = mx.take(self.values, src, axis=2)
+            self.keys[..., start : start + a, :] = k
+            self.values[..., start : start + a, :] = v
+        self.offset = start + a
+        self._last_len = a
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def _is_identity_prefix(slots, a: int) -> bool:
+    if isinstance(slots, mx.array):
+        return False
+    return list(slots) == list(range(a))
+
+
+def make_cache(model) -> List[KVCache]:
+    """One cache per decoder layer."""
+    return [KVCache() for _ in model.layers]
+
+
+def trim_cache(cache: List[KVCache], n: int) -> None:
+    for c in cache:
+        c.trim(n)
+
+
+def commit_cache(cache: List[KVCache], slots: Sequence[int]) -> None:
+    idx = mx.array(list(slots), dtype=mx.int32)
+    identity = list(slots) == list(range(len(slots)))
+    for c in cache:
+        c.commit(list(slots) if identity else idx)

@@ -1,0 +1,171 @@
+"""The ``specstream-mlx`` command line: a thin Typer layer over the library.
+
+Heavy modules (mlx, the models) are imported inside the commands, so
+``--help`` is instant. On Linux the process re-executes itself once with the
+system OpenBLAS preloaded (see :mod:`specstream_mlx.platform_info`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    name="specstream-mlx",
+    help="Speculative Streaming decoding for MLX: convert, generate, benchmark.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _err(msg: str, code: int = 1):
+    typer.echo(f"specstream-mlx: error: {msg}", err=True)
+    raise typer.Exit(code)
+
+
+def _version_callback(value: bool):
+    if value:
+        from .platform_info import runtime_info
+
+        for k, v in runtime_info().items():
+            typer.echo(f"{k}: {v}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version_callback, is_eager=True,
+        help="Print versions, the MLX device and the BLAS in use, then exit.",
+    ),
+):
+    pass
+
+
+@app.command()
+def doctor():
+    """Print versions, the MLX device and the BLAS in use."""
+    from .platform_info import FIX_HINT, runtime_info
+
+    info = runtime_info()
+    for k, v in info.items():
+        typer.echo(f"{k}: {v}")
+    if info["blas"].startswith("reference"):
+        typer.echo(f"hint: {FIX_HINT}")
+
+
+class DType(str, Enum):
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+
+
+@app.command()
+def convert(
+    hf_path: str = typer.Option(..., "--hf-path", help="Hugging Face checkpoint: local directory or hub id."),
+    mlx_path: str = typer.Option(..., "--mlx-path", help="Output MLX model directory."),
+    dtype: Optional[DType] = typer.Option(None, "--dtype", help="Weight dtype (default: the checkpoint's)."),
+    quantize: bool = typer.Option(False, "-q", "--quantize", help="Quantize the weights."),
+    q_bits: int = typer.Option(4, "--q-bits", help="Bits per weight when quantizing (4 or 8)."),
+    q_group_size: int = typer.Option(64, "--q-group-size", help="Quantization group size."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing --mlx-path."),
+):
+    """Convert a Hugging Face checkpoint into an MLX model directory."""
+    from .convert import ConvertError, ConvertOptions
+    from .convert import convert as _convert
+
+    opts = ConvertOptions(
+        dtype=dtype.value if dtype else None, quantize=quantize, q_bits=q_bits,
+        q_group_size=q_group_size, force=force,
+    )
+    try:
+        _convert(hf_path, mlx_path, opts, log=lambda s: typer.echo(s, err=True))
+    except ConvertError as e:
+        _err(str(e))
+    except KeyboardInterrupt:
+        _err("interrupted; nothing was written", 130)
+
+
+@app.command()
+def generate(
+    model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory, bundled name or hub id."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: all)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
+    mode: str = typer.Option("ar", "--mode", help="Decoding mode: ar."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Use the prompt as raw text."),
+):
+    """Generate a completion, streaming text to stdout."""
+    from .generation import MODES, stream_generate
+    from .loading import ModelLoadError, load
+    from .models import UnsupportedModelError
+    from .sampling import SamplingParams
+
+    if mode not in MODES:
+        _err(f"unknown --mode {mode!r}; available: {', '.join(MODES)}")
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    try:
+        sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+        m, tok = load(model)
+    except (ModelLoadError, UnsupportedModelError, ValueError) as e:
+        _err(str(e))
+    text, tokens, last = [], [], None
+    try:
+        for r in stream_generate(
+            m, tok, prompt, max_tokens=max_tokens, sampling=sampling, mode=mode,
+            use_chat_template=not ignore_chat_template,
+        ):
+            text.append(r.text)
+            tokens.extend(r.tokens)
+            last = r
+            if not as_json:
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+    except ValueError as e:
+        _err(str(e))
+    except KeyboardInterrupt:
+        if not as_json:
+            sys.stdout.write("\n")
+        raise typer.Exit(130)
+    if as_json:
+        from .generation import encode_prompt
+
+        out = {
+            "text": "".join(text),
+            "tokens": tokens,
+            "prompt_tokens": encode_prompt(tok, prompt, not ignore_chat_template),
+            "mode": mode,
+            "finish_reason": last.finish_reason if last else None,
+            "stats": last.stats.to_dict() if last else {},
+        }
+        typer.echo(json.dumps(out))
+    else:
+        sys.stdout.write("\n")
+        s = last.stats
+        typer.echo(
+            f"[{s.mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
+            f"{s.tokens_per_pass:.2f} tokens/pass, prompt {s.prompt_seconds*1000:.0f} ms, "
+            f"peak {s.peak_memory_gb:.2f} GB",
+            err=True,
+        )
+
+
+def main():
+    from .platform_info import maybe_reexec_with_openblas
+
+    maybe_reexec_with_openblas()
+    app()
+
+
+if __name__ == "__main__":
+    main()

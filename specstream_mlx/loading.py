@@ -1,0 +1,163 @@
+"""Load an MLX model directory (ours or mlx-lm's) into our model classes."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from .models import build_model
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+# Models shipped inside the repository, selectable by name.
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED_MODELS_DIR = _REPO_ROOT / "models"
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """A local directory, a bundled model name, or a Hugging Face hub id."""
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        return p
+    bundled = BUNDLED_MODELS_DIR / name_or_path
+    if bundled.is_dir():
+        return bundled
+    if p.exists():
+        raise ModelLoadError(f"{p}: not a model directory")
+    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(
+                snapshot_download(
+                    name_or_path,
+                    allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"],
+                )
+            )
+        except Exception as e:  # network, auth and missing-repo errors alike
+            raise ModelLoadError(f"cannot download {name_or_path!r} from the hub: {e}") from e
+    raise ModelLoadError(f"{name_or_path}: no such model directory")
+
+
+def load_config(path: Path) -> Dict[str, Any]:
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.exists():
+        raise ModelLoadError(f"{cfg_path}: missing config.json")
+    try:
+        with open(cfg_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_path}: invalid JSON ({e})") from e
+
+
+def load_weights(path: Path) -> Dict[str, mx.array]:
+    """All ``model*.safetensors`` of a directory (streams.safetensors excluded)."""
+    files = sorted(glob.glob(str(Path(path) / "model*.safetensors")))
+    if not files:
+        files = [
+            f
+            for f in sorted(glob.glob(str(Path(path) / "*.safetensors")))
+            if not os.path.basename(f).startswith("streams")
+        ]
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights")
+    weights: Dict[str, mx.array] = {}
+    for f in files:
+        try:
+            weights.update(mx.load(f))
+        except Exception as e:  # mlx raises RuntimeError/ValueError on corrupt files
+            raise ModelLoadError(f"{f}: cannot read safetensors ({e})") from e
+    return weights
+
+
+def compute_dtype_for_device() -> Optional[mx.Dtype]:
+    """float32 on the CPU backend (no half-precision BLAS on x86; DESIGN §5),
+    otherwise None: keep the stored dtype (the fast path on a GPU)."""
+    if mx.default_device() == mx.cpu:
+        return mx.float32
+    return None
+
+
+def cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
+    def cast(x):
+        if mx.issubdtype(x.dtype, mx.floating) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    model.update(tree_map(cast, model.parameters()))
+
+
+def apply_quantization(model: nn.Module, config: Dict[str, Any], weights: Dict[str, mx.array]):
+    q = config.get("quantization")
+    if not q:
+        return
+
+    def predicate(path, module):
+        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+    nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=predicate)
+
+
+def load_model(
+    path: Path, dtype: Optional[mx.Dtype] = "auto", lazy: bool = False
+) -> Tuple[nn.Module, Dict[str, Any]]:
+    """Build the model for ``config.json`` and load its weights strictly.
+
+    Args:
+        path: model directory.
+        dtype: "auto" (float32 on CPU, stored dtype elsewhere), None (stored) or a dtype.
+        lazy: leave parameters unevaluated.
+    """
+    path = Path(path)
+    config = load_config(path)
+    model = build_model(config)
+    weights = load_weights(path)
+    weights = model.sanitize(weights)
+    apply_quantization(model, config, weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: weights do not match config.json ({e})") from e
+    if dtype == "auto":
+        dtype = compute_dtype_for_device()
+    if dtype is not None:
+        cast_floating(model, dtype)
+    if not lazy:
+        mx.eval(model.parameters())
+    model.eval()
+    return model, config
+
+
+def load_tokenizer(path: Path):
+    """mlx-lm's TokenizerWrapper (streaming detokenizer, chat template, EOS ids)."""
+    from mlx_lm.tokenizer_utils import load as _load_tok
+
+    eos = None
+    cfg = Path(path) / "config.json"
+    if cfg.exists():
+        with open(cfg) as f:
+            e = json.load(f).get("eos_token_id")
+        eos = [e] if isinstance(e, int) else e
+    return _load_tok(Path(path), eos_token_ids=eos)
+
+
+def load(path_or_name: str, dtype="auto", lazy: bool = False):
+    """Load ``(model, tokenizer)`` from a directory, bundled name or hub id."""
+    path = resolve_model_path(path_or_name)
+    model, _ = load_model(path, dtype=dtype, lazy=lazy)
+    tokenizer = load_tokenizer(path)
+    return model, tokenizer
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(v.size for _, v in tree_flatten(model.parameters()))

@@ -1,0 +1,317 @@
+"""The decoder shared by every supported architecture.
+
+What is notable here:
+
+* Attention takes ``(x, mask, cache, positions)``. RoPE is applied from an
+  explicit per-token position array, so a flattened draft tree (whose nodes sit
+  at ``offset + depth``) and speculative streams (``p + j``) get the right
+  rotations. ``mx.fast.rope`` takes one offset per batch row, so each token is
+  moved into its own batch row for the rotation (one fused kernel call).
+* One ``mx.fast.scaled_dot_product_attention`` call per layer, with whatever
+  mask the caller built (``None``, ``"causal"`` or an array).
+* Parameters keep Hugging Face names, so conversion is load -> sanitize ->
+  cast/quantize -> save, and mlx-lm directories of the same architecture load.
+* Architecture differences (q/k norms, qkv bias, fused projections) are flags
+  on :class:`ModelArgs`, set by the per-architecture modules.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[Dict[str, Any]] = None
+    # transformers >= 5 writes theta, scaling and partial rotary here instead.
+    rope_parameters: Optional[Dict[str, Any]] = None
+    partial_rotary_factor: Optional[float] = 1.0
+    # HF's PretrainedConfig default; save_pretrained omits it when equal.
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    # Architecture flags, set by the per-architecture modules, never by config.json.
+    qkv_bias: bool = False  # bias on q/k/v only (qwen2)
+    o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (qwen3)
+    fused_qkv: bool = False  # one qkv_proj and one gate_up_proj (phi3)
+
+    @classmethod
+    def from_dict(cls, params: Dict[str, Any]) -> "ModelArgs":
+        names = inspect.signature(cls).parameters
+        return cls(**{k: v for k, v in params.items() if k in names})
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.attention_bias:
+            self.qkv_bias = True
+            self.o_bias = True
+        if self.rope_parameters:
+            rp = self.rope_parameters
+            self.rope_theta = rp.get("rope_theta", self.rope_theta)
+            if rp.get("partial_rotary_factor") is not None:
+                self.partial_rotary_factor = rp["partial_rotary_factor"]
+            scaling = {
+                k: v for k, v in rp.items() if k not in ("rope_theta", "partial_rotary_factor")
+            }
+            if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+                self.rope_scaling = scaling
+        if self.partial_rotary_factor is None:
+            self.partial_rotary_factor = 1.0
+        # Older configs spell the RoPE scaling kind "type" instead of "rope_type".
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind == "default":
+                self.rope_scaling = None
+            else:
+                self.rope_scaling = {**self.rope_scaling, "rope_type": kind}
+
+
+class RoPE(nn.Module):
+    """Rotary embedding over explicit positions (non-interleaved, HF layout).
+
+    Supports plain RoPE and the ``linear`` and ``llama3`` scalings.
+    """
+
+    def __init__(self, head_dim: int, args: ModelArgs):
+        super().__init__()
+        self.dims = int(head_dim * args.partial_rotary_factor)
+        self.base: Optional[float] = args.rope_theta
+        self.scale = 1.0
+        self._freqs: Optional[mx.array] = None
+        scaling = args.rope_scaling
+        if scaling is None:
+            return
+        kind = scaling["rope_type"]
+        if kind == "linear":
+            self.scale = 1.0 / float(scaling["factor"])
+        elif kind == "llama3":
+            self.base = None
+            self._freqs = _llama3_freqs(self.dims, args.rope_theta, scaling)
+        else:
+            raise ValueError(
+                f"unsupported rope_scaling type {kind!r}; supported: linear, llama3"
+            )
+
+    def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
+        """Rotate ``x`` of shape (B, L, H, D) at ``positions`` (B, L); returns (B, H, L, D)."""
+        B, L, H, D = x.shape
+        # (B*L, H, 1, D): every token is its own batch row with its own offset.
+        y = mx.fast.rope(
+            x.reshape(B * L, H, 1, D),
+            self.dims,
+            traditional=False,
+            base=self.base,
+            scale=self.scale,
+            offset=positions.reshape(-1),
+            freqs=self._freqs,
+        )
+        return y.reshape(B, L, H, D).transpose(0, 2, 1, 3)
+
+
+def _llama3_freqs(dims: int, base: float, scaling: Dict[str, Any]) -> mx.array:
+    # Same arithmetic as transformers' _compute_llama3_parameters, expressed as
+    # wavelengths (mx.fast.rope takes periods, the inverse of inv_freq).
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling.get("original_max_position_embeddings", 8192)
+    inv_freq = [1.0 / base ** (i / dims) for i in range(0, dims, 2)]
+    out = []
+    for f in inv_freq:
+        wavelen = 2 * math.pi / f
+        if wavelen > old_ctx / low:
+            f = f / factor
+        elif wavelen >= old_ctx / high:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            f = (1 - smooth) * f / factor + smooth * f
+        out.append(1.0 / f)
+    return mx.array(out, dtype=mx.float32)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim = args.hidden_size
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = hd = args.head_dim
+        self.scale = hd**-0.5
+        self.fused_qkv = args.fused_qkv
+        if args.fused_qkv:
+            out = (self.n_heads + 2 * self.n_kv_heads) * hd
+            self.qkv_proj = nn.Linear(dim, out, bias=args.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=args.qkv_bias)
+            self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=args.qkv_bias)
+            self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+        self.rope = RoPE(hd, args)
+
+    def project(self, x: mx.array, positions: mx.array):
+        """Queries, keys and values of ``x`` (B, L, dim), rotated; each (B, heads, L, D)."""
+        B, L, _ = x.shape
+        hd = self.head_dim
+        if self.fused_qkv:
+            qkv = self.qkv_proj(x)
+            nq, nk = self.n_heads * hd, self.n_kv_heads * hd
+            q, k, v = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, L, self.n_heads, hd)
+        k = k.reshape(B, L, self.n_kv_heads, hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self.rope(q, positions)
+        k = self.rope(k, positions)
+        v = v.reshape(B, L, self.n_kv_heads, hd).transpose(0, 2, 1, 3)
+        return q, k, v
+
+    def attend(self, q, k, v, mask) -> mx.array:
+        B, _, L, _ = q.shape
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def __call__(
+        self,
+        x: mx.array,
+        mask: Union[None, str, mx.array],
+        cache: Optional[Any],
+        positions: mx.array,
+    ) -> mx.array:
+        q, k, v = self.project(x, positions)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        return self.attend(q, k, v, mask)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim, hidden = args.hidden_size, args.intermediate_size
+        self.fused = args.fused_qkv
+        if self.fused:
+            self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=args.mlp_bias)
+        else:
+            self.gate_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
+            self.up_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.fused:
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(
+            args.hidden_size, eps=args.rms_norm_eps
+        )
+
+    def __call__(self, x, mask, cache, positions) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache, positions)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """``model.*`` in HF naming: embeddings, blocks and the final norm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+def default_positions(length: int, cache: Optional[List[Any]], batch: int = 1) -> mx.array:
+    """Contiguous positions after whatever the cache already holds; (B, L) int32."""
+    offset = cache[0].offset if cache else 0
+    pos = mx.arange(offset, offset + length, dtype=mx.int32)[None]
+    return mx.broadcast_to(pos, (batch, length)) if batch > 1 else pos
+
+
+class Model(nn.Module):
+    """A causal LM. ``Model(args)(inputs, cache)`` returns logits (B, L, vocab)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = DecoderModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def lm_logits(self, h: mx.array) -> mx.array:
+        """Final norm and LM head on hidden states."""
+        h = self.model.norm(h)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: Optional[List[Any]] = None,
+        positions: Optional[mx.array] = None,
+        mask: Union[None, str, mx.array] = None,
+    ) -> mx.array:
+        """Logits for ``inputs`` (B, L).
+
+        Args:
+            inputs: token ids (B, L).
+            cache: one KV cache per layer, or None.
+            positions: RoPE positions (B, L); default contiguous after the cache.
+            mask: attention mask over [cached prefix | inputs]; default causal.
+        """
+        B, L = inputs.shape
+        if positions is None:
+            positions = default_positions(L, cache, B)
+        if mask is None and L > 1:
+            mask = "causal"
+        h = self.model.embed_tokens(inputs)
+        layer_caches = cache if cache is not None else [None] * len(self.layers)
+        for layer, c in zip(self.layers, layer_caches):
+            h = layer(h, mask, c, positions)
+        return self.lm_logits(h)
+
+    def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        """Drop what HF checkpoints carry but this model does not use."""
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        return weights

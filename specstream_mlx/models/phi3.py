@@ -1,0 +1,16 @@
+"""Phi-3: fused ``qkv_proj`` and ``gate_up_proj``, optional partial rotary."""
+
+from dataclasses import dataclass
+
+from .base import Model, ModelArgs as _BaseArgs
+
+
+@dataclass
+class ModelArgs(_BaseArgs):
+    rms_norm_eps: float = 1e-5
+    fused_qkv: bool = True
+    # Phi3Config's default, unlike PretrainedConfig's.
+    tie_word_embeddings: bool = False
+
+
+__all__ = ["Model", "ModelArgs"]
