@@ -35,18 +35,16 @@ class KVCache:
     def _grow(self, needed: int, like_k: mx.array, like_v: mx.array) -> None:
         B, H, _, Dk = like_k.shape
         Dv = like_v.shape[3]
-        n_steps = (needed - self.capacity + self.step - 1) // self.step
-        extra = n_steps * self.step
-        new_k = mx.zeros((B, H, extra, Dk), like_k.dtype)
-        new_v = mx.zeros((B, H, extra, Dv), like_v.dtype)
+        new_cap = (needed + self.step - 1) // self.step * self.step
+        keep = self.offset if self.keys is not None else 0
+        new_k = mx.zeros((B, H, new_cap - keep, Dk), like_k.dtype)
+        new_v = mx.zeros((B, H, new_cap - keep, Dv), like_v.dtype)
         if self.keys is None:
             self.keys, self.values = new_k, new_v
         else:
-            # Only growth copies the stored rows; a chunk covers `step` more tokens.
-            self.keys = mx.concatenate([self.keys[..., : self.offset, :], new_k], axis=2)
-            self.values = mx.concatenate(
-                [self.values[..., : self.offset, :], new_v], axis=2
-            )
+            # Only growth copies the stored rows; it happens once per `step` tokens.
+            self.keys = mx.concatenate([self.keys[..., :keep, :], new_k], axis=2)
+            self.values = mx.concatenate([self.values[..., :keep, :], new_v], axis=2)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Write (B, H, n, D) rows at the offset, advance it, return all visible rows."""

@@ -37,6 +37,8 @@ VARIANTS: Dict[str, dict] = {
         model_type="llama", tie_word_embeddings=False,
         rope_scaling=dict(rope_type="linear", factor=2.0),
     ),
+    # Widths divisible by 32, the smallest group size MLX quantizes with.
+    "llama-q": dict(model_type="llama", tie_word_embeddings=False, hidden_size=96, intermediate_size=160),
     "mistral": dict(model_type="mistral", tie_word_embeddings=False, head_dim=16, sliding_window=None),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=False, head_dim=16),

@@ -1,0 +1,40 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+# transformers prints progress bars and advisories we do not need in tests.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """Factory: variant -> (torch model, HF dir, converted float32 MLX dir); cached."""
+    from hf_reference import make_hf_model
+
+    from specstream_mlx.convert import ConvertOptions, convert
+
+    made = {}
+
+    def get(variant: str):
+        if variant not in made:
+            root = tmp_path_factory.mktemp(variant)
+            tm, src = make_hf_model(variant, root / "hf")
+            dst = convert(str(src), str(root / "mlx"), ConvertOptions(dtype="float32"))
+            made[variant] = (tm, src, dst)
+        return made[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A small llama with the byte tokenizer: a complete model directory for CLI tests."""
+    from tiny_models import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")

@@ -1,0 +1,106 @@
+"""The specstream-mlx command line, run as users run it."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+CLI = [sys.executable, "-m", "specstream_mlx"]
+
+
+def run(*args, timeout=120, **kw):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def test_help_is_fast_and_lists_commands():
+    t = time.perf_counter()
+    r = run("--help")
+    assert r.returncode == 0
+    assert "convert" in r.stdout and "generate" in r.stdout
+    # No mlx import for --help (generous bound: two re-execs of Python on a busy machine).
+    assert time.perf_counter() - t < 10
+
+
+def test_version_reports_device_and_blas():
+    r = run("--version")
+    assert r.returncode == 0
+    out = r.stdout
+    assert "mlx:" in out and "device:" in out and "blas:" in out
+    if sys.platform.startswith("linux") and os.path.exists(
+        "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+    ):
+        # The CLI re-executes itself with the system OpenBLAS preloaded.
+        assert "blas: openblas" in out
+
+
+def test_generate_json(tiny_model_dir):
+    r = run("generate", "--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "12", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("text", "tokens", "prompt_tokens", "mode", "stats"):
+        assert key in out
+    s = out["stats"]
+    for key in ("generated_tokens", "forward_passes", "tokens_per_pass", "tokens_per_second",
+                "prompt_seconds", "peak_memory_gb"):
+        assert key in s
+    assert out["mode"] == "ar"
+    assert s["generated_tokens"] == len(out["tokens"]) <= 12
+    assert s["forward_passes"] == s["generated_tokens"] or out["finish_reason"] == "stop"
+    # The chat template wrapped the prompt.
+    assert len(out["prompt_tokens"]) > len("hello")
+
+
+def test_generate_streams_text_and_matches_api(tiny_model_dir):
+    from specstream_mlx import SamplingParams, generate, load
+
+    r = run("generate", "--model", str(tiny_model_dir), "--prompt", "abc", "--max-tokens", "10",
+            "--ignore-chat-template")
+    assert r.returncode == 0, r.stderr
+    model, tok = load(str(tiny_model_dir))
+    res = generate(model, tok, "abc", max_tokens=10, sampling=SamplingParams(), use_chat_template=False)
+    assert r.stdout.rstrip("\n") == res.text
+    assert "tok/s" in r.stderr
+
+
+def test_generate_seeded_sampling_is_reproducible(tiny_model_dir):
+    args = ("generate", "--model", str(tiny_model_dir), "--prompt", "x", "--max-tokens", "16",
+            "--temp", "1.0", "--top-p", "0.9", "--top-k", "50", "--json")
+    a = json.loads(run(*args, "--seed", "3").stdout)["tokens"]
+    b = json.loads(run(*args, "--seed", "3").stdout)["tokens"]
+    c = json.loads(run(*args, "--seed", "4").stdout)["tokens"]
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--model", "/nonexistent/model", "--prompt", "x"), "no such model directory"),
+    (("--prompt", "x", "--mode", "zz"), "unknown --mode"),
+    (("--prompt", "x", "--temp", "-1"), "temperature"),
+])
+def test_generate_errors_are_one_line(tiny_model_dir, args, needle):
+    args = list(args)
+    if "--model" not in args:
+        args = ["--model", str(tiny_model_dir)] + args
+    r = run("generate", *args)
+    assert r.returncode == 1
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_generation_stops_at_eos(tiny_model_dir):
+    """A model whose every next token is EOS stops after zero tokens with 'stop'."""
+    import mlx.core as mx
+
+    from specstream_mlx import generate, load
+
+    model, tok = load(str(tiny_model_dir))
+    real = model.lm_logits
+
+    def always_eos(h):
+        logits = real(h)
+        return logits + mx.where(mx.arange(logits.shape[-1]) == 2, 1e4, 0.0)
+
+    model.lm_logits = always_eos
+    res = generate(model, tok, "hi", max_tokens=20)
+    assert res.tokens == [] and res.finish_reason == "stop"

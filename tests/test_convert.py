@@ -1,0 +1,173 @@
+"""Converter: formats, quantization, mlx-lm interop, and clear failures."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from specstream_mlx.byte_tokenizer import save_byte_tokenizer
+from specstream_mlx.convert import ConvertError, ConvertOptions, convert
+from specstream_mlx.loading import load_model
+
+CLI = [sys.executable, "-m", "specstream_mlx"]
+
+
+def _logits(model, ids):
+    return np.array(model(mx.array(ids)))
+
+
+def test_sharded_checkpoint_with_index(tmp_path, hf_models):
+    tm, _, _ = hf_models("qwen2")
+    src = tmp_path / "sharded"
+    tm.save_pretrained(src, safe_serialization=True, max_shard_size="60KB")
+    assert (src / "model.safetensors.index.json").exists()
+    assert len(list(src.glob("model-*.safetensors"))) > 1
+    dst = convert(str(src), str(tmp_path / "out"), ConvertOptions(dtype="float32"))
+    model, _ = load_model(dst)
+    ids = np.arange(3, 30)[None]
+    with torch.no_grad():
+        ref = tm(torch.tensor(ids)).logits.numpy()
+    assert np.abs(_logits(model, ids) - ref).max() / np.abs(ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_conversion_runs_and_stays_close(tmp_path, hf_models, bits):
+    _, src, ref_dir = hf_models("llama-q")
+    dst = convert(str(src), str(tmp_path / f"q{bits}"),
+                  ConvertOptions(dtype="float32", quantize=True, q_bits=bits, q_group_size=32))
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 32, "bits": bits}
+    qmodel, _ = load_model(dst)
+    ref, _ = load_model(ref_dir)
+    ids = np.arange(3, 40)[None]
+    a, b = _logits(qmodel, ids), _logits(ref, ids)
+    err = np.abs(a - b).max() / np.abs(b).max()
+    assert err < (0.3 if bits == 4 else 0.05)
+    assert "QuantizedLinear" in str(qmodel)
+
+
+def test_output_loads_in_mlx_lm_and_matches(tmp_path, hf_models):
+    import mlx_lm
+
+    _, _, dst = hf_models("qwen3")
+    d = tmp_path / "withtok"
+    shutil.copytree(dst, d)
+    save_byte_tokenizer(d)
+    theirs, _ = mlx_lm.load(str(d))
+    ours, _ = load_model(d)
+    ids = np.arange(3, 20)[None]
+    assert np.allclose(_logits(ours, ids), np.array(theirs(mx.array(ids))), atol=1e-4)
+
+
+def test_mlx_lm_quantized_directory_loads(tmp_path, hf_models):
+    """A directory written by mlx_lm.convert (4-bit) loads into our classes."""
+    from mlx_lm import convert as mlx_convert
+
+    import mlx_lm
+
+    _, src, _ = hf_models("llama-q")
+    d = tmp_path / "hfsrc"
+    shutil.copytree(src, d)
+    save_byte_tokenizer(d)
+    out = tmp_path / "mlxlm-q4"
+    mlx_convert(str(d), mlx_path=str(out), quantize=True, q_bits=4, q_group_size=32)
+    theirs, _ = mlx_lm.load(str(out))
+    ours, _ = load_model(out, dtype=None)
+    ids = np.arange(3, 20)[None]
+    assert np.allclose(_logits(ours, ids), np.array(theirs(mx.array(ids))), atol=1e-3)
+
+
+# --- failures: one-line errors that name the file, exit code 1 -------------
+
+def _run_convert(src, dst, *extra):
+    return subprocess.run([*CLI, "convert", "--hf-path", str(src), "--mlx-path", str(dst), *extra],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_missing_path(tmp_path):
+    r = _run_convert(tmp_path / "nope", tmp_path / "out")
+    assert r.returncode == 1
+    assert "nope" in r.stderr and "no such directory" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_config(tmp_path):
+    (tmp_path / "src").mkdir()
+    r = _run_convert(tmp_path / "src", tmp_path / "out")
+    assert r.returncode == 1 and "config.json" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_safetensors(tmp_path, hf_models):
+    _, src, _ = hf_models("llama")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    f = bad / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    r = _run_convert(bad, tmp_path / "out")
+    assert r.returncode == 1
+    assert "model.safetensors" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_shape_mismatch(tmp_path, hf_models):
+    _, src, _ = hf_models("llama")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["intermediate_size"] = 64
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = _run_convert(bad, tmp_path / "out")
+    assert r.returncode == 1
+    assert "shape mismatch" in r.stderr and "mlp" in r.stderr
+
+
+def test_unsupported_model_type(tmp_path, hf_models):
+    _, src, _ = hf_models("llama")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = "mamba"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = _run_convert(bad, tmp_path / "out")
+    assert r.returncode == 1
+    assert "'mamba'" in r.stderr and "llama" in r.stderr and "phi3" in r.stderr
+
+
+def test_existing_destination_needs_force(tmp_path, hf_models):
+    _, src, _ = hf_models("llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    r = _run_convert(src, out)
+    assert r.returncode == 1 and "--force" in r.stderr
+    assert (out / "keep.txt").read_text() == "precious"
+    r = _run_convert(src, out, "--force", "--dtype", "float16")
+    assert r.returncode == 0, r.stderr
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    w = mx.load(str(out / "model.safetensors"))
+    assert all(v.dtype == mx.float16 for v in w.values())
+
+
+def test_bin_checkpoint_is_read_with_torch(tmp_path, hf_models):
+    tm, _, ref_dir = hf_models("llama")
+    src = tmp_path / "bin"
+    tm.save_pretrained(src, safe_serialization=False)
+    if not list(src.glob("*.bin")):
+        torch.save(tm.state_dict(), src / "pytorch_model.bin")
+        for f in src.glob("*.safetensors"):
+            f.unlink()
+    dst = convert(str(src), str(tmp_path / "out"), ConvertOptions(dtype="float32"))
+    a, _ = load_model(dst)
+    b, _ = load_model(ref_dir)
+    ids = np.arange(3, 12)[None]
+    assert np.allclose(_logits(a, ids), _logits(b, ids), atol=1e-5)
