@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
@@ -209,6 +210,12 @@ class Attention(nn.Module):
         return self.attend(q, k, v, mask)
 
 
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    # Compiled so the activation and product fuse into one kernel.
+    return nn.silu(gate) * up
+
+
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -226,7 +233,7 @@ class MLP(nn.Module):
             gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(nn.silu(gate) * up)
+        return self.down_proj(swiglu(gate, up))
 
 
 class TransformerBlock(nn.Module):
