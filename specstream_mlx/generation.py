@@ -18,7 +18,7 @@ import mlx.core as mx
 from .cache import make_cache
 from .sampling import KeyStream, SamplingParams, sample_token
 
-MODES = ("ar",)
+MODES = ("ar", "ss", "lookup")
 
 
 @dataclass
@@ -118,6 +118,14 @@ StepFn = Callable[..., Iterable[Step]]
 def get_step_fn(mode: str) -> StepFn:
     if mode == "ar":
         return ar_steps
+    if mode == "ss":
+        from .speculative import ss_steps
+
+        return ss_steps
+    if mode == "lookup":
+        from .speculative import lookup_steps
+
+        return lookup_steps
     raise ValueError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
 
 

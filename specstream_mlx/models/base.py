@@ -21,10 +21,18 @@ import inspect
 import math
 from functools import partial
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+
+
+# adapter(projection name, input, output) -> output with a delta added.
+Adapter = Callable[[str, mx.array, mx.array], mx.array]
+
+
+def _no_adapter(name: str, x: mx.array, y: mx.array) -> mx.array:
+    return y
 
 
 @dataclass
@@ -173,16 +181,22 @@ class Attention(nn.Module):
         self.qk_norm = args.qk_norm
         self.rope = RoPE(hd, args)
 
-    def project(self, x: mx.array, positions: mx.array):
-        """Queries, keys and values of ``x`` (B, L, dim), rotated; each (B, heads, L, D)."""
+    def project(self, x: mx.array, positions: mx.array, adapter: Optional[Adapter] = None):
+        """Queries, keys and values of ``x`` (B, L, dim), rotated; each (B, heads, L, D).
+
+        ``adapter(name, x, y)`` may add a delta to a projection's output (the
+        speculative streams' LoRA, on stream rows only)."""
         B, L, _ = x.shape
         hd = self.head_dim
+        ad = adapter or _no_adapter
         if self.fused_qkv:
-            qkv = self.qkv_proj(x)
+            qkv = ad("qkv_proj", x, self.qkv_proj(x))
             nq, nk = self.n_heads * hd, self.n_kv_heads * hd
             q, k, v = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = ad("q_proj", x, self.q_proj(x))
+            k = ad("k_proj", x, self.k_proj(x))
+            v = ad("v_proj", x, self.v_proj(x))
         q = q.reshape(B, L, self.n_heads, hd)
         k = k.reshape(B, L, self.n_kv_heads, hd)
         if self.qk_norm:
@@ -192,10 +206,13 @@ class Attention(nn.Module):
         v = v.reshape(B, L, self.n_kv_heads, hd).transpose(0, 2, 1, 3)
         return q, k, v
 
-    def attend(self, q, k, v, mask) -> mx.array:
+    def attend(self, q, k, v, mask, adapter: Optional[Adapter] = None) -> mx.array:
+        """One fused attention call, then the output projection; (B, L, dim)."""
         B, _, L, _ = q.shape
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        y = self.o_proj(out)
+        return adapter("o_proj", out, y) if adapter else y
 
     def __call__(
         self,
@@ -228,12 +245,20 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
         self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, adapter: Optional[Adapter] = None) -> mx.array:
+        if adapter is None:
+            if self.fused:
+                gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+            else:
+                gate, up = self.gate_proj(x), self.up_proj(x)
+            return self.down_proj(swiglu(gate, up))
         if self.fused:
-            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+            gate, up = mx.split(adapter("gate_up_proj", x, self.gate_up_proj(x)), 2, axis=-1)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(swiglu(gate, up))
+            gate = adapter("gate_proj", x, self.gate_proj(x))
+            up = adapter("up_proj", x, self.up_proj(x))
+        act = swiglu(gate, up)
+        return adapter("down_proj", act, self.down_proj(act))
 
 
 class TransformerBlock(nn.Module):

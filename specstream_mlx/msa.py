@@ -1,0 +1,173 @@
+"""One speculative-streaming forward pass over a flattened draft tree.
+
+Lower layers (0 .. N-Ns-1) run the tree's main rows under the ancestor mask.
+At the input of layer N-Ns, optional pruning drops low-probability subtrees
+(early-exit adapter through the LM head), then every kept node hosts γ
+streams ``S[t, j] = M[t] + P[j]``. The top Ns layers run multi-stream
+attention on ``[kept main rows | their streams]`` with one fused mask:
+
+* main row t sees the cached prefix and its kept ancestors (never a stream,
+  DESIGN §2.1, so main logits equal the model without streams);
+* stream (t, j) sees the prefix, t's kept ancestors and t, and streams
+  (t, 1..j) of its own node.
+
+Positions: node at depth d -> offset + d; stream j of a node at p -> p + j.
+Only main rows are written to the KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .streams import StreamParams
+from .tree import Tree, TreeBuffers, restrict, subtree_keep, tree_buffers
+
+
+def prefix_tree_mask(offset: int, tree_part: np.ndarray) -> Optional[mx.array]:
+    """Boolean mask [all of the cached prefix | tree_part]; None when trivially full."""
+    rows = tree_part.shape[0]
+    if rows == 1 and tree_part.all():
+        return None
+    part = mx.array(tree_part)
+    if offset == 0:
+        return part
+    return mx.concatenate([mx.ones((rows, offset), dtype=mx.bool_), part], axis=1)
+
+
+def msa_tree_part(anc: np.ndarray, gamma: int) -> np.ndarray:
+    """The tree block of the MSA mask: rows [main n | streams n*γ], keys likewise.
+
+    Streams are laid out node-major: stream (t, j) (j = 1..γ) is row n + t*γ + j-1."""
+    n = anc.shape[0]
+    R = n * (1 + gamma)
+    m = np.zeros((R, R), dtype=bool)
+    m[:n, :n] = anc
+    for t in range(n):
+        for j in range(gamma):
+            r = n + t * gamma + j
+            m[r, :n] = anc[t]
+            m[r, n + t * gamma : r + 1] = True
+    return m
+
+
+class StreamRowAdapter:
+    """Adds a layer's stream LoRA to rows ``n_main:`` only (lossless mode)."""
+
+    def __init__(self, loras: dict, n_main: int):
+        self.loras = loras
+        self.n_main = n_main
+
+    def __call__(self, name: str, x: mx.array, y: mx.array) -> mx.array:
+        lora = self.loras.get(name)
+        if lora is None:
+            return y
+        n = self.n_main
+        delta = lora(x[:, n:])
+        return mx.concatenate([y[:, :n], y[:, n:] + delta], axis=1)
+
+
+def msa_layer(layer, x, n_main: int, mask, cache, positions, adapter):
+    """A decoder block over [main | stream] rows; only main keys/values are cached."""
+    attn = layer.self_attn
+    q, k, v = attn.project(layer.input_layernorm(x), positions, adapter)
+    if cache is not None:
+        kc, vc = cache.update_and_fetch(k[:, :, :n_main], v[:, :, :n_main])
+        k = mx.concatenate([kc, k[:, :, n_main:]], axis=2)
+        v = mx.concatenate([vc, v[:, :, n_main:]], axis=2)
+    h = x + attn.attend(q, k, v, mask, adapter)
+    return h + layer.mlp(layer.post_attention_layernorm(h), adapter)
+
+
+@dataclass
+class SSOutput:
+    """Result of :func:`ss_forward`.
+
+    Attributes:
+        tree: the kept (pruned) tree, re-indexed.
+        buffers: its tree buffers.
+        kept: original index of each kept node.
+        main_logits: (n_kept, V) target logits at each kept node.
+        stream_hidden: (n_kept, γ, h) normed-later hidden states of the streams.
+        pruned: nodes dropped by pruning.
+    """
+
+    tree: Tree
+    buffers: TreeBuffers
+    kept: np.ndarray
+    main_logits: mx.array
+    stream_hidden: mx.array
+    pruned: int
+
+
+def ss_forward(
+    model,
+    streams: StreamParams,
+    tree: Tree,
+    offset: int,
+    cache,
+    pruning_threshold: float = 0.0,
+) -> SSOutput:
+    """Verify ``tree`` (main rows) and host streams at its nodes, in one pass."""
+    buf = tree_buffers(tree.parents)
+    n = len(tree)
+    gamma = streams.num_streams
+    layers = model.layers
+    s0 = len(layers) - streams.config.stream_layers
+    depths = buf.depths
+    positions = mx.array((offset + depths)[None].astype(np.int32))
+    h = model.model.embed_tokens(mx.array(tree.tokens, dtype=mx.int32)[None])
+    mask = prefix_tree_mask(offset, buf.ancestor_mask)
+    for i in range(s0):
+        h = layers[i](h, mask, cache[i] if cache else None, positions)
+
+    kept = np.arange(n)
+    kept_tree, kept_buf = tree, buf
+    if pruning_threshold > 0 and n > 1:
+        # Early-exit transition probability parent -> child through the LM head.
+        ee = model.lm_logits(streams.pruning(h))[0]  # (n, V)
+        logp = ee - mx.logsumexp(ee, axis=-1, keepdims=True)
+        par = mx.array(buf.parents[1:].astype(np.int32))
+        tok = mx.array(np.asarray(tree.tokens[1:], dtype=np.int32))
+        trans = np.array(mx.exp(logp[par, tok]))
+        keep = subtree_keep(tree.parents, np.concatenate([[True], trans >= pruning_threshold]))
+        if not keep.all():
+            kept_tree, kept = restrict(tree, keep)
+            kept_buf = tree_buffers(kept_tree.parents)
+            idx = mx.array(kept.astype(np.int32))
+            h = h[:, idx]
+            positions = positions[:, idx]
+    nk = len(kept)
+
+    # Stream insertion: S[t, j] = M[t] + P[j], node-major.
+    S = (h[0][:, None, :] + streams.embeddings[None]).reshape(1, nk * gamma, -1)
+    x = mx.concatenate([h, S], axis=1)
+    stream_pos = (positions[0][:, None] + mx.arange(1, gamma + 1, dtype=mx.int32)[None]).reshape(1, -1)
+    pos_all = mx.concatenate([positions, stream_pos], axis=1)
+    mask = prefix_tree_mask(offset, msa_tree_part(kept_buf.ancestor_mask, gamma))
+    for i in range(s0, len(layers)):
+        loras = streams.lora.get(str(i)) if streams.lora else None
+        adapter = StreamRowAdapter(loras, nk) if loras else None
+        x = msa_layer(layers[i], x, nk, mask, cache[i] if cache else None, pos_all, adapter)
+    main_logits = model.lm_logits(x[:, :nk])[0]
+    stream_hidden = x[0, nk:].reshape(nk, gamma, -1)
+    return SSOutput(kept_tree, kept_buf, kept, main_logits, stream_hidden, n - nk)
+
+
+def stream_logits(model, out: SSOutput, node: int) -> mx.array:
+    """(γ, V) logits of the streams hosted at kept node ``node``."""
+    return model.lm_logits(out.stream_hidden[node][None])[0]
+
+
+def commit_ss(cache, streams: StreamParams, model, out: SSOutput, path) -> None:
+    """Keep the accepted path: lower layers index the full tree, MSA layers the kept rows."""
+    s0 = len(model.layers) - streams.config.stream_layers
+    upper = list(path)
+    lower = [int(out.kept[i]) for i in path]
+    lo = lower if lower == list(range(len(lower))) else mx.array(lower, dtype=mx.int32)
+    up = upper if upper == list(range(len(upper))) else mx.array(upper, dtype=mx.int32)
+    for i, c in enumerate(cache):
+        c.commit(lo if i < s0 else up)

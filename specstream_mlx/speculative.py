@@ -1,0 +1,199 @@
+"""Speculative decoding engines: Speculative Streaming (``ss``) and prompt lookup.
+
+Both are step generators like :func:`specstream_mlx.generation.ar_steps`: one
+:class:`Step` per target forward pass, carrying every token that pass decided.
+
+``ss``: the pass over the tree rooted at the last decided token verifies the
+previous draft with the main rows and drafts the next tree from the streams of
+the last accepted node (DESIGN §1). ``lookup``: drafts a chain by matching the
+recent n-gram in the prompt and output so far, verified by a plain
+tree-masked forward.
+"""
+
+from __future__ import annotations
+
+from typing import Generator, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .acceptance import Verdict, greedy_verify, sample_verify
+from .cache import make_cache
+from .generation import Step, prefill
+from .msa import commit_ss, prefix_tree_mask, ss_forward, stream_logits
+from .sampling import SamplingParams, target_logprobs
+from .streams import NoStreamsError, StreamParams
+from .tree import Tree, TreeSpec, cartesian_tree, dynamic_tree, tree_buffers
+
+DEFAULT_TREE = TreeSpec("dynamic", budget=12, depth=4)
+
+
+def _probs(logits: mx.array, sampling: SamplingParams) -> mx.array:
+    return mx.exp(target_logprobs(logits, sampling))
+
+
+def draft_tree(
+    root: int,
+    logits: mx.array,
+    spec: TreeSpec,
+    sampling: SamplingParams,
+    rng: np.random.Generator,
+):
+    """Next draft tree from the γ stream logits (γ, V) of the last accepted node.
+
+    Greedy: top-k candidates per stream (Cartesian or dynamic tree). Sampling:
+    i.i.d. draws from each stream's processed distribution, shared by every
+    parent at that depth (what :func:`sample_verify` needs to stay lossless).
+    Returns (tree, draft_probs (depth, V) or None, predicted accepted length).
+    """
+    depth = min(spec.max_depth, logits.shape[0])
+    if depth == 0:
+        return Tree((root,), (-1,)), None, 0.0
+    logits = logits[:depth]
+    if sampling.greedy:
+        K = max(spec.widths) if spec.kind == "cartesian" else min(spec.budget, 8)
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+        top = mx.argsort(-probs, axis=-1)[:, :K]
+        top_np = np.array(top)
+        p_np = np.array(mx.take_along_axis(probs, top, axis=-1))
+        if spec.kind == "cartesian":
+            tree = cartesian_tree(root, top_np, spec.widths[:depth])
+        else:
+            tree = dynamic_tree(root, top_np, p_np, spec.budget)
+        return tree, None, _expected_accepted(tree, top_np, p_np)
+    q = np.array(_probs(logits, sampling)).astype(np.float64)
+    q /= q.sum(axis=-1, keepdims=True)
+    widths = spec.widths[:depth] if spec.kind == "cartesian" else _budget_widths(spec.budget, depth)
+    draws = [rng.choice(q.shape[1], size=w, p=q[g]) for g, w in enumerate(widths)]
+    return cartesian_tree(root, draws, widths), q, 0.0
+
+
+def _budget_widths(budget: int, depth: int) -> tuple:
+    """Cartesian widths of at most ``budget`` draft nodes for sampled trees."""
+    for widths in ((4, 2, 1, 1), (3, 2, 1, 1), (2, 2, 1, 1), (2, 1, 1, 1), (1, 1, 1, 1), (1,)):
+        w = widths[:depth]
+        total, level = 0, 1
+        for x in w:
+            level *= x
+            total += level
+        if total <= budget:
+            return w
+    return (1,)
+
+
+def _expected_accepted(tree: Tree, top: np.ndarray, probs: np.ndarray) -> float:
+    """Σ over draft nodes of the product of stream probabilities on its path:
+    the expected accepted length if streams were calibrated."""
+    lookup = [dict(zip(top[g].tolist(), probs[g].tolist())) for g in range(top.shape[0])]
+    score = [1.0] * len(tree)
+    depth = [0] * len(tree)
+    total = 0.0
+    for i in range(1, len(tree)):
+        p = tree.parents[i]
+        depth[i] = depth[p] + 1
+        score[i] = score[p] * lookup[depth[i] - 1].get(tree.tokens[i], 0.0)
+        total += score[i]
+    return total
+
+
+def _verify(out_tree, buffers, main_logits, sampling, draft_q, rng) -> Verdict:
+    if sampling.greedy:
+        am = np.array(mx.argmax(main_logits, axis=-1))
+        return greedy_verify(out_tree.tokens, buffers.children, am)
+    target = np.array(_probs(main_logits, sampling))
+    if draft_q is None:
+        draft_q = np.zeros((0, target.shape[1]))
+    return sample_verify(out_tree.tokens, buffers.children, buffers.depths, target, draft_q, rng)
+
+
+def ss_steps(
+    model,
+    prompt: mx.array,
+    sampling: SamplingParams,
+    cache=None,
+    streams: Optional[StreamParams] = None,
+    tree: Optional[TreeSpec] = None,
+    pruning_threshold: Optional[float] = None,
+    prefill_chunk: int = 512,
+) -> Generator[Step, None, None]:
+    """Speculative Streaming decoding; yields the tokens each pass decided."""
+    streams = streams if streams is not None else getattr(model, "streams", None)
+    if streams is None:
+        raise NoStreamsError("this model has no speculative streams; use --mode ar or lookup")
+    spec = tree or DEFAULT_TREE
+    threshold = streams.config.pruning_threshold if pruning_threshold is None else pruning_threshold
+    cache = cache if cache is not None else make_cache(model)
+    rng = np.random.default_rng(sampling.seed)
+    prompt_list = prompt.tolist()
+    prefill(model, prompt[:-1], cache, prefill_chunk)
+    offset = cache[0].offset
+    cur = Tree((prompt_list[-1],), (-1,))
+    draft_q = None
+    while True:
+        out = ss_forward(model, streams, cur, offset, cache, threshold)
+        verdict = _verify(out.tree, out.buffers, out.main_logits, sampling, draft_q, rng)
+        commit_ss(cache, streams, model, out, verdict.path)
+        offset = cache[0].offset
+        accepted = [out.tree.tokens[i] for i in verdict.path[1:]]
+        logits = stream_logits(model, out, verdict.path[-1])
+        cur, draft_q, predicted = draft_tree(verdict.bonus, logits, spec, sampling, rng)
+        yield Step(
+            accepted + [verdict.bonus],
+            {"accepted": verdict.accepted, "nodes": len(out.kept) + out.pruned - 1,
+             "pruned": out.pruned, "predicted": predicted},
+        )
+
+
+# --- prompt lookup -----------------------------------------------------------
+
+def lookup_draft(history: Sequence[int], max_len: int, ngram_max: int = 3, ngram_min: int = 1) -> List[int]:
+    """Tokens that followed the most recent earlier occurrence of the longest
+    matching suffix n-gram of ``history`` (prompt-lookup decoding)."""
+    h = list(history)
+    for n in range(ngram_max, ngram_min - 1, -1):
+        if len(h) <= n:
+            continue
+        suffix = h[-n:]
+        for start in range(len(h) - n - 1, -1, -1):
+            if h[start : start + n] == suffix:
+                cont = h[start + n : start + n + max_len]
+                if cont:
+                    return cont
+    return []
+
+
+def lookup_steps(
+    model,
+    prompt: mx.array,
+    sampling: SamplingParams,
+    cache=None,
+    draft_len: int = 5,
+    prefill_chunk: int = 512,
+    **_,
+) -> Generator[Step, None, None]:
+    """Prompt-lookup decoding verified exactly like ``ss`` (lossless)."""
+    cache = cache if cache is not None else make_cache(model)
+    rng = np.random.default_rng(sampling.seed)
+    history = prompt.tolist()
+    prefill(model, prompt[:-1], cache, prefill_chunk)
+    root = history[-1]
+    while True:
+        draft = lookup_draft(history, draft_len)
+        tree = Tree.chain([root] + draft)
+        buf = tree_buffers(tree.parents)
+        offset = cache[0].offset
+        positions = mx.array((offset + buf.depths)[None].astype(np.int32))
+        mask = prefix_tree_mask(offset, buf.ancestor_mask)
+        logits = model(mx.array([tree.tokens], dtype=mx.int32), cache=cache, positions=positions, mask=mask)[0]
+        # A deterministic draft is a one-hot proposal: accept x with prob p(x).
+        q = None
+        if not sampling.greedy and draft:
+            q = np.zeros((len(draft), logits.shape[-1]))
+            q[np.arange(len(draft)), draft] = 1.0
+        verdict = _verify(tree, buf, logits, sampling, q, rng)
+        for c in cache:
+            c.commit(verdict.path if verdict.path == list(range(len(verdict.path))) else mx.array(verdict.path))
+        new = [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
+        history.extend(new)
+        root = verdict.bonus
+        yield Step(new, {"accepted": verdict.accepted, "nodes": len(draft), "pruned": 0})

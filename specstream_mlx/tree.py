@@ -1,0 +1,230 @@
+"""Draft trees: pure functions from a tree to the buffers a forward pass needs.
+
+A tree is flattened in breadth-first order; node 0 is the root (the token that
+is already decided: the last prompt token or the previous step's bonus token).
+Every other node is a draft token whose parent precedes it. Nothing here
+touches a model: tokens and probabilities go in, numpy buffers come out.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A flattened draft tree. ``parents[0] == -1``; ``parents[i] < i``."""
+
+    tokens: tuple
+    parents: tuple
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.parents) or not self.tokens:
+            raise ValueError("a tree needs one parent per token and at least a root")
+        if self.parents[0] != -1:
+            raise ValueError("node 0 must be the root (parent -1)")
+        for i, p in enumerate(self.parents[1:], 1):
+            if not 0 <= p < i:
+                raise ValueError(f"node {i} has parent {p}; parents must precede children")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @staticmethod
+    def chain(tokens: Sequence[int]) -> "Tree":
+        """A single path: the shape of prompt-lookup or single-stream drafts."""
+        return Tree(tuple(int(t) for t in tokens), tuple(range(-1, len(tokens) - 1)))
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """What a forward pass over a flattened tree needs.
+
+    Attributes:
+        depths: (n,) depth of each node; its RoPE position is ``offset + depth``.
+        ancestor_mask: (n, n) bool; ``[i, j]`` is True when j is i or an ancestor of i.
+        parents: (n,) parent index, -1 for the root.
+        children: per node, the indices of its children in order.
+        paths: root-to-leaf node lists, one per leaf.
+    """
+
+    depths: np.ndarray
+    ancestor_mask: np.ndarray
+    parents: np.ndarray
+    children: tuple
+    paths: tuple
+
+
+def tree_buffers(parents: Sequence[int]) -> TreeBuffers:
+    n = len(parents)
+    par = np.asarray(parents, dtype=np.int64)
+    depths = np.zeros(n, dtype=np.int32)
+    anc = np.zeros((n, n), dtype=bool)
+    children: List[List[int]] = [[] for _ in range(n)]
+    for i in range(n):
+        anc[i, i] = True
+        p = par[i]
+        if p >= 0:
+            depths[i] = depths[p] + 1
+            anc[i] |= anc[p]
+            children[p].append(i)
+    leaves = [i for i in range(n) if not children[i]]
+    paths = []
+    for leaf in leaves:
+        path = [leaf]
+        while par[path[-1]] >= 0:
+            path.append(int(par[path[-1]]))
+        paths.append(tuple(reversed(path)))
+    return TreeBuffers(depths, anc, par, tuple(tuple(c) for c in children), tuple(paths))
+
+
+def subtree_keep(parents: Sequence[int], keep_node: Sequence[bool]) -> np.ndarray:
+    """Nodes kept after pruning: a node stays when it and all its ancestors pass.
+
+    The root always stays (it is already decided)."""
+    keep = np.zeros(len(parents), dtype=bool)
+    keep[0] = True
+    for i in range(1, len(parents)):
+        keep[i] = bool(keep_node[i]) and keep[parents[i]]
+    return keep
+
+
+def restrict(tree: Tree, keep: np.ndarray) -> "tuple[Tree, np.ndarray]":
+    """The kept subtree, re-indexed; also the original index of each kept node."""
+    idx = np.flatnonzero(keep)
+    remap = {int(o): k for k, o in enumerate(idx)}
+    parents = tuple(-1 if tree.parents[o] < 0 else remap[tree.parents[o]] for o in idx)
+    tokens = tuple(tree.tokens[o] for o in idx)
+    return Tree(tokens, parents), idx
+
+
+# --- drafters --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """Shape of the draft tree.
+
+    Args:
+        kind: "cartesian" (top-k per stream, every node expanded: the paper's
+            tree) or "dynamic" (the ``budget`` nodes of highest cumulative
+            stream probability).
+        widths: children per node at each depth for "cartesian", e.g. (3, 2, 1)
+            gives 1 + 3 + 6 + 6 nodes. Length is the tree depth (<= streams).
+        budget: draft nodes (root excluded) for "dynamic".
+        depth: deepest level for "dynamic" (<= streams).
+    """
+
+    kind: str = "dynamic"
+    widths: tuple = (3, 2, 1, 1)
+    budget: int = 12
+    depth: int = 4
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.widths) if self.kind == "cartesian" else self.depth
+
+    @property
+    def max_nodes(self) -> int:
+        if self.kind == "dynamic":
+            return 1 + self.budget
+        total, level = 1, 1
+        for w in self.widths:
+            level *= w
+            total += level
+        return total
+
+    def describe(self) -> str:
+        if self.kind == "cartesian":
+            return "cartesian:" + "x".join(str(w) for w in self.widths)
+        return f"dynamic:{self.budget}"
+
+    @staticmethod
+    def parse(text: str) -> "TreeSpec":
+        """``cartesian:3x2x1``, ``topk:3,4`` (k, depth), ``dynamic:12`` or ``chain:4``."""
+        kind, _, arg = text.partition(":")
+        try:
+            if kind == "cartesian":
+                return TreeSpec("cartesian", tuple(int(w) for w in arg.split("x")))
+            if kind == "topk":
+                k, d = (int(x) for x in arg.split(","))
+                return TreeSpec("cartesian", (k,) * d)
+            if kind == "chain":
+                return TreeSpec("cartesian", (1,) * int(arg))
+            if kind == "dynamic":
+                budget, _, depth = arg.partition(",")
+                return TreeSpec("dynamic", budget=int(budget), depth=int(depth) if depth else 4)
+        except ValueError:
+            pass
+        raise ValueError(
+            f"bad tree spec {text!r}; use cartesian:3x2x1, topk:K,DEPTH, chain:N, dynamic:BUDGET[,DEPTH] or auto"
+        )
+
+
+def cartesian_tree(root: int, candidates: Sequence[Sequence[int]], widths: Sequence[int]) -> Tree:
+    """Children at depth g are the first ``widths[g-1]`` candidates of stream g,
+    under every node of depth g-1. ``candidates[g-1]`` are stream g's tokens in
+    preference order (top-k when greedy, i.i.d. draws when sampling)."""
+    tokens, parents = [root], [-1]
+    level = [0]
+    for g, w in enumerate(widths):
+        nxt = []
+        for p in level:
+            for tok in candidates[g][:w]:
+                tokens.append(int(tok))
+                parents.append(p)
+                nxt.append(len(tokens) - 1)
+        level = nxt
+    return Tree(tuple(tokens), tuple(parents))
+
+
+def dynamic_tree(root: int, tokens: np.ndarray, probs: np.ndarray, budget: int) -> Tree:
+    """The ``budget`` paths of highest cumulative probability, as a tree.
+
+    ``tokens``/``probs``: (depth, K) stream candidates sorted by descending
+    probability. A path's score is the product of its tokens' stream
+    probabilities; every prefix of a kept path is kept, since it scores higher.
+    Best-first search: popping a node pushes its first child and next sibling.
+    """
+    depth, K = tokens.shape
+    out_tokens, out_parents = [root], [-1]
+    # Heap items: (-score, tiebreak, depth index g, rank r, parent node, parent score)
+    heap = []
+    counter = 0
+    if depth > 0 and K > 0:
+        heapq.heappush(heap, (-float(probs[0, 0]), counter, 0, 0, 0, 1.0))
+    while heap and len(out_tokens) - 1 < budget:
+        neg, _, g, r, parent, pscore = heapq.heappop(heap)
+        score = -neg
+        out_tokens.append(int(tokens[g, r]))
+        out_parents.append(parent)
+        node = len(out_tokens) - 1
+        if r + 1 < K:
+            counter += 1
+            heapq.heappush(heap, (-(pscore * float(probs[g, r + 1])), counter, g, r + 1, parent, pscore))
+        if g + 1 < depth:
+            counter += 1
+            heapq.heappush(heap, (-(score * float(probs[g + 1, 0])), counter, g + 1, 0, node, score))
+    return _bfs_order(out_tokens, out_parents)
+
+
+def _bfs_order(tokens: List[int], parents: List[int]) -> Tree:
+    """Re-order a tree so nodes are breadth-first and siblings keep their order."""
+    children = [[] for _ in tokens]
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children[p].append(i)
+    order, new_index = [0], {0: 0}
+    k = 0
+    while k < len(order):
+        for c in children[order[k]]:
+            new_index[c] = len(order)
+            order.append(c)
+        k += 1
+    return Tree(
+        tuple(tokens[o] for o in order),
+        tuple(-1 if parents[o] < 0 else new_index[parents[o]] for o in order),
+    )
