@@ -23,7 +23,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .streams import StreamParams
+from .streams import StreamParams, lora_key
 from .tree import Tree, TreeBuffers, restrict, subtree_keep, tree_buffers
 
 
@@ -149,7 +149,7 @@ def ss_forward(
     pos_all = mx.concatenate([positions, stream_pos], axis=1)
     mask = prefix_tree_mask(offset, msa_tree_part(kept_buf.ancestor_mask, gamma))
     for i in range(s0, len(layers)):
-        loras = streams.lora.get(str(i)) if streams.lora else None
+        loras = streams.lora.get(lora_key(i)) if streams.lora else None
         adapter = StreamRowAdapter(loras, nk) if loras else None
         x = msa_layer(layers[i], x, nk, mask, cache[i] if cache else None, pos_all, adapter)
     main_logits = model.lm_logits(x[:, :nk])[0]

@@ -96,14 +96,29 @@ def _expected_accepted(tree: Tree, top: np.ndarray, probs: np.ndarray) -> float:
     return total
 
 
-def _verify(out_tree, buffers, main_logits, sampling, draft_q, rng) -> Verdict:
+def _verify(out_tree, buffers, main_logits, sampling, draft_q, rng, extra=None) -> Verdict:
+    """Verify on the host; ``extra`` arrays are evaluated in the same sync."""
     if sampling.greedy:
-        am = np.array(mx.argmax(main_logits, axis=-1))
-        return greedy_verify(out_tree.tokens, buffers.children, am)
-    target = np.array(_probs(main_logits, sampling))
+        am = mx.argmax(main_logits, axis=-1)
+        mx.eval(am, *(extra or []))
+        return greedy_verify(out_tree.tokens, buffers.children, np.array(am))
+    target = _probs(main_logits, sampling)
+    mx.eval(target, *(extra or []))
+    target = np.array(target)
     if draft_q is None:
         draft_q = np.zeros((0, target.shape[1]))
     return sample_verify(out_tree.tokens, buffers.children, buffers.depths, target, draft_q, rng)
+
+
+# Below this many stream-logit elements (kept nodes x γ x vocab) the streams of
+# every kept node go through the LM head in the verification pass itself, saving
+# a second host sync; above it only the accepted node's streams are computed.
+EAGER_STREAM_LOGITS = 1 << 16
+
+
+def next_draft_logits(model, out, node: int, all_logits: Optional[mx.array] = None) -> mx.array:
+    """(γ, V) stream logits at the last accepted node (precomputed when eager)."""
+    return all_logits[node] if all_logits is not None else stream_logits(model, out, node)
 
 
 def ss_steps(
@@ -131,11 +146,14 @@ def ss_steps(
     draft_q = None
     while True:
         out = ss_forward(model, streams, cur, offset, cache, threshold)
-        verdict = _verify(out.tree, out.buffers, out.main_logits, sampling, draft_q, rng)
+        eager = out.stream_hidden.size // out.stream_hidden.shape[-1] * model.args.vocab_size <= EAGER_STREAM_LOGITS
+        all_logits = model.lm_logits(out.stream_hidden) if eager else None
+        verdict = _verify(out.tree, out.buffers, out.main_logits, sampling, draft_q, rng,
+                          [all_logits] if eager else None)
         commit_ss(cache, streams, model, out, verdict.path)
         offset = cache[0].offset
         accepted = [out.tree.tokens[i] for i in verdict.path[1:]]
-        logits = stream_logits(model, out, verdict.path[-1])
+        logits = next_draft_logits(model, out, verdict.path[-1], all_logits)
         cur, draft_q, predicted = draft_tree(verdict.bonus, logits, spec, sampling, rng)
         yield Step(
             accepted + [verdict.bonus],

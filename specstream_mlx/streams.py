@@ -4,7 +4,7 @@ A model with streams is an mlx-lm model directory plus:
 
 * ``specstream.json``: :class:`StreamConfig` (version, num_streams,
   stream_layers, mode, lora, pruning, trained).
-* ``streams.safetensors``: ``embeddings`` (γ, h); ``lora.<layer>.<proj>.a``
+* ``streams.safetensors``: ``embeddings`` (γ, h); ``lora.layer<i>.<proj>.a``
   (in, r) and ``.b`` (r, out) for the MSA layers; ``pruning.down`` (h, 8) and
   ``pruning.up`` (8, h).
 """
@@ -117,6 +117,11 @@ class PruningAdapter(nn.Module):
         return h + (h @ self.down) @ self.up
 
 
+def lora_key(layer_index: int) -> str:
+    # Not a bare number: mlx's tree_unflatten would turn numeric keys into a list.
+    return f"layer{layer_index}"
+
+
 def _linear_dims(module) -> Tuple[int, int]:
     """(in, out) of a Linear or QuantizedLinear."""
     if isinstance(module, nn.QuantizedLinear):
@@ -158,7 +163,7 @@ class StreamParams(nn.Module):
                     if lin is not None:
                         d_in, d_out = _linear_dims(lin)
                         mods[name] = LoRA(d_in, d_out, cfg.lora_rank, cfg.lora_scale)
-                self.lora[str(i)] = mods
+                self.lora[lora_key(i)] = mods
         self.pruning = PruningAdapter(hidden, cfg.pruning_rank)
 
     @property

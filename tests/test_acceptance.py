@@ -1,0 +1,175 @@
+"""Sampling stays lossless: the acceptance rule and whole ss generations."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from specstream_mlx.acceptance import greedy_verify, rrs_step, sample_verify
+from specstream_mlx.tree import tree_buffers
+
+
+def exact_rrs_output(p, q, k):
+    """Output distribution of RRS with k i.i.d. drafts from q, computed exactly:
+    sum over every draft tuple of its probability times the (analytic) output
+    distribution of the trials."""
+    V = len(p)
+    total = np.zeros(V)
+    for drafts in itertools.product(range(V), repeat=k):
+        w = np.prod([q[x] for x in drafts])
+        if w == 0:
+            continue
+        cur, reach = p.copy(), 1.0
+        for x in drafts:
+            acc = min(1.0, cur[x] / q[x])
+            total[x] += w * reach * acc
+            reach *= 1 - acc
+            r = np.maximum(cur - q, 0)
+            if r.sum() > 0:
+                cur = r / r.sum()
+        total += w * reach * cur
+    return total
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_rrs_is_exact_in_closed_form(seed, k):
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.ones(5) * 0.7)
+    q = rng.dirichlet(np.ones(5) * 0.7)
+    q[rng.integers(5)] = 0  # drafts may miss tokens the target likes
+    q /= q.sum()
+    assert np.allclose(exact_rrs_output(p, q, k), p, atol=1e-12)
+
+
+def _rrs_sample(p, q, k, rng):
+    drafts = rng.choice(len(q), size=k, p=q)
+    i, resid = rrs_step(p, q, drafts.tolist(), rng)
+    return int(drafts[i]) if i is not None else int(rng.choice(len(resid), p=resid / resid.sum()))
+
+
+def test_rrs_implementation_matches_target_distribution():
+    """The implementation (not the formula) produces p: chi-square over 40k draws."""
+    from scipy.stats import chisquare
+
+    rng = np.random.default_rng(0)
+    p = np.array([0.4, 0.25, 0.2, 0.1, 0.05])
+    q = np.array([0.1, 0.1, 0.1, 0.3, 0.4])
+    n = 40000
+    counts = np.bincount([_rrs_sample(p, q, 3, rng) for _ in range(n)], minlength=5)
+    assert chisquare(counts, p * n).pvalue > 1e-3
+
+
+def test_sample_verify_on_a_tree_matches_target_two_tokens():
+    """Two-token outputs of sample_verify over a depth-2 tree equal the target's joint."""
+    rng = np.random.default_rng(1)
+    V = 3
+    p_root = np.array([0.5, 0.3, 0.2])
+    p_child = {t: rng.dirichlet(np.ones(V)) for t in range(V)}
+    q = np.array([[0.2, 0.2, 0.6], [0.6, 0.3, 0.1]])
+    widths = (2, 1)
+    counts = np.zeros((V, V))
+    n = 20000
+    b = tree_buffers([-1, 0, 0, 1, 2])
+    for _ in range(n):
+        d1 = rng.choice(V, size=2, p=q[0]).tolist()
+        d2 = rng.choice(V, size=1, p=q[1]).tolist()
+        tokens = [9] + d1 + [d2[0], d2[0]]
+        target = np.stack([p_root, p_child[d1[0]], p_child[d1[1]], np.ones(V) / V, np.ones(V) / V])
+        v = sample_verify(tokens, b.children, b.depths, target, q, rng)
+        out = [tokens[i] for i in v.path[1:]] + [v.bonus]
+        if len(out) == 1:  # need the second token: continue from the bonus
+            out.append(int(rng.choice(V, p=p_child[out[0]])))
+        counts[out[0], out[1]] += 1
+    joint = np.array([[p_root[a] * p_child[a][b] for b in range(V)] for a in range(V)])
+    from scipy.stats import chisquare
+
+    assert chisquare(counts.ravel(), joint.ravel() * n).pvalue > 1e-3
+
+
+def test_greedy_verify_walks_matching_children():
+    parents = [-1, 0, 0, 1, 2]
+    tokens = [7, 4, 5, 6, 8]
+    b = tree_buffers(parents)
+    argmax = np.array([5, 0, 8, 0, 3])  # root wants 5 (node 2), node 2 wants 8 (node 4), node 4 wants 3
+    v = greedy_verify(tokens, b.children, argmax)
+    assert v.path == [0, 2, 4] and v.bonus == 3 and v.accepted == 2
+
+
+# --- end to end: ss sampling vs the exact ar distribution ------------------
+
+V = 6
+N_TOKENS = 3
+
+
+def tiny_vocab_model():
+    from specstream_mlx.models import build_model
+    from specstream_mlx.streams import StreamConfig, new_streams
+
+    cfg = dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=1, vocab_size=V, tie_word_embeddings=False)
+    mx.random.seed(0)
+    model = build_model(cfg)
+    model.update(tree_unflatten([
+        (k, mx.random.normal(v.shape) * (0.6 if v.ndim > 1 else 0.1) + (1.0 if "norm" in k else 0.0))
+        for k, v in tree_flatten(model.parameters())
+    ]))
+    streams = new_streams(model, StreamConfig(num_streams=2, stream_layers=1, lora_rank=0))
+    # Stream drafts that are good but not perfect: the main model's head, slightly perturbed.
+    streams.embeddings = mx.random.normal(streams.embeddings.shape) * 0.3
+    return model, streams
+
+
+def exact_sequence_distribution(model, prompt, sampling):
+    """P(x1 x2 x3 | prompt) under plain sampling, by enumerating all prefixes."""
+    from specstream_mlx.sampling import target_logprobs
+
+    seqs = [list(s) for s in itertools.product(range(V), repeat=N_TOKENS - 1)]
+    ids = mx.array([prompt + s for s in seqs])
+    lp = np.array(target_logprobs(model(ids), sampling))  # (V^2, L, V)
+    L = len(prompt)
+    dist = np.zeros((V,) * N_TOKENS)
+    for s, row in zip(seqs, lp):
+        p1 = np.exp(row[L - 1, s[0]])
+        p2 = np.exp(row[L, s[1]])
+        dist[s[0], s[1], :] = p1 * p2 * np.exp(row[L + 1])
+    return dist
+
+
+@pytest.mark.parametrize("top_p", [1.0])
+def test_ss_sampling_matches_ar_distribution(top_p):
+    """10,000 seeded ss generations of 3 tokens against the exact ar distribution."""
+    from scipy.stats import chisquare
+
+    from specstream_mlx.sampling import SamplingParams
+    from specstream_mlx.speculative import ss_steps
+    from specstream_mlx.tree import TreeSpec
+
+    model, streams = tiny_vocab_model()
+    prompt = [4]  # one token: no separate prefill pass, so the test stays fast
+    sampling = SamplingParams(temperature=0.9, top_p=top_p)
+    dist = exact_sequence_distribution(model, prompt, sampling)
+    n = 10000
+    counts = np.zeros_like(dist)
+    accepted = 0
+    for i in range(n):
+        s = SamplingParams(temperature=0.9, top_p=top_p, seed=i)
+        steps = ss_steps(model, mx.array(prompt), s, streams=streams, tree=TreeSpec("cartesian", (2, 1)))
+        out = []
+        while len(out) < N_TOKENS:
+            step = next(steps)
+            accepted += step.info["accepted"]
+            out += step.tokens
+        counts[tuple(out[:N_TOKENS])] += 1
+    # Drafts were accepted often enough for the test to mean something.
+    assert accepted > 0.3 * n
+    expected = dist.ravel() * n
+    keep = expected > 5  # pool rare cells so the chi-square approximation holds
+    obs = np.append(counts.ravel()[keep], counts.ravel()[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    exp *= obs.sum() / exp.sum()  # float32 probabilities sum to 1 within ~1e-7
+    assert chisquare(obs, exp).pvalue > 1e-3
+    tv = 0.5 * np.abs(counts.ravel() / n - dist.ravel()).sum()
+    assert tv < 0.06

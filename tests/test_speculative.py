@@ -1,0 +1,149 @@
+"""Speculative decoding is exact: greedy ss/lookup equal plain decoding, token for token."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from hf_reference import ARCHITECTURES
+from specstream_mlx.cache import make_cache
+from specstream_mlx.convert import ConvertOptions, convert
+from specstream_mlx.generation import ar_steps
+from specstream_mlx.loading import load_model
+from specstream_mlx.sampling import SamplingParams
+from specstream_mlx.speculative import lookup_draft, lookup_steps, ss_steps
+from specstream_mlx.streams import StreamConfig, new_streams
+from specstream_mlx.tree import TreeSpec
+
+GREEDY = SamplingParams()
+TREES = [TreeSpec("dynamic", budget=10, depth=3), TreeSpec("cartesian", (3, 2, 1))]
+
+
+def take(steps, n):
+    out, passes = [], 0
+    while len(out) < n:
+        out += next(steps).tokens
+        passes += 1
+    return out[:n], passes
+
+
+def pretend_trained(streams, seed=1):
+    """Non-zero LoRA and embeddings, as after training: must not touch main rows."""
+    mx.random.seed(seed)
+    streams.update(tree_unflatten([
+        (k, mx.random.normal(v.shape) * 0.05) for k, v in tree_flatten(streams.parameters())
+    ]))
+    return streams
+
+
+def check_exact(model, streams, vocab, n_prompts=6, n_tokens=24, seed=0, lengths=(1, 40), chunk=512):
+    rng = np.random.RandomState(seed)
+    for i in range(n_prompts):
+        L = int(rng.randint(*lengths))
+        prompt = mx.array(rng.randint(3, vocab, size=L).tolist())
+        ref, _ = take(ar_steps(model, prompt, GREEDY, prefill_chunk=chunk), n_tokens)
+        spec = TREES[i % len(TREES)]
+        thr = 0.02 if i % 3 == 2 else 0.0
+        got, _ = take(ss_steps(model, prompt, GREEDY, streams=streams, tree=spec,
+                               pruning_threshold=thr, prefill_chunk=chunk), n_tokens)
+        assert got == ref, f"ss != ar (prompt {i}, len {L}, tree {spec.describe()}, prune {thr})"
+        got, _ = take(lookup_steps(model, prompt, GREEDY, prefill_chunk=chunk), n_tokens)
+        assert got == ref, f"lookup != ar (prompt {i}, len {L})"
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_ss_greedy_equals_ar_untrained(hf_models, arch):
+    _, _, dst = hf_models(arch)
+    model, _ = load_model(dst)
+    streams = new_streams(model, StreamConfig(num_streams=3, stream_layers=2, lora_rank=4))
+    check_exact(model, streams, 151)
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "qwen3"])
+def test_ss_greedy_equals_ar_trained_like(hf_models, arch):
+    _, _, dst = hf_models(arch)
+    model, _ = load_model(dst)
+    streams = pretend_trained(new_streams(model, StreamConfig(num_streams=4, stream_layers=3, lora_rank=4)))
+    check_exact(model, streams, 151, seed=5)
+
+
+def test_ss_greedy_equals_ar_quantized(hf_models, tmp_path):
+    _, src, _ = hf_models("llama-q")
+    dst = convert(str(src), str(tmp_path / "q4"),
+                  ConvertOptions(dtype="float32", quantize=True, q_bits=4, q_group_size=32))
+    model, _ = load_model(dst)
+    streams = pretend_trained(new_streams(model, StreamConfig(num_streams=3, stream_layers=2, lora_rank=4)))
+    check_exact(model, streams, 151, seed=7)
+
+
+def test_ss_greedy_equals_ar_long_prompts(hf_models):
+    """Long prompts, prefilled in several chunks, then many steps."""
+    _, _, dst = hf_models("qwen2")
+    model, _ = load_model(dst)
+    streams = new_streams(model, StreamConfig(num_streams=3, stream_layers=2, lora_rank=4))
+    check_exact(model, streams, 151, n_prompts=3, n_tokens=48, seed=3, lengths=(300, 420), chunk=128)
+
+
+def test_perfect_streams_accept_everything(hf_models, monkeypatch):
+    """Oracle: streams that predict the true continuation are always accepted,
+    so every pass after the first yields γ+1 tokens."""
+    import specstream_mlx.speculative as spec_mod
+
+    _, _, dst = hf_models("llama")
+    model, _ = load_model(dst)
+    gamma = 4
+    streams = new_streams(model, StreamConfig(num_streams=gamma, stream_layers=2, lora_rank=0))
+    prompt = mx.array([5, 17, 33, 2, 90, 41])
+    n = 41
+    ref, _ = take(ar_steps(model, prompt, GREEDY), n + gamma + 1)
+    full = prompt.tolist() + ref
+    cache = make_cache(model)
+
+    def oracle_logits(model_, out, node, all_logits=None):
+        # After commit the cache holds everything before the bonus token;
+        # stream j must predict the token j places after the bonus.
+        pos = cache[0].offset
+        logits = mx.full((gamma, 151), -10.0)
+        for j in range(gamma):
+            logits[j, full[pos + 1 + j]] = 10.0
+        return logits
+
+    monkeypatch.setattr(spec_mod, "next_draft_logits", oracle_logits)
+    steps = ss_steps(model, prompt, GREEDY, cache=cache, streams=streams,
+                     tree=TreeSpec("cartesian", (1,) * gamma))
+    got, passes = take(steps, n)
+    assert got == ref[:n]
+    # 1 token from the prompt pass, then gamma+1 per pass.
+    assert passes == 1 + -(-(n - 1) // (gamma + 1))
+
+
+def test_lookup_draft():
+    h = [1, 2, 3, 4, 9, 1, 2, 3]
+    assert lookup_draft(h, 3) == [4, 9, 1]
+    assert lookup_draft([7, 8], 3) == []
+    assert lookup_draft([5, 6, 5], 2) == [6, 5]
+
+
+def test_ss_needs_streams(hf_models):
+    from specstream_mlx.streams import NoStreamsError
+
+    _, _, dst = hf_models("llama")
+    model, _ = load_model(dst)
+    with pytest.raises(NoStreamsError):
+        next(ss_steps(model, mx.array([1, 2]), GREEDY))
+
+
+def test_cache_grows_only_with_accepted_tokens(hf_models):
+    _, _, dst = hf_models("llama")
+    model, _ = load_model(dst)
+    streams = new_streams(model, StreamConfig(num_streams=3, stream_layers=2, lora_rank=0))
+    cache = make_cache(model)
+    prompt = mx.array(list(range(3, 23)))
+    steps = ss_steps(model, prompt, GREEDY, cache=cache, streams=streams, tree=TreeSpec("dynamic", budget=12))
+    produced = 0
+    for _ in range(30):
+        produced += len(next(steps).tokens)
+        # The cache holds the prompt and all decided tokens except the newest (the next root).
+        assert cache[0].offset == 20 + produced - 1
+        assert cache[-1].offset == cache[0].offset
+    assert cache[0].capacity == 256

@@ -1,0 +1,114 @@
+"""Tree buffers and drafters, without a model."""
+
+import numpy as np
+import pytest
+
+from specstream_mlx.msa import msa_tree_part
+from specstream_mlx.tree import (
+    Tree, TreeSpec, cartesian_tree, dynamic_tree, restrict, subtree_keep, tree_buffers,
+)
+
+
+def test_buffers_of_a_small_tree():
+    #        0
+    #      1   2
+    #     3 4   5
+    parents = [-1, 0, 0, 1, 1, 2]
+    b = tree_buffers(parents)
+    assert b.depths.tolist() == [0, 1, 1, 2, 2, 2]
+    assert b.children == ((1, 2), (3, 4), (5,), (), (), ())
+    assert b.paths == ((0, 1, 3), (0, 1, 4), (0, 2, 5))
+    assert b.ancestor_mask[4].tolist() == [True, True, False, False, True, False]
+    assert b.ancestor_mask[5].tolist() == [True, False, True, False, False, True]
+    # Ancestor mask is reflexive and lower-triangular for a BFS-ordered tree.
+    assert np.all(np.diag(b.ancestor_mask)) and not np.triu(b.ancestor_mask, 1).any()
+
+
+def test_chain_is_causal():
+    b = tree_buffers(Tree.chain([5, 6, 7, 8]).parents)
+    assert (b.ancestor_mask == np.tril(np.ones((4, 4), bool))).all()
+
+
+def test_invalid_trees_are_refused():
+    with pytest.raises(ValueError):
+        Tree((1, 2), (0, 0))
+    with pytest.raises(ValueError):
+        Tree((1, 2, 3), (-1, 2, 0))
+
+
+def test_cartesian_tree_sizes():
+    cands = [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
+    t = cartesian_tree(0, cands, (3, 2, 1))
+    assert len(t) == 1 + 3 + 6 + 6 == TreeSpec("cartesian", (3, 2, 1)).max_nodes
+    b = tree_buffers(t.parents)
+    assert b.depths.tolist().count(3) == 6
+    # Every depth-2 node carries one of stream 2's first two candidates.
+    assert {t.tokens[i] for i in range(len(t)) if b.depths[i] == 2} == {20, 21}
+
+
+def test_dynamic_tree_keeps_highest_cumulative_paths():
+    tokens = np.array([[1, 2, 3], [4, 5, 6]])
+    probs = np.array([[0.6, 0.3, 0.1], [0.9, 0.05, 0.05]])
+    t = dynamic_tree(0, tokens, probs, budget=3)
+    # Scores: 1:.6, 1->4:.54, 2:.3, 2->4:.27, 3:.1 ...  -> top 3 = {1, 1->4, 2}
+    b = tree_buffers(t.parents)
+    paths = {tuple(t.tokens[i] for i in p) for p in b.paths}
+    assert paths == {(0, 1, 4), (0, 2)}
+    assert len(t) == 4
+    # Exhaustive check against brute force on random inputs.
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        D, K, budget = 3, 3, int(rng.integers(1, 15))
+        p = np.sort(rng.dirichlet(np.ones(K), size=D), axis=1)[:, ::-1]
+        tok = np.arange(D * K).reshape(D, K)
+        t = dynamic_tree(-1, tok, p, budget)
+        got = sorted(_scores(t, tok, p), reverse=True)
+        every = sorted(_all_scores(p, D, K), reverse=True)[:budget]
+        assert np.allclose(got, every)
+
+
+def _scores(t, tok, p):
+    where = {int(tok[g, r]): p[g, r] for g in range(tok.shape[0]) for r in range(tok.shape[1])}
+    s = [1.0] * len(t)
+    for i in range(1, len(t)):
+        s[i] = s[t.parents[i]] * where[t.tokens[i]]
+    return s[1:]
+
+
+def _all_scores(p, D, K):
+    out, frontier = [], [1.0]
+    for g in range(D):
+        frontier = [f * p[g, r] for f in frontier for r in range(K)]
+        out += frontier
+    return out
+
+
+def test_pruning_drops_whole_subtrees():
+    parents = [-1, 0, 0, 1, 1, 2]
+    keep = subtree_keep(parents, [True, False, True, True, True, True])
+    assert keep.tolist() == [True, False, True, False, False, True]
+    t = Tree((9, 1, 2, 3, 4, 5), tuple(parents))
+    sub, idx = restrict(t, keep)
+    assert sub.tokens == (9, 2, 5) and sub.parents == (-1, 0, 1) and idx.tolist() == [0, 2, 5]
+
+
+def test_msa_mask_layout():
+    anc = tree_buffers([-1, 0]).ancestor_mask  # root and one child
+    m = msa_tree_part(anc, gamma=2)
+    # rows/keys: main0 main1 s(0,1) s(0,2) s(1,1) s(1,2)
+    assert m[0].tolist() == [1, 0, 0, 0, 0, 0]
+    assert m[1].tolist() == [1, 1, 0, 0, 0, 0]  # main never sees streams
+    assert m[2].tolist() == [1, 0, 1, 0, 0, 0]
+    assert m[3].tolist() == [1, 0, 1, 1, 0, 0]  # stream 2 sees stream 1 of its node
+    assert m[4].tolist() == [1, 1, 0, 0, 1, 0]  # never other nodes' streams
+    assert m[5].tolist() == [1, 1, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("text,nodes", [("cartesian:3x2x1", 16), ("topk:2,3", 15), ("chain:4", 5), ("dynamic:12", 13)])
+def test_tree_spec_parse(text, nodes):
+    assert TreeSpec.parse(text).max_nodes == nodes
+
+
+def test_tree_spec_parse_error():
+    with pytest.raises(ValueError, match="bad tree spec"):
+        TreeSpec.parse("bushy")
