@@ -52,6 +52,9 @@ class ConvertOptions:
         q_bits: 4 or 8. Default 4.
         q_group_size: quantization group size. Default 64.
         force: overwrite an existing destination.
+        num_streams: attach this many freshly initialised (untrained)
+            speculative streams; 0 attaches none.
+        stream_layers: top layers running multi-stream attention.
     """
 
     dtype: Optional[str] = None
@@ -59,6 +62,8 @@ class ConvertOptions:
     q_bits: int = 4
     q_group_size: int = 64
     force: bool = False
+    num_streams: int = 0
+    stream_layers: int = 4
 
 
 def _resolve_source(hf_path: str) -> Path:
@@ -215,12 +220,21 @@ def convert(
 
         nn.quantize(model, group_size=opts.q_group_size, bits=opts.q_bits, class_predicate=predicate)
         out_config["quantization"] = {"group_size": opts.q_group_size, "bits": opts.q_bits}
-    _write_atomically(dst, model, out_config, src, opts.force)
+    streams = None
+    if opts.num_streams > 0:
+        from ..streams import StreamConfig, new_streams
+
+        if not 1 <= opts.stream_layers <= len(model.layers):
+            raise ConvertError(f"--stream-layers must be in 1..{len(model.layers)}, got {opts.stream_layers}")
+        streams = new_streams(model, StreamConfig(num_streams=opts.num_streams, stream_layers=opts.stream_layers))
+        log(f"[convert] attached {opts.num_streams} untrained streams in the top {opts.stream_layers} layers "
+            f"({streams.extra_parameters():,} extra parameters); train them with `specstream-mlx train`")
+    _write_atomically(dst, model, out_config, src, opts.force, streams)
     log(f"[convert] wrote {dst}")
     return dst
 
 
-def _write_atomically(dst: Path, model: nn.Module, config: dict, src: Path, force: bool) -> None:
+def _write_atomically(dst: Path, model: nn.Module, config: dict, src: Path, force: bool, streams=None) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
@@ -228,6 +242,10 @@ def _write_atomically(dst: Path, model: nn.Module, config: dict, src: Path, forc
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         with open(tmp / "config.json", "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
+        if streams is not None:
+            from ..streams import save_streams
+
+            save_streams(streams, tmp)
         for name in TOKENIZER_FILES:
             if (src / name).exists():
                 shutil.copy2(src / name, tmp / name)

@@ -74,6 +74,8 @@ def convert(
     q_bits: int = typer.Option(4, "--q-bits", help="Bits per weight when quantizing (4 or 8)."),
     q_group_size: int = typer.Option(64, "--q-group-size", help="Quantization group size."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --mlx-path."),
+    num_streams: int = typer.Option(0, "--num-streams", help="Attach this many untrained speculative streams (γ)."),
+    stream_layers: int = typer.Option(4, "--stream-layers", help="Top layers that run multi-stream attention (N_s)."),
 ):
     """Convert a Hugging Face checkpoint into an MLX model directory."""
     from .convert import ConvertError, ConvertOptions
@@ -81,7 +83,7 @@ def convert(
 
     opts = ConvertOptions(
         dtype=dtype.value if dtype else None, quantize=quantize, q_bits=q_bits,
-        q_group_size=q_group_size, force=force,
+        q_group_size=q_group_size, force=force, num_streams=num_streams, stream_layers=stream_layers,
     )
     try:
         _convert(hf_path, mlx_path, opts, log=lambda s: typer.echo(s, err=True))
@@ -100,7 +102,9 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: all)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
-    mode: str = typer.Option("ar", "--mode", help="Decoding mode: ar."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="ss (speculative streaming), ar (plain) or lookup (prompt lookup). Default: ss when the model has streams, else ar."),
+    tree: str = typer.Option("auto", "--tree", help="Draft tree: auto, dynamic:BUDGET, cartesian:3x2x1, topk:K,DEPTH, chain:N."),
+    prune_threshold: Optional[float] = typer.Option(None, "--prune-threshold", help="Tree-pruning threshold (default: the model's)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Use the prompt as raw text."),
 ):
@@ -110,20 +114,32 @@ def generate(
     from .models import UnsupportedModelError
     from .sampling import SamplingParams
 
-    if mode not in MODES:
+    if mode is not None and mode not in MODES:
         _err(f"unknown --mode {mode!r}; available: {', '.join(MODES)}")
     if prompt == "-":
         prompt = sys.stdin.read()
+    from .streams import no_streams_message
+    from .tree import TreeSpec
+
     try:
         sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+        tree_spec = tree if tree == "auto" else TreeSpec.parse(tree)
         m, tok = load(model)
     except (ModelLoadError, UnsupportedModelError, ValueError) as e:
         _err(str(e))
+    if mode is None:
+        mode = "ss" if m.streams is not None else "ar"
+    if mode == "ss" and m.streams is None:
+        _err(no_streams_message(m.path))
+    mode_kwargs = {}
+    if mode == "ss":
+        mode_kwargs = dict(tree=tree_spec, pruning_threshold=prune_threshold,
+                           log=lambda s: typer.echo(f"specstream-mlx: {s}", err=True))
     text, tokens, last = [], [], None
     try:
         for r in stream_generate(
             m, tok, prompt, max_tokens=max_tokens, sampling=sampling, mode=mode,
-            use_chat_template=not ignore_chat_template,
+            use_chat_template=not ignore_chat_template, **mode_kwargs,
         ):
             text.append(r.text)
             tokens.extend(r.tokens)
@@ -155,9 +171,11 @@ def generate(
         typer.echo(
             f"[{s.mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
             f"{s.tokens_per_pass:.2f} tokens/pass, prompt {s.prompt_seconds*1000:.0f} ms, "
-            f"peak {s.peak_memory_gb:.2f} GB",
+            f"peak {s.peak_memory_gb:.2f} GB" + (f", tree {s.tree}" if s.tree else ""),
             err=True,
         )
+        if s.fallback:
+            typer.echo(f"[{s.mode}] {s.fallback}", err=True)
 
 
 def main():

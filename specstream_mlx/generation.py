@@ -41,6 +41,12 @@ class GenerationStats:
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
     peak_memory_gb: float = 0.0
+    # Speculative modes: accepted draft tokens per pass -> number of passes.
+    accepted_histogram: Dict[int, int] = field(default_factory=dict)
+    draft_nodes: int = 0
+    pruned_nodes: int = 0
+    tree: Optional[str] = None
+    fallback: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -192,6 +198,7 @@ def stream_generate(
                 stats.prompt_seconds = now - tic
                 gen_start = now
             stats.forward_passes += 1
+            _record_step_info(stats, step.info)
             out: List[int] = []
             for t in step.tokens:
                 if t in eos:
@@ -222,6 +229,20 @@ def stream_generate(
         close = getattr(steps, "close", None)
         if close:
             close()
+
+
+def _record_step_info(stats: GenerationStats, info: Dict[str, Any]) -> None:
+    if not info:
+        return
+    if "accepted" in info:
+        a = int(info["accepted"])
+        stats.accepted_histogram[a] = stats.accepted_histogram.get(a, 0) + 1
+    stats.draft_nodes += int(info.get("nodes", 0))
+    stats.pruned_nodes += int(info.get("pruned", 0))
+    if info.get("tree"):
+        stats.tree = info["tree"]
+    if info.get("fallback"):
+        stats.fallback = info["fallback"]
 
 
 def generate(model, tokenizer, prompt, max_tokens: int = 256, sampling=None, mode="ar", **kw) -> GenerationResult:

@@ -151,10 +151,22 @@ def load_tokenizer(path: Path):
     return _load_tok(Path(path), eos_token_ids=eos)
 
 
-def load(path_or_name: str, dtype="auto", lazy: bool = False):
-    """Load ``(model, tokenizer)`` from a directory, bundled name or hub id."""
+def load(path_or_name: str, dtype="auto", lazy: bool = False, warn: bool = True):
+    """Load ``(model, tokenizer)`` from a directory, bundled name or hub id.
+
+    The model's speculative streams, if the directory has them, are at
+    ``model.streams`` (None otherwise); ``model.path`` is the directory."""
+    from .streams import load_streams
+
     path = resolve_model_path(path_or_name)
     model, _ = load_model(path, dtype=dtype, lazy=lazy)
+    try:
+        streams = load_streams(model, path, warn=warn)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    # Plain attributes, not submodules: the base model's parameters stay the base.
+    object.__setattr__(model, "streams", streams)
+    object.__setattr__(model, "path", path)
     tokenizer = load_tokenizer(path)
     return model, tokenizer
 

@@ -12,18 +12,19 @@ tree-masked forward.
 
 from __future__ import annotations
 
-from typing import Generator, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Generator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
 
 from .acceptance import Verdict, greedy_verify, sample_verify
 from .cache import make_cache
-from .generation import Step, prefill
+from .generation import Step, ar_steps, prefill
 from .msa import commit_ss, prefix_tree_mask, ss_forward, stream_logits
 from .sampling import SamplingParams, target_logprobs
 from .streams import NoStreamsError, StreamParams
-from .tree import Tree, TreeSpec, cartesian_tree, dynamic_tree, tree_buffers
+from .tree import Tree, TreeSpec, cartesian_tree, dynamic_candidates, dynamic_tree, tree_buffers
 
 DEFAULT_TREE = TreeSpec("dynamic", budget=12, depth=4)
 
@@ -32,40 +33,64 @@ def _probs(logits: mx.array, sampling: SamplingParams) -> mx.array:
     return mx.exp(target_logprobs(logits, sampling))
 
 
+@dataclass
+class Draft:
+    """The next tree, what sampling verification needs, and acceptance predictions.
+
+    Attributes:
+        tree: the draft tree rooted at the bonus token.
+        draft_q: (depth, V) distributions the sampled children were drawn from.
+        predicted: expected accepted length of this tree if streams were calibrated.
+        scores: path scores of the best-first candidates (for --tree auto).
+    """
+
+    tree: Tree
+    draft_q: Optional[np.ndarray] = None
+    predicted: float = 0.0
+    scores: Optional[List[float]] = None
+
+
 def draft_tree(
     root: int,
     logits: mx.array,
     spec: TreeSpec,
     sampling: SamplingParams,
     rng: np.random.Generator,
-):
+    score_budget: int = 0,
+) -> Draft:
     """Next draft tree from the γ stream logits (γ, V) of the last accepted node.
 
     Greedy: top-k candidates per stream (Cartesian or dynamic tree). Sampling:
     i.i.d. draws from each stream's processed distribution, shared by every
     parent at that depth (what :func:`sample_verify` needs to stay lossless).
-    Returns (tree, draft_probs (depth, V) or None, predicted accepted length).
     """
     depth = min(spec.max_depth, logits.shape[0])
     if depth == 0:
-        return Tree((root,), (-1,)), None, 0.0
+        return Draft(Tree((root,), (-1,)))
     logits = logits[:depth]
+    K = max(spec.widths) if spec.kind == "cartesian" else min(max(spec.budget, score_budget), 8)
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+    top = mx.argsort(-probs, axis=-1)[:, :K]
+    q = _probs(logits, sampling) if not sampling.greedy else None
+    mx.eval(top, probs, *([q] if q is not None else []))
+    top_np = np.array(top)
+    p_np = np.array(mx.take_along_axis(probs, top, axis=-1))
+    cands = dynamic_candidates(top_np, p_np, max(spec.budget if spec.kind == "dynamic" else 0, score_budget))
+    scores = [c[2] for c in cands]
     if sampling.greedy:
-        K = max(spec.widths) if spec.kind == "cartesian" else min(spec.budget, 8)
-        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-        top = mx.argsort(-probs, axis=-1)[:, :K]
-        top_np = np.array(top)
-        p_np = np.array(mx.take_along_axis(probs, top, axis=-1))
         if spec.kind == "cartesian":
             tree = cartesian_tree(root, top_np, spec.widths[:depth])
+            predicted = _expected_accepted(tree, top_np, p_np)
         else:
-            tree = dynamic_tree(root, top_np, p_np, spec.budget)
-        return tree, None, _expected_accepted(tree, top_np, p_np)
-    q = np.array(_probs(logits, sampling)).astype(np.float64)
+            tree = dynamic_tree(root, top_np, p_np, spec.budget, cands)
+            predicted = float(sum(scores[: spec.budget]))
+        return Draft(tree, None, predicted, scores)
+    q = np.array(q).astype(np.float64)
     q /= q.sum(axis=-1, keepdims=True)
     widths = spec.widths[:depth] if spec.kind == "cartesian" else _budget_widths(spec.budget, depth)
     draws = [rng.choice(q.shape[1], size=w, p=q[g]) for g, w in enumerate(widths)]
-    return cartesian_tree(root, draws, widths), q, 0.0
+    tree = cartesian_tree(root, draws, widths)
+    return Draft(tree, q, float(sum(scores[: len(tree) - 1])), scores)
 
 
 def _budget_widths(budget: int, depth: int) -> tuple:
@@ -127,39 +152,65 @@ def ss_steps(
     sampling: SamplingParams,
     cache=None,
     streams: Optional[StreamParams] = None,
-    tree: Optional[TreeSpec] = None,
+    tree: Union[None, str, TreeSpec] = None,
     pruning_threshold: Optional[float] = None,
     prefill_chunk: int = 512,
+    log=None,
 ) -> Generator[Step, None, None]:
-    """Speculative Streaming decoding; yields the tokens each pass decided."""
+    """Speculative Streaming decoding; yields the tokens each pass decided.
+
+    Args:
+        tree: a :class:`TreeSpec`, ``"auto"`` (measure and choose; may fall
+            back to plain decoding), or None for the default dynamic tree.
+        pruning_threshold: early-exit pruning threshold; default from specstream.json.
+    """
     streams = streams if streams is not None else getattr(model, "streams", None)
     if streams is None:
         raise NoStreamsError("this model has no speculative streams; use --mode ar or lookup")
+    auto = None
+    if isinstance(tree, str):
+        if tree != "auto":
+            tree = TreeSpec.parse(tree)
+        else:
+            from .autotune import AutoTree, load_or_measure_costs
+
+            auto = AutoTree(load_or_measure_costs(model, streams, log), depth=streams.num_streams)
+            tree = None
     spec = tree or DEFAULT_TREE
+    max_budget = max(auto.costs) if auto else 0
     threshold = streams.config.pruning_threshold if pruning_threshold is None else pruning_threshold
     cache = cache if cache is not None else make_cache(model)
     rng = np.random.default_rng(sampling.seed)
-    prompt_list = prompt.tolist()
     prefill(model, prompt[:-1], cache, prefill_chunk)
     offset = cache[0].offset
-    cur = Tree((prompt_list[-1],), (-1,))
-    draft_q = None
+    draft = Draft(Tree((int(prompt[-1].item()),), (-1,)))
     while True:
-        out = ss_forward(model, streams, cur, offset, cache, threshold)
+        out = ss_forward(model, streams, draft.tree, offset, cache, threshold)
         eager = out.stream_hidden.size // out.stream_hidden.shape[-1] * model.args.vocab_size <= EAGER_STREAM_LOGITS
         all_logits = model.lm_logits(out.stream_hidden) if eager else None
-        verdict = _verify(out.tree, out.buffers, out.main_logits, sampling, draft_q, rng,
+        verdict = _verify(out.tree, out.buffers, out.main_logits, sampling, draft.draft_q, rng,
                           [all_logits] if eager else None)
         commit_ss(cache, streams, model, out, verdict.path)
         offset = cache[0].offset
-        accepted = [out.tree.tokens[i] for i in verdict.path[1:]]
+        tokens = [out.tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
+        info = {"accepted": verdict.accepted, "nodes": len(out.kept) + out.pruned - 1,
+                "pruned": out.pruned, "tree": spec.describe()}
+        if auto is not None:
+            if len(draft.tree) > 1:
+                auto.observe(draft.predicted, verdict.accepted, draft.scores)
+            if auto.choose() is None:
+                info["fallback"] = (
+                    "plain decoding: no draft tree is expected to be faster on this machine "
+                    f"(best {max(auto.expected_speedup(b) for b in auto.costs if b):.2f}x)"
+                )
+                yield Step(tokens, info)
+                yield from ar_steps(model, mx.array([verdict.bonus]), sampling, cache=cache)
+                return
+            spec = auto.spec()
+            info["tree"] = "auto:" + spec.describe()
         logits = next_draft_logits(model, out, verdict.path[-1], all_logits)
-        cur, draft_q, predicted = draft_tree(verdict.bonus, logits, spec, sampling, rng)
-        yield Step(
-            accepted + [verdict.bonus],
-            {"accepted": verdict.accepted, "nodes": len(out.kept) + out.pruned - 1,
-             "pruned": out.pruned, "predicted": predicted},
-        )
+        draft = draft_tree(verdict.bonus, logits, spec, sampling, rng, max_budget)
+        yield Step(tokens, info)
 
 
 # --- prompt lookup -----------------------------------------------------------

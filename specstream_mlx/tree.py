@@ -181,34 +181,39 @@ def cartesian_tree(root: int, candidates: Sequence[Sequence[int]], widths: Seque
     return Tree(tuple(tokens), tuple(parents))
 
 
-def dynamic_tree(root: int, tokens: np.ndarray, probs: np.ndarray, budget: int) -> Tree:
-    """The ``budget`` paths of highest cumulative probability, as a tree.
+def dynamic_candidates(tokens: np.ndarray, probs: np.ndarray, budget: int):
+    """Best-first expansion of the stream candidates: up to ``budget`` nodes as
+    (token, parent, score) in decreasing score order; parent 0 is the root and
+    node i+1 is the i-th entry. The tree of any smaller budget b is exactly
+    the first b entries, since every prefix of a path scores at least as high.
 
     ``tokens``/``probs``: (depth, K) stream candidates sorted by descending
-    probability. A path's score is the product of its tokens' stream
-    probabilities; every prefix of a kept path is kept, since it scores higher.
-    Best-first search: popping a node pushes its first child and next sibling.
-    """
+    probability; a path's score is the product of its tokens' probabilities.
+    Popping a node pushes its first child and its next sibling."""
     depth, K = tokens.shape
-    out_tokens, out_parents = [root], [-1]
-    # Heap items: (-score, tiebreak, depth index g, rank r, parent node, parent score)
+    out = []
     heap = []
     counter = 0
     if depth > 0 and K > 0:
         heapq.heappush(heap, (-float(probs[0, 0]), counter, 0, 0, 0, 1.0))
-    while heap and len(out_tokens) - 1 < budget:
+    while heap and len(out) < budget:
         neg, _, g, r, parent, pscore = heapq.heappop(heap)
         score = -neg
-        out_tokens.append(int(tokens[g, r]))
-        out_parents.append(parent)
-        node = len(out_tokens) - 1
+        out.append((int(tokens[g, r]), parent, score))
+        node = len(out)
         if r + 1 < K:
             counter += 1
             heapq.heappush(heap, (-(pscore * float(probs[g, r + 1])), counter, g, r + 1, parent, pscore))
         if g + 1 < depth:
             counter += 1
             heapq.heappush(heap, (-(score * float(probs[g + 1, 0])), counter, g + 1, 0, node, score))
-    return _bfs_order(out_tokens, out_parents)
+    return out
+
+
+def dynamic_tree(root: int, tokens: np.ndarray, probs: np.ndarray, budget: int, candidates=None) -> Tree:
+    """The ``budget`` paths of highest cumulative probability, as a BFS-ordered tree."""
+    cands = (candidates if candidates is not None else dynamic_candidates(tokens, probs, budget))[:budget]
+    return _bfs_order([root] + [c[0] for c in cands], [-1] + [c[1] for c in cands])
 
 
 def _bfs_order(tokens: List[int], parents: List[int]) -> Tree:

@@ -104,3 +104,42 @@ def test_generation_stops_at_eos(tiny_model_dir):
     model.lm_logits = always_eos
     res = generate(model, tok, "hi", max_tokens=20)
     assert res.tokens == [] and res.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def streams_model_dir(tmp_path_factory, tiny_model_dir):
+    dst = tmp_path_factory.mktemp("withstreams") / "m"
+    r = run("convert", "--hf-path", str(tiny_model_dir), "--mlx-path", str(dst),
+            "--num-streams", "3", "--stream-layers", "2")
+    assert r.returncode == 0, r.stderr
+    assert "untrained streams" in r.stderr
+    return dst
+
+
+def test_convert_attaches_streams(streams_model_dir):
+    cfg = json.loads((streams_model_dir / "specstream.json").read_text())
+    assert cfg["num_streams"] == 3 and cfg["stream_layers"] == 2 and cfg["trained"] is False
+    assert (streams_model_dir / "streams.safetensors").exists()
+
+
+@pytest.mark.parametrize("mode,tree", [("ss", "dynamic:8"), ("ss", "cartesian:2x2x1"), ("ss", "auto"), ("lookup", "auto")])
+def test_generate_ss_equals_ar(streams_model_dir, mode, tree, tmp_path):
+    env = dict(os.environ, SPECSTREAM_CACHE_DIR=str(tmp_path))
+    base = ("generate", "--model", str(streams_model_dir), "--prompt", "the cat sat on the mat, the cat",
+            "--max-tokens", "30", "--json")
+    ar = json.loads(run(*base, "--mode", "ar", env=env).stdout)
+    r = run(*base, "--mode", mode, "--tree", tree, env=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["tokens"] == ar["tokens"] and out["mode"] == mode
+    s = out["stats"]
+    assert sum(s["accepted_histogram"].values()) == s["forward_passes"] or s["fallback"]
+    assert s["tokens_per_pass"] >= ar["stats"]["tokens_per_pass"] - 1e-9
+    if mode == "ss":
+        assert "untrained speculative streams" in r.stderr  # warned at load
+
+
+def test_ss_without_streams_says_how_to_add_them(tiny_model_dir):
+    r = run("generate", "--model", str(tiny_model_dir), "--prompt", "x", "--mode", "ss")
+    assert r.returncode == 1
+    assert "--num-streams" in r.stderr and "specstream-mlx train" in r.stderr

@@ -1,0 +1,168 @@
+"""``--tree auto``: pick the draft-tree size that is fastest on this machine.
+
+Two measurements combine:
+
+* **Step cost** (once per model, device and BLAS; cached on disk): the time of
+  one ``ss`` pass over a tree of ``b`` draft nodes divided by one plain step,
+  for a few budgets ``b``.
+* **Acceptance** (online, every pass): for a dynamic tree the expected
+  accepted length of budget ``b`` is the sum of the ``b`` highest path scores
+  (products of stream probabilities); a running calibration factor (actual
+  accepted / predicted) corrects for over- or under-confident streams.
+
+Expected tokens/s of budget b ∝ (1 + c·E_b) / cost(b); plain decoding scores
+1. When no budget beats plain decoding after a warm-up, decoding switches to
+plain ``ar`` on the same cache and the stats say so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .tree import Tree, TreeSpec, dynamic_tree
+
+CANDIDATE_BUDGETS = (2, 4, 8, 12, 16, 24)
+CACHE_FILE = Path(os.environ.get("SPECSTREAM_CACHE_DIR", Path.home() / ".cache" / "specstream-mlx")) / "step_costs.json"
+WARMUP_STEPS = 6
+
+
+def _model_key(model, streams) -> str:
+    from .platform_info import blas_in_use
+
+    a = model.args
+    ident = [a.model_type, a.hidden_size, a.num_hidden_layers, a.intermediate_size, a.vocab_size,
+             a.num_attention_heads, a.num_key_value_heads, streams.num_streams,
+             streams.config.stream_layers, str(mx.default_device()), blas_in_use(),
+             str(model.model.norm.weight.dtype), "quantized" if "Quantized" in str(type(model.layers[0].mlp.down_proj)) else "float"]
+    return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
+
+
+def _synthetic_tree(budget: int, depth: int) -> Tree:
+    # A dynamic tree shape of the given budget; tokens do not matter for cost.
+    K = max(1, min(budget, 8))
+    probs = np.sort(np.random.default_rng(0).dirichlet(np.ones(K), size=depth), axis=1)[:, ::-1]
+    tokens = np.tile(np.arange(3, 3 + K), (depth, 1))
+    return dynamic_tree(1, tokens, probs, budget)
+
+
+def measure_step_costs(model, streams, context: int = 128, reps: int = 5, budgets=CANDIDATE_BUDGETS) -> Dict[int, float]:
+    """Cost of one ss pass with ``b`` draft nodes relative to one plain step."""
+    from .cache import make_cache
+    from .msa import ss_forward
+
+    def timed(fn):
+        fn()  # warm-up
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return float(np.median(ts))
+
+    cache = make_cache(model)
+    model(mx.array([[1] * context]), cache=cache)
+    mx.eval([c.keys for c in cache])
+
+    def plain():
+        logits = model(mx.array([[5]]), cache=cache)
+        mx.eval(mx.argmax(logits[:, -1], axis=-1))
+        for c in cache:
+            c.trim(1)
+
+    base = timed(plain)
+    costs = {0: 1.0}
+    depth = streams.num_streams
+    for b in budgets:
+        tree = _synthetic_tree(b, depth)
+
+        def step(tree=tree):
+            out = ss_forward(model, streams, tree, context, cache)
+            mx.eval(mx.argmax(out.main_logits, axis=-1), model.lm_logits(out.stream_hidden[0][None]))
+            for c in cache:
+                c.trim(c.offset - context)
+
+        costs[b] = timed(step) / base
+    return costs
+
+
+def load_or_measure_costs(model, streams, log=None) -> Dict[int, float]:
+    key = _model_key(model, streams)
+    table = {}
+    if CACHE_FILE.exists():
+        try:
+            table = json.loads(CACHE_FILE.read_text())
+        except (OSError, json.JSONDecodeError):
+            table = {}
+    if key in table:
+        return {int(k): v for k, v in table[key].items()}
+    if log:
+        log("measuring draft-tree step costs on this machine (once per model)...")
+    costs = measure_step_costs(model, streams)
+    table[key] = costs
+    try:
+        CACHE_FILE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = CACHE_FILE.with_suffix(".tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, CACHE_FILE)
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
+    return costs
+
+
+@dataclass
+class AutoTree:
+    """Online choice of the dynamic-tree budget from step costs and acceptance."""
+
+    costs: Dict[int, float]
+    depth: int
+    budget: int = 8
+    steps: int = 0
+    predicted: float = 0.0
+    actual: float = 0.0
+    scores_sum: Dict[int, float] = field(default_factory=dict)
+
+    def spec(self) -> TreeSpec:
+        return TreeSpec("dynamic", budget=self.budget, depth=self.depth)
+
+    def observe(self, predicted_at_budget: float, accepted: int, path_scores: Optional[List[float]]) -> None:
+        """Record one pass: what the chosen tree predicted, what was accepted,
+        and the sorted path scores of the drafted candidates (for other budgets)."""
+        self.steps += 1
+        self.predicted += predicted_at_budget
+        self.actual += accepted
+        if path_scores is not None:
+            s = np.cumsum(sorted(path_scores, reverse=True))
+            for b in self.costs:
+                if b > 0:
+                    self.scores_sum[b] = self.scores_sum.get(b, 0.0) + (float(s[min(b, len(s)) - 1]) if len(s) else 0.0)
+
+    def choose(self) -> Optional[int]:
+        """Best budget, or None for plain decoding; keeps the current one during warm-up."""
+        if self.steps < WARMUP_STEPS or not self.scores_sum:
+            return self.budget
+        calib = self.actual / self.predicted if self.predicted > 0 else 0.0
+        best, best_rate = None, 1.0  # plain decoding: 1 token per unit cost
+        for b, cost in self.costs.items():
+            if b == 0:
+                continue
+            e = calib * self.scores_sum.get(b, 0.0) / self.steps
+            rate = (1.0 + e) / cost
+            if rate > best_rate:
+                best, best_rate = b, rate
+        if best is not None:
+            self.budget = best
+        return best
+
+    def expected_speedup(self, budget: int) -> float:
+        calib = self.actual / self.predicted if self.predicted > 0 else 0.0
+        e = calib * self.scores_sum.get(budget, 0.0) / max(self.steps, 1)
+        return (1.0 + e) / self.costs.get(budget, 1.0)
