@@ -178,6 +178,53 @@ def generate(
             typer.echo(f"[{s.mode}] {s.fallback}", err=True)
 
 
+class TrainMode(str, Enum):
+    lossless = "lossless"
+    shared = "shared"
+
+
+@app.command()
+def train(
+    model: str = typer.Option(..., "--model", "-m", help="Base model directory (or bundled name)."),
+    data: str = typer.Option(..., "--data", help="Directory with train.jsonl / valid.jsonl."),
+    mode: TrainMode = typer.Option(TrainMode.lossless, "--mode", help="lossless (frozen base) or shared (LoRA shared by main and streams)."),
+    out: str = typer.Option(..., "--out", help="Output model directory."),
+    num_streams: int = typer.Option(4, "--num-streams", help="Speculative streams γ."),
+    stream_layers: int = typer.Option(4, "--stream-layers", help="Top layers with multi-stream attention."),
+    lora_rank: int = typer.Option(32, "--lora-rank", help="LoRA rank."),
+    iters: Optional[int] = typer.Option(None, "--iters", help="Training steps (overrides --epochs)."),
+    epochs: Optional[float] = typer.Option(None, "--epochs", help="Passes over train.jsonl (default 1)."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),
+    max_seq_len: int = typer.Option(512, "--max-seq-len", help="Longer sequences are truncated."),
+    learning_rate: float = typer.Option(5e-4, "--learning-rate", help="Peak learning rate (linear decay)."),
+    alpha_stream: float = typer.Option(0.1, "--alpha-stream", help="Weight αj of each stream's loss."),
+    no_distill: bool = typer.Option(False, "--no-distill", help="Lossless: train streams on data tokens only."),
+    stream_positions: int = typer.Option(64, "--stream-positions", help="Completion positions per sequence hosting streams."),
+    save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps."),
+    steps_per_eval: int = typer.Option(200, "--steps-per-eval", help="Validate every N steps."),
+    seed: int = typer.Option(0, "--seed", help="Seed for initialisation and shuffling."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint."),
+):
+    """Train speculative streams (and, in shared mode, a fused LoRA) on a dataset."""
+    from .data import DataError
+    from .loading import ModelLoadError
+    from .training import TrainConfig, TrainError
+    from .training import train as _train
+
+    try:
+        cfg = TrainConfig(
+            mode=mode.value, num_streams=num_streams, stream_layers=stream_layers, lora_rank=lora_rank,
+            iters=iters, epochs=epochs, batch_size=batch_size, max_seq_len=max_seq_len,
+            learning_rate=learning_rate, alpha_stream=alpha_stream, distill=not no_distill,
+            stream_positions=stream_positions, save_every=save_every, steps_per_eval=steps_per_eval, seed=seed,
+        )
+        res = _train(model, data, out, cfg, resume=resume, log=lambda s: typer.echo(s, err=True))
+    except (DataError, TrainError, ModelLoadError, ValueError) as e:
+        _err(str(e))
+    if res.interrupted:
+        raise typer.Exit(130)
+
+
 def main():
     from .platform_info import maybe_reexec_with_openblas
 

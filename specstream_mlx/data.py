@@ -1,0 +1,189 @@
+"""Training data: mlx-lm's JSONL formats, tokenized with loss masks.
+
+A data directory holds ``train.jsonl`` and ``valid.jsonl`` (``test.jsonl``
+optional); each line is one of::
+
+    {"text": "..."}                               loss on every token
+    {"prompt": "...", "completion": "..."}        loss on the completion only
+    {"messages": [{"role": ..., "content": ...}]} loss on the last message only
+
+The chat template is applied to ``prompt``/``completion`` and ``messages``
+when the tokenizer has one. Completions end with EOS.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence
+
+import numpy as np
+
+
+class DataError(ValueError):
+    pass
+
+
+@dataclass
+class Example:
+    tokens: List[int]
+    # Index of the first token whose prediction is trained (everything before is prompt).
+    completion_start: int
+
+
+@dataclass
+class Dataset:
+    examples: List[Example]
+    truncated: int = 0
+    name: str = ""
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(e.tokens) for e in self.examples)
+
+
+def _encode_chat(tokenizer, messages, add_generation_prompt):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode_record(record: dict, tokenizer) -> Example:
+    """Tokens and loss start of one JSON record; raises DataError on a bad record."""
+    if not isinstance(record, dict):
+        raise DataError("each line must be a JSON object")
+    eos = tokenizer.eos_token_id
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if "messages" in record:
+        msgs = record["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str) for m in msgs
+        ):
+            raise DataError('"messages" must be a non-empty list of {"role", "content"} objects')
+        if has_template:
+            prefix = _encode_chat(tokenizer, msgs[:-1], True) if len(msgs) > 1 else []
+            full = _encode_chat(tokenizer, msgs, False)
+            if full[: len(prefix)] != prefix:
+                prefix = []
+        else:
+            prefix = list(tokenizer.encode("\n".join(m["content"] for m in msgs[:-1])))
+            full = prefix + list(tokenizer.encode(msgs[-1]["content"], add_special_tokens=False))
+        if eos is not None and (not full or full[-1] != eos):
+            full.append(eos)
+        return Example(full, max(len(prefix), 1))
+    if "prompt" in record or "completion" in record:
+        p, c = record.get("prompt"), record.get("completion")
+        if not isinstance(p, str) or not isinstance(c, str):
+            raise DataError('"prompt" and "completion" must both be strings')
+        if has_template:
+            prompt = _encode_chat(tokenizer, [{"role": "user", "content": p}], True)
+        else:
+            prompt = list(tokenizer.encode(p))
+        comp = list(tokenizer.encode(c, add_special_tokens=False))
+        if eos is not None:
+            comp.append(eos)
+        return Example(prompt + comp, max(len(prompt), 1))
+    if "text" in record:
+        if not isinstance(record["text"], str):
+            raise DataError('"text" must be a string')
+        toks = list(tokenizer.encode(record["text"]))
+        if eos is not None:
+            toks.append(eos)
+        return Example(toks, 1)
+    raise DataError('unknown record format: expected "text", "prompt"/"completion" or "messages"')
+
+
+def load_split(path: Path, tokenizer, max_seq_len: int) -> Dataset:
+    """Read one JSONL split; a malformed line stops with ``file:line: reason``."""
+    examples, truncated = [], 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ex = encode_record(json.loads(line), tokenizer)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            except DataError as e:
+                raise DataError(f"{path}:{lineno}: {e}") from None
+            if len(ex.tokens) < 2:
+                continue
+            if len(ex.tokens) > max_seq_len:
+                truncated += 1
+                ex = Example(ex.tokens[:max_seq_len], min(ex.completion_start, max_seq_len - 1))
+            examples.append(ex)
+    return Dataset(examples, truncated, path.name)
+
+
+def load_dataset(data_dir: Path, tokenizer, max_seq_len: int):
+    """(train, valid or None, test or None) from a data directory."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise DataError(f"{data_dir}: no such data directory")
+    train_path = data_dir / "train.jsonl"
+    if not train_path.exists():
+        raise DataError(f"{train_path}: missing (a data directory needs train.jsonl and valid.jsonl)")
+    train = load_split(train_path, tokenizer, max_seq_len)
+    if not len(train):
+        raise DataError(f"{train_path}: no usable examples")
+    splits = []
+    for name in ("valid", "test"):
+        p = data_dir / f"{name}.jsonl"
+        splits.append(load_split(p, tokenizer, max_seq_len) if p.exists() else None)
+    return train, splits[0], splits[1]
+
+
+@dataclass
+class Batch:
+    """Padded token ids and, per sequence, the positions that host streams.
+
+    Attributes:
+        tokens: (B, L) int32, right-padded.
+        lengths: (B,) true lengths.
+        loss_mask: (B, L) 1.0 where predicting the next token is trained
+            (position t predicts token t+1).
+        stream_pos: (B, S) positions hosting streams (completion positions only).
+        stream_weight: (B, S) 1.0 for real stream positions, 0.0 for padding.
+    """
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    loss_mask: np.ndarray
+    stream_pos: np.ndarray
+    stream_weight: np.ndarray
+
+
+def make_batch(examples: Sequence[Example], seq_len: int, stream_positions: int, rng: Optional[np.random.Generator]) -> Batch:
+    B = len(examples)
+    toks = np.zeros((B, seq_len), dtype=np.int32)
+    lengths = np.zeros(B, dtype=np.int32)
+    mask = np.zeros((B, seq_len), dtype=np.float32)
+    spos = np.zeros((B, stream_positions), dtype=np.int32)
+    sw = np.zeros((B, stream_positions), dtype=np.float32)
+    for b, ex in enumerate(examples):
+        n = min(len(ex.tokens), seq_len)
+        toks[b, :n] = ex.tokens[:n]
+        lengths[b] = n
+        start = max(ex.completion_start - 1, 0)  # position start-1 predicts the first completion token
+        mask[b, start : n - 1] = 1.0
+        # Prompt positions get no streams: candidates are completion positions only.
+        cands = np.arange(start, n - 1)
+        if len(cands) > stream_positions:
+            cands = np.sort(rng.choice(cands, stream_positions, replace=False)) if rng is not None else cands[:stream_positions]
+        spos[b, : len(cands)] = cands
+        sw[b, : len(cands)] = 1.0
+    return Batch(toks, lengths, mask, spos, sw)
+
+
+def iterate_batches(ds: Dataset, batch_size: int, seq_len: int, stream_positions: int, seed: int, epoch: int) -> Iterator[Batch]:
+    """One shuffled pass; the last partial batch is filled with repeats."""
+    rng = np.random.default_rng((seed, epoch))
+    order = rng.permutation(len(ds))
+    for i in range(0, len(order), batch_size):
+        idx = order[i : i + batch_size]
+        if len(idx) < batch_size:
+            idx = np.concatenate([idx, order[: batch_size - len(idx)]])
+        yield make_batch([ds.examples[j] for j in idx], seq_len, stream_positions, rng)

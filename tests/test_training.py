@@ -1,0 +1,203 @@
+"""Training streams: data handling, frozen base, and that training works."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from specstream_mlx.data import DataError, load_dataset
+from specstream_mlx.datagen import write_phrase_corpus
+from specstream_mlx.generation import generate
+from specstream_mlx.loading import load
+from specstream_mlx.sampling import SamplingParams
+from specstream_mlx.training import TrainConfig, TrainError, train
+from specstream_mlx.tree import TreeSpec
+from tiny_models import make_tiny_model_dir
+
+TREE = TreeSpec("dynamic", budget=8, depth=3)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    table = write_phrase_corpus(root / "data", n_keys=8, words_per_phrase=5)
+    return root / "data", table
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("base") / "m", hidden_size=64, num_hidden_layers=4)
+
+
+def _tau(model, tok, prompts):
+    taus = []
+    for p in prompts:
+        r = generate(model, tok, p, max_tokens=40, mode="ss", tree=TREE)
+        ar = generate(model, tok, p, max_tokens=40, mode="ar")
+        assert r.tokens == ar.tokens  # exact before and after training
+        taus.append(r.stats.tokens_per_pass)
+    return float(np.mean(taus))
+
+
+def test_shared_training_raises_accuracy_and_tokens_per_pass(tmp_path, corpus, base_dir):
+    """A bounded run on a predictable corpus: stream top-1 and ss tokens/pass both rise."""
+    from specstream_mlx.convert import ConvertOptions, convert
+
+    data, table = corpus
+    prompts = sorted(table)[:4]
+    # Before: the base with untrained streams.
+    untrained = convert(str(base_dir), str(tmp_path / "untrained"), ConvertOptions(num_streams=3, stream_layers=2))
+    m0, tok = load(str(untrained), warn=False)
+    tau0 = _tau(m0, tok, prompts)
+
+    cfg = TrainConfig(mode="shared", num_streams=3, stream_layers=2, lora_rank=16, iters=120, batch_size=8,
+                      learning_rate=3e-3, stream_positions=32, steps_per_report=10, steps_per_eval=1000)
+    res = train(str(base_dir), str(data), str(tmp_path / "out"), cfg, progress=False, log=lambda s: None)
+    acc0 = res.history[0]["stream_acc"]
+    acc1 = res.val["stream_acc"]
+    assert min(acc1) > 0.3 and min(acc1) > 3 * max(acc0), (acc0, acc1)
+
+    m1, tok = load(str(tmp_path / "out"))
+    spec = json.loads((tmp_path / "out" / "specstream.json").read_text())
+    assert spec["trained"] is True and spec["mode"] == "shared"
+    tau1 = _tau(m1, tok, prompts)
+    assert tau1 > 1.4 and tau1 > tau0 + 0.3, (tau0, tau1)
+    log = json.loads((tmp_path / "out" / "training_log.json").read_text())
+    assert log["tokens_per_second"] > 0 and log["peak_memory_gb"] > 0
+
+
+def test_lossless_training_keeps_the_base_bit_identical(tmp_path, corpus, base_dir):
+    data, _ = corpus
+    cfg = TrainConfig(mode="lossless", num_streams=2, stream_layers=2, lora_rank=4, iters=6, batch_size=4,
+                      stream_positions=8, learning_rate=1e-2)
+    train(str(base_dir), str(data), str(tmp_path / "ll"), cfg, progress=False, log=lambda s: None)
+    base, tok = load(str(base_dir), warn=False)
+    trained, _ = load(str(tmp_path / "ll"))
+    a = dict(tree_flatten(base.parameters()))
+    b = dict(tree_flatten(trained.parameters()))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+    # Main-stream logits before and after training: bit for bit.
+    from specstream_mlx.cache import make_cache
+    from specstream_mlx.msa import ss_forward
+    from specstream_mlx.tree import Tree
+
+    ids = mx.array([[5, 9, 40, 77, 12]])
+    assert mx.array_equal(base(ids), trained(ids)).item()
+    # And inside the speculative pass with the trained streams (batched rows
+    # may round differently in the last bit, so compare to float tolerance).
+    cache = make_cache(trained)
+    trained(ids[:, :4], cache=cache)
+    out = ss_forward(trained, trained.streams, Tree((12,), (-1,)), 4, cache)
+    assert np.allclose(np.array(out.main_logits[0]), np.array(base(ids)[0, -1]), atol=1e-5)
+    # The streams did train.
+    assert not mx.array_equal(trained.streams.embeddings, trained.streams.embeddings * 0).item()
+    assert any(float(mx.abs(l.b).sum()) > 0 for mods in trained.streams.lora.values() for l in mods.values())
+
+
+def test_training_forward_matches_inference_forward(base_dir):
+    """Teacher-forced stream states equal the inference pass's (same masks and positions)."""
+    from mlx.utils import tree_unflatten
+
+    from specstream_mlx.cache import make_cache
+    from specstream_mlx.msa import ss_forward
+    from specstream_mlx.streams import lora_key
+    from specstream_mlx.training import Trainable, main_pass, stream_pass
+    from specstream_mlx.tree import Tree
+
+    model, _ = load(str(base_dir), warn=False)
+    tr = Trainable(model, TrainConfig(num_streams=3, stream_layers=2, lora_rank=4))
+    sp = tr.streams
+    mx.random.seed(3)
+    sp.update(tree_unflatten([(k, mx.random.normal(v.shape) * 0.05) for k, v in tree_flatten(sp.parameters())]))
+    x = mx.array([list(range(5, 25))])
+    h0, kvs, _ = main_pass(model, x, {}, 2)
+    for t in (0, 9, 18):
+        hs = stream_pass(model, sp, h0, kvs, mx.array([[t]]), lambda i: sp.lora.get(lora_key(i)))
+        cache = make_cache(model)
+        if t:
+            model(x[:, :t], cache=cache)
+        out = ss_forward(model, sp, Tree((int(x[0, t].item()),), (-1,)), t, cache)
+        assert np.allclose(np.array(hs[0, 0]), np.array(out.stream_hidden[0]), atol=1e-4)
+
+
+def test_resume_after_interrupt(tmp_path, corpus, base_dir, monkeypatch):
+    import specstream_mlx.training as T
+
+    data, _ = corpus
+    cfg = TrainConfig(mode="lossless", num_streams=2, stream_layers=1, lora_rank=2, iters=6, batch_size=4,
+                      stream_positions=4, save_every=2)
+    real = T.iterate_batches
+
+    def interrupting(*a, **k):
+        for i, b in enumerate(real(*a, **k)):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield b
+
+    monkeypatch.setattr(T, "iterate_batches", interrupting)
+    res = train(str(base_dir), str(data), str(tmp_path / "r"), cfg, progress=False, log=lambda s: None)
+    assert res.interrupted and res.steps == 3
+    assert json.loads((tmp_path / "r" / "checkpoint" / "state.json").read_text())["step"] == 3
+    monkeypatch.setattr(T, "iterate_batches", real)
+    res = train(str(base_dir), str(data), str(tmp_path / "r"), cfg, resume=True, progress=False, log=lambda s: None)
+    assert not res.interrupted and res.steps == 6
+    assert (tmp_path / "r" / "specstream.json").exists() and not (tmp_path / "r" / "checkpoint").exists()
+
+
+def test_nan_loss_stops_cleanly(tmp_path, corpus, base_dir, monkeypatch):
+    import specstream_mlx.training as T
+
+    data, _ = corpus
+    real = T.compute_loss
+
+    def poisoned(*a, **k):
+        loss, m = real(*a, **k)
+        return loss * mx.array(float("nan")), m
+
+    monkeypatch.setattr(T, "compute_loss", poisoned)
+    cfg = TrainConfig(mode="lossless", num_streams=2, stream_layers=1, lora_rank=2, iters=3, batch_size=4,
+                      stream_positions=4, compile=False)
+    with pytest.raises(TrainError, match="nan"):
+        train(str(base_dir), str(data), str(tmp_path / "n"), cfg, progress=False, log=lambda s: None)
+    assert not (tmp_path / "n" / "specstream.json").exists()
+
+
+def test_data_errors_name_file_and_line(tmp_path, base_dir):
+    _, tok = load(str(base_dir), warn=False)
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "train.jsonl").write_text('{"text": "ok"}\n{"text": 5}\n')
+    with pytest.raises(DataError, match=r"train.jsonl:2: \"text\" must be a string"):
+        load_dataset(d, tok, 64)
+    (d / "train.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    with pytest.raises(DataError, match=r"train.jsonl:2: invalid JSON"):
+        load_dataset(d, tok, 64)
+    (d / "train.jsonl").write_text('{"foo": 1}\n')
+    with pytest.raises(DataError, match="train.jsonl:1: unknown record format"):
+        load_dataset(d, tok, 64)
+    (d / "train.jsonl").write_text("\n")
+    with pytest.raises(DataError, match="no usable examples"):
+        load_dataset(d, tok, 64)
+    (d / "train.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b" * 100}) + "\n"
+                                   + json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                              {"role": "assistant", "content": "yo"}]}) + "\n")
+    train_ds, valid, test = load_dataset(d, tok, 64)
+    assert train_ds.truncated == 1 and valid is None and test is None
+    ex = train_ds.examples[1]
+    assert tok.decode(ex.tokens[ex.completion_start:]).startswith("yo")
+
+
+def test_train_cli_reports_bad_data(tmp_path, base_dir):
+    import subprocess
+    import sys
+
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "train.jsonl").write_text('{"text": "fine"}\n{"prompt": 1, "completion": "x"}\n')
+    r = subprocess.run([sys.executable, "-m", "specstream_mlx", "train", "--model", str(base_dir),
+                        "--data", str(d), "--out", str(tmp_path / "o"), "--iters", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "train.jsonl:2" in r.stderr and "Traceback" not in r.stderr
