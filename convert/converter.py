@@ -55,6 +55,7 @@ class ConvertOptions:
         num_streams: attach this many freshly initialised (untrained)
             speculative streams; 0 attaches none.
         stream_layers: top layers running multi-stream attention.
+        adapter: a PEFT LoRA adapter directory to fuse into the base.
     """
 
     dtype: Optional[str] = None
@@ -64,6 +65,7 @@ class ConvertOptions:
     force: bool = False
     num_streams: int = 0
     stream_layers: int = 4
+    adapter: Optional[str] = None
 
 
 def _resolve_source(hf_path: str) -> Path:
@@ -204,13 +206,22 @@ def convert(
     except (TypeError, KeyError) as e:
         raise ConvertError(f"{src / 'config.json'}: incomplete config ({e})") from e
     log(f"[convert] {src} ({config['model_type']})")
-    weights = model.sanitize(read_weights(src))
+    from .hf_layout import CONFIG_KEY, fuse_peft_adapter, split_stream_weights, streams_from_hf
+
+    weights, stream_tensors = split_stream_weights(read_weights(src))
+    weights = model.sanitize(weights)
     check_shapes(model, weights, src)
+    if opts.adapter:
+        try:
+            weights, n = fuse_peft_adapter(weights, Path(opts.adapter))
+        except (ValueError, KeyError) as e:
+            raise ConvertError(str(e)) from e
+        log(f"[convert] fused {n} LoRA matrices from {opts.adapter}")
     dtype_name = _target_dtype(config, opts)
     dtype = DTYPES[dtype_name]
     weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
-    out_config = {k: v for k, v in config.items() if k not in ("quantization_config",)}
+    out_config = {k: v for k, v in config.items() if k not in ("quantization_config", CONFIG_KEY)}
     out_config["torch_dtype"] = dtype_name
     if opts.quantize:
         log(f"[convert] quantizing to {opts.q_bits} bits, group size {opts.q_group_size}")
@@ -221,7 +232,18 @@ def convert(
         nn.quantize(model, group_size=opts.q_group_size, bits=opts.q_bits, class_predicate=predicate)
         out_config["quantization"] = {"group_size": opts.q_group_size, "bits": opts.q_bits}
     streams = None
-    if opts.num_streams > 0:
+    if CONFIG_KEY in config:
+        try:
+            streams = streams_from_hf(model, config[CONFIG_KEY], stream_tensors, str(src))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ConvertError(str(e)) from e
+        log(f"[convert] imported {streams.num_streams} speculative streams "
+            f"({'trained' if streams.config.trained else 'untrained'})")
+        if opts.num_streams:
+            log("[convert] --num-streams ignored: the checkpoint has its own streams")
+    elif stream_tensors:
+        raise ConvertError(f"{src}: has speculative_streaming tensors but config.json lacks '{CONFIG_KEY}'")
+    elif opts.num_streams > 0:
         from ..streams import StreamConfig, new_streams
 
         if not 1 <= opts.stream_layers <= len(model.layers):

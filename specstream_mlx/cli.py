@@ -76,14 +76,15 @@ def convert(
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --mlx-path."),
     num_streams: int = typer.Option(0, "--num-streams", help="Attach this many untrained speculative streams (γ)."),
     stream_layers: int = typer.Option(4, "--stream-layers", help="Top layers that run multi-stream attention (N_s)."),
+    adapter: Optional[str] = typer.Option(None, "--adapter", help="PEFT LoRA adapter directory to fuse into the base."),
 ):
-    """Convert a Hugging Face checkpoint into an MLX model directory."""
+    """Convert a Hugging Face checkpoint (optionally with speculative streams or a PEFT adapter) into MLX."""
     from .convert import ConvertError, ConvertOptions
     from .convert import convert as _convert
 
     opts = ConvertOptions(
         dtype=dtype.value if dtype else None, quantize=quantize, q_bits=q_bits,
-        q_group_size=q_group_size, force=force, num_streams=num_streams, stream_layers=stream_layers,
+        q_group_size=q_group_size, force=force, num_streams=num_streams, stream_layers=stream_layers, adapter=adapter,
     )
     try:
         _convert(hf_path, mlx_path, opts, log=lambda s: typer.echo(s, err=True))
@@ -176,6 +177,22 @@ def generate(
         )
         if s.fallback:
             typer.echo(f"[{s.mode}] {s.fallback}", err=True)
+
+
+@app.command()
+def export(
+    model: str = typer.Option(..., "--model", "-m", help="MLX model directory (with or without streams)."),
+    hf_path: str = typer.Option(..., "--hf-path", help="Output directory in Hugging Face layout."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing --hf-path."),
+):
+    """Export a model and its streams in Hugging Face layout (see docs/FORMAT.md)."""
+    from .convert import ConvertError
+    from .convert.export import export_hf
+
+    try:
+        export_hf(model, hf_path, force=force, log=lambda s: typer.echo(s, err=True))
+    except ConvertError as e:
+        _err(str(e))
 
 
 class TrainMode(str, Enum):

@@ -171,3 +171,46 @@ def test_bin_checkpoint_is_read_with_torch(tmp_path, hf_models):
     b, _ = load_model(ref_dir)
     ids = np.arange(3, 12)[None]
     assert np.allclose(_logits(a, ids), _logits(b, ids), atol=1e-5)
+
+
+def test_peft_adapter_is_fused_on_import(tmp_path, hf_models):
+    """A PEFT LoRA adapter fused by convert --adapter matches the fused transformers model."""
+    import copy
+
+    tm, src, _ = hf_models("qwen2")
+    rng = np.random.RandomState(0)
+    r, alpha = 4, 8
+    tensors = {}
+    ref = copy.deepcopy(tm)
+    sd = ref.state_dict()
+    for i in range(3):
+        for mod, (out_d, in_d) in {"self_attn.q_proj": sd[f"model.layers.{i}.self_attn.q_proj.weight"].shape,
+                                   "mlp.down_proj": sd[f"model.layers.{i}.mlp.down_proj.weight"].shape}.items():
+            A = rng.randn(r, in_d).astype(np.float32) * 0.1
+            B = rng.randn(out_d, r).astype(np.float32) * 0.1
+            name = f"base_model.model.model.layers.{i}.{mod}"
+            tensors[f"{name}.lora_A.weight"] = mx.array(A)
+            tensors[f"{name}.lora_B.weight"] = mx.array(B)
+            sd[f"model.layers.{i}.{mod}.weight"] += torch.tensor(alpha / r * B @ A)
+    ref.load_state_dict(sd)
+    ad = tmp_path / "adapter"
+    ad.mkdir()
+    mx.save_safetensors(str(ad / "adapter_model.safetensors"), tensors)
+    (ad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha,
+                                                        "target_modules": ["q_proj", "down_proj"]}))
+    r_ = _run_convert(src, tmp_path / "fused", "--adapter", str(ad), "--dtype", "float32")
+    assert r_.returncode == 0, r_.stderr
+    assert "fused 6 LoRA" in r_.stderr
+    model, _ = load_model(tmp_path / "fused")
+    ids = np.arange(3, 30)[None]
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)).logits.numpy()
+    assert np.abs(_logits(model, ids) - want).max() / np.abs(want).max() < 1e-4
+
+
+def test_bad_adapter_is_a_clean_error(tmp_path, hf_models):
+    _, src, _ = hf_models("qwen2")
+    ad = tmp_path / "adapter"
+    ad.mkdir()
+    r = _run_convert(src, tmp_path / "x", "--adapter", str(ad))
+    assert r.returncode == 1 and "adapter_config.json" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,66 @@
+"""``specstream-mlx export``: an MLX model with streams -> Hugging Face layout.
+
+Writes ``config.json`` (with ``speculative_streaming``), one
+``model.safetensors`` holding the base weights under their HF names and the
+stream tensors under ``speculative_streaming.*`` (see :mod:`.hf_layout`), and
+the tokenizer files. PyTorch trainers can produce the same layout, and
+``specstream-mlx convert`` imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .converter import TOKENIZER_FILES, ConvertError
+from .hf_layout import CONFIG_KEY, streams_to_hf
+
+
+def export_hf(model_path: str, hf_path: str, force: bool = False, log=lambda s: None) -> Path:
+    from ..loading import ModelLoadError, load_config, load_model, resolve_model_path
+    from ..streams import load_streams
+
+    try:
+        src = resolve_model_path(model_path)
+        config = load_config(src)
+        model, _ = load_model(src, dtype=None)
+    except ModelLoadError as e:
+        raise ConvertError(str(e)) from e
+    if config.get("quantization"):
+        raise ConvertError(f"{src}: export needs float weights; this model is quantized")
+    dst = Path(hf_path).expanduser()
+    if dst.exists() and not force:
+        raise ConvertError(f"{dst}: already exists; pass --force to overwrite it")
+    streams = load_streams(model, src, warn=False)
+    weights = dict(tree_flatten(model.parameters()))
+    out_config = dict(config)
+    if streams is not None:
+        tensors, scfg = streams_to_hf(model, streams)
+        dtype = model.model.norm.weight.dtype
+        weights.update({k: v.astype(dtype) for k, v in tensors.items()})
+        out_config[CONFIG_KEY] = scfg
+    if out_config.get("tie_word_embeddings", True):
+        weights.pop("lm_head.weight", None)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(out_config, indent=2, sort_keys=True))
+        for name in TOKENIZER_FILES:
+            if (src / name).exists():
+                shutil.copy2(src / name, tmp / name)
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"[export] wrote {dst}" + (f" with {streams.num_streams} streams" if streams else ""))
+    return dst

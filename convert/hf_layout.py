@@ -1,0 +1,140 @@
+"""Speculative-streaming parameters in Hugging Face layout, and PEFT LoRA fusing.
+
+A fine-tuned speculative-streaming checkpoint in Hugging Face layout is an
+ordinary HF model directory whose ``config.json`` carries a
+``speculative_streaming`` object and whose safetensors hold, besides the base
+weights, these tensors (PyTorch ``nn.Linear`` conventions, ``weight`` is
+``(out, in)``)::
+
+    speculative_streaming.stream_embeddings                      (γ, hidden)
+    speculative_streaming.lora.layers.<i>.<module>.lora_A.weight (r, in)
+    speculative_streaming.lora.layers.<i>.<module>.lora_B.weight (out, r)
+    speculative_streaming.pruning.down.weight                    (8, hidden)
+    speculative_streaming.pruning.up.weight                      (hidden, 8)
+
+``<module>`` is the projection's path inside the decoder layer, e.g.
+``self_attn.q_proj`` or ``mlp.down_proj``. The LoRA delta on a stream row x is
+``scale * lora_B(lora_A(x))`` with ``scale`` from the config; the pruning
+adapter is ``o(M) = M + up(down(M))``. ``config.json``::
+
+    "speculative_streaming": {"num_streams": 4, "stream_layers": 4,
+      "mode": "lossless", "lora": {"rank": 32, "scale": 2.0, "targets": [...]},
+      "pruning": {"rank": 8, "threshold": 0.0}, "trained": true}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Tuple
+
+import mlx.core as mx
+
+from ..streams import StreamConfig, StreamParams, _find_linear, lora_key
+
+PREFIX = "speculative_streaming."
+CONFIG_KEY = "speculative_streaming"
+
+
+def _module_path(layer, name: str) -> str:
+    return ("self_attn." if name in layer.self_attn else "mlp.") + name
+
+
+def streams_to_hf(model, streams: StreamParams) -> Tuple[Dict[str, mx.array], dict]:
+    """(tensors, config object) of ``streams`` in the HF layout."""
+    out = {PREFIX + "stream_embeddings": streams.embeddings}
+    for key, mods in (streams.lora or {}).items():
+        i = int(key[len("layer"):])
+        layer = model.layers[i]
+        for name, lora in mods.items():
+            base = f"{PREFIX}lora.layers.{i}.{_module_path(layer, name)}"
+            out[base + ".lora_A.weight"] = lora.a.T
+            out[base + ".lora_B.weight"] = lora.b.T
+    out[PREFIX + "pruning.down.weight"] = streams.pruning.down.T
+    out[PREFIX + "pruning.up.weight"] = streams.pruning.up.T
+    return out, streams.config.to_json()
+
+
+def split_stream_weights(weights: Dict[str, mx.array]):
+    """(base weights, stream weights) of a checkpoint's tensors."""
+    base = {k: v for k, v in weights.items() if not k.startswith(PREFIX)}
+    streams = {k[len(PREFIX):]: v for k, v in weights.items() if k.startswith(PREFIX)}
+    return base, streams
+
+
+def streams_from_hf(model, cfg_obj: dict, tensors: Dict[str, mx.array], where: str) -> StreamParams:
+    """Build :class:`StreamParams` from HF-layout tensors (names without the prefix)."""
+    cfg = StreamConfig.from_json(cfg_obj)
+    sp = StreamParams(model, cfg)
+    mapped = {"embeddings": tensors.pop("stream_embeddings", None),
+              "pruning.down": _t(tensors.pop("pruning.down.weight", None)),
+              "pruning.up": _t(tensors.pop("pruning.up.weight", None))}
+    for k in list(tensors):
+        if not k.startswith("lora.layers."):
+            continue
+        rest = k[len("lora.layers."):]
+        i, _, tail = rest.partition(".")
+        module, _, which = tail.rpartition(".lora_")
+        name = module.split(".")[-1]
+        field = "a" if which.startswith("A") else "b"
+        mapped[f"lora.{lora_key(int(i))}.{name}.{field}"] = _t(tensors.pop(k))
+    if tensors:
+        raise ValueError(f"{where}: unknown speculative_streaming tensors {sorted(tensors)[:3]}")
+    missing = [k for k, v in mapped.items() if v is None]
+    if missing:
+        raise ValueError(f"{where}: missing speculative_streaming tensors {missing}")
+    try:
+        sp.load_weights(list(mapped.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(f"{where}: speculative_streaming tensors do not match the config ({e})") from e
+    return sp
+
+
+def _t(x):
+    return None if x is None else x.T
+
+
+def fuse_peft_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tuple[Dict[str, mx.array], int]:
+    """Fuse a PEFT LoRA adapter into base weights: W += scale · B @ A. Returns (weights, fused count)."""
+    adapter_dir = Path(adapter_dir)
+    cfg_path = adapter_dir / "adapter_config.json"
+    w_path = adapter_dir / "adapter_model.safetensors"
+    if not cfg_path.exists():
+        raise ValueError(f"{cfg_path}: missing (not a PEFT adapter directory)")
+    if not w_path.exists():
+        raise ValueError(f"{w_path}: missing (only safetensors adapters are supported)")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    r = cfg["r"]
+    alpha = cfg.get("lora_alpha", r)
+    scale = alpha / (r ** 0.5) if cfg.get("use_rslora") else alpha / r
+    try:
+        ad = mx.load(str(w_path))
+    except Exception as e:  # corrupt file
+        raise ValueError(f"{w_path}: cannot read safetensors ({e})") from e
+    weights = dict(weights)
+    fused = 0
+    for k, A in ad.items():
+        if ".lora_A." not in k:
+            continue
+        B = ad.get(k.replace(".lora_A.", ".lora_B."))
+        if B is None:
+            raise ValueError(f"{w_path}: {k} has no matching lora_B")
+        target = k.split(".lora_A.")[0]
+        for prefix in ("base_model.model.", "base_model."):
+            if target.startswith(prefix):
+                target = target[len(prefix):]
+                break
+        wk = target + ".weight"
+        if wk not in weights:
+            raise ValueError(f"{w_path}: adapter targets {wk}, which the base model does not have")
+        W = weights[wk]
+        delta = (scale * (B.astype(mx.float32) @ A.astype(mx.float32))).astype(W.dtype)
+        if delta.shape != W.shape:
+            raise ValueError(f"{w_path}: {k} gives a {delta.shape} update for {wk} of shape {W.shape}")
+        weights[wk] = W + delta
+        fused += 1
+    if not fused:
+        raise ValueError(f"{w_path}: no lora_A/lora_B pairs found")
+    return weights, fused
