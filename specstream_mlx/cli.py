@@ -196,6 +196,68 @@ def export(
         _err(str(e))
 
 
+@app.command()
+def chat(
+    model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory or bundled name."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="ss, ar or lookup (default: ss when the model has streams)."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Most tokens per reply."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    tree: str = typer.Option("auto", "--tree", help="Draft tree for ss (see generate)."),
+):
+    """Chat with a model: streaming replies, multi-turn KV reuse, /commands."""
+    from .chat import run_chat
+    from .generation import MODES
+    from .loading import ModelLoadError, load
+    from .models import UnsupportedModelError
+
+    try:
+        m, tok = load(model)
+    except (ModelLoadError, UnsupportedModelError, ValueError) as e:
+        _err(str(e))
+    if mode is None:
+        mode = "ss" if m.streams is not None else "ar"
+    if mode not in MODES or (mode == "ss" and m.streams is None):
+        _err(f"mode {mode!r} is not available for this model")
+    raise typer.Exit(run_chat(m, tok, mode, temp, max_tokens, system, tree))
+
+
+@app.command()
+def serve(
+    model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory or bundled name."),
+    stdio: bool = typer.Option(False, "--stdio", help="JSON lines on stdin/stdout (docs/PROTOCOL.md)."),
+    http: bool = typer.Option(False, "--http", help="OpenAI-compatible HTTP server."),
+    host: str = typer.Option("127.0.0.1", "--host", help="HTTP bind address."),
+    port: int = typer.Option(8080, "--port", help="HTTP port."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="Default decoding mode (ss when the model has streams)."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", help="Prompt + reply token limit (default: the model's)."),
+):
+    """Serve a model to other programs: --stdio (JSON lines) or --http (OpenAI API)."""
+    from .generation import MODES
+    from .loading import ModelLoadError, load
+    from .models import UnsupportedModelError
+
+    if stdio == http:
+        _err("choose exactly one of --stdio or --http")
+    try:
+        m, tok = load(model)
+    except (ModelLoadError, UnsupportedModelError, ValueError) as e:
+        _err(str(e))
+    modes = [x for x in MODES if x != "ss" or m.streams is not None]
+    if mode is None:
+        mode = "ss" if m.streams is not None else "ar"
+    if mode not in modes:
+        _err(f"mode {mode!r} is not available for this model; available: {', '.join(modes)}")
+    ctx = max_context or m.args.max_position_embeddings or 4096
+    if stdio:
+        from .serve_stdio import serve_stdio
+
+        raise typer.Exit(serve_stdio(m, tok, mode, ctx, modes))
+    from .serve_http import serve_http
+
+    raise typer.Exit(serve_http(m, tok, str(m.path.name), mode, ctx, modes, host, port))
+
+
 @app.command("prepare-sharegpt")
 def prepare_sharegpt(
     out: str = typer.Option(..., "--out", help="Output data directory (train/valid/test.jsonl)."),

@@ -60,6 +60,9 @@ class GenerationResponse:
     tokens: List[int]
     stats: GenerationStats
     finish_reason: Optional[str] = None  # "stop" (EOS), "length", or None while running
+    # Every token the pass decided, before EOS/max-token truncation: the tokens
+    # whose keys and values may now be in the cache (for multi-turn reuse).
+    step_tokens: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -222,7 +225,7 @@ def stream_generate(
                 stats.tokens_per_second = (stats.generated_tokens - first_tokens) / elapsed
             stats.tokens_per_pass = stats.generated_tokens / stats.forward_passes
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-            yield GenerationResponse(detok.last_segment, out, stats, finish)
+            yield GenerationResponse(detok.last_segment, out, stats, finish, list(step.tokens))
             if finish is not None:
                 return
     finally:

@@ -1,0 +1,243 @@
+"""``specstream-mlx serve --stdio``: JSON lines over stdin/stdout (docs/PROTOCOL.md).
+
+One request per line on stdin; events on stdout, one JSON object per line;
+logs on stderr only. A reader thread parses and validates lines (so ``ping``
+and ``cancel`` are answered while a request generates); the main thread runs
+generation requests one at a time, in arrival order. Bad input of any kind
+gets an ``error`` event; EOF lets queued requests finish, then exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Dict, List, Optional
+
+from .sampling import SamplingParams
+from .session import ChatSession
+
+FIELDS = {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "mode", "stop", "seed",
+          "cancel", "ping"}
+MAX_LINE_BYTES = 4 << 20
+_EOF = object()
+
+
+class RequestError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Request:
+    id: Any
+    messages: List[Dict[str, str]]
+    max_tokens: int
+    sampling: SamplingParams
+    mode: str
+    stop: List[str]
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+def _is_id(v) -> bool:
+    return (isinstance(v, str) and 0 < len(v) <= 256) or (isinstance(v, int) and not isinstance(v, bool))
+
+
+def _num(req, key, default, kind, lo=None, hi=None):
+    v = req.get(key, default)
+    if v is None:
+        return default
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else isinstance(v, int) and not isinstance(v, bool)
+    if not ok:
+        raise RequestError("invalid_type", f'"{key}" must be a {"number" if kind is float else "integer"}')
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise RequestError("invalid_value", f'"{key}" must be in [{lo}, {hi}]')
+    return kind(v)
+
+
+class StdioServer:
+    def __init__(self, model, tokenizer, default_mode: str, max_context: int, out: BinaryIO, modes: List[str]):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.default_mode = default_mode
+        self.modes = modes
+        self.max_context = max_context
+        self.out = out
+        self.out_lock = threading.Lock()
+        self.queue: "queue.Queue" = queue.Queue()
+        self.live: Dict[Any, Request] = {}  # queued or running, by id
+        self.live_lock = threading.Lock()
+        self.session = ChatSession(model, tokenizer)
+
+    # --- output ---------------------------------------------------------------
+    def emit(self, obj: dict) -> None:
+        data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8", errors="replace")
+        with self.out_lock:
+            self.out.write(data)
+            self.out.flush()
+
+    def error(self, rid, code: str, message: str) -> None:
+        self.emit({"id": rid, "event": "error", "code": code, "message": message})
+
+    # --- input ----------------------------------------------------------------
+    def read_lines(self, stream: BinaryIO) -> None:
+        try:
+            while True:
+                raw = stream.readline(MAX_LINE_BYTES + 1)
+                if not raw:
+                    break
+                if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    while True:  # discard the rest of the over-long line
+                        more = stream.readline(MAX_LINE_BYTES)
+                        if not more or more.endswith(b"\n"):
+                            break
+                    self.error(None, "line_too_long", f"request lines are limited to {MAX_LINE_BYTES} bytes")
+                    continue
+                self.handle_line(raw)
+        finally:
+            self.queue.put(_EOF)
+
+    def handle_line(self, raw: bytes) -> None:
+        if not raw.strip():
+            return  # blank lines are ignored
+        rid = None
+        try:
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise RequestError("invalid_utf8", f"line is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            try:
+                req = json.loads(text)
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise RequestError("invalid_json", f"line is not valid JSON: {getattr(e, 'msg', e)}") from None
+            if not isinstance(req, dict):
+                raise RequestError("invalid_request", "a request must be a JSON object")
+            if "id" not in req:
+                raise RequestError("missing_id", 'every request needs an "id" (string or integer)')
+            if not _is_id(req["id"]):
+                raise RequestError("invalid_id", '"id" must be a non-empty string (<= 256 chars) or an integer')
+            rid = req["id"]
+            unknown = sorted(set(req) - FIELDS)
+            if unknown:
+                raise RequestError("unknown_field", f"unknown field(s): {', '.join(map(str, unknown))[:200]}")
+            if "ping" in req:
+                if req["ping"] is not True or len(req) != 2:
+                    raise RequestError("invalid_request", 'a ping is exactly {"id": ..., "ping": true}')
+                self.emit({"id": rid, "event": "pong"})
+                return
+            if "cancel" in req:
+                if req["cancel"] is not True or len(req) != 2:
+                    raise RequestError("invalid_request", 'a cancel is exactly {"id": ..., "cancel": true}')
+                with self.live_lock:
+                    target = self.live.get(rid)
+                if target is None:
+                    raise RequestError("not_found", f"no queued or running request with id {rid!r}")
+                target.cancel.set()
+                return
+            r = self.parse_generation(req)
+            with self.live_lock:
+                if rid in self.live:
+                    raise RequestError("duplicate_id", f"a request with id {rid!r} is already queued or running")
+                self.live[rid] = r
+            self.queue.put(r)
+        except RequestError as e:
+            self.error(rid, e.code, e.message)
+        except Exception as e:  # never let one line kill the reader
+            self.error(rid, "internal_error", f"{type(e).__name__}: {e}")
+
+    def parse_generation(self, req: dict) -> Request:
+        has_p, has_m = "prompt" in req, "messages" in req
+        if has_p == has_m:
+            raise RequestError("invalid_request", 'give exactly one of "prompt" or "messages"')
+        if has_p:
+            p = req["prompt"]
+            if not isinstance(p, str):
+                raise RequestError("invalid_type", '"prompt" must be a string')
+            if not p.strip():
+                raise RequestError("empty_prompt", '"prompt" is empty')
+            messages = [{"role": "user", "content": p}]
+        else:
+            m = req["messages"]
+            if not isinstance(m, list) or not m:
+                raise RequestError("invalid_type", '"messages" must be a non-empty list')
+            for x in m:
+                if not (isinstance(x, dict) and set(x) <= {"role", "content"} and isinstance(x.get("role"), str)
+                        and x["role"] in ("system", "user", "assistant") and isinstance(x.get("content"), str)):
+                    raise RequestError("invalid_type", 'each message is {"role": system|user|assistant, "content": string}')
+            if not any(x["content"].strip() for x in m):
+                raise RequestError("empty_prompt", "all messages are empty")
+            messages = [dict(x) for x in m]
+        # Cheap bound before tokenizing: no tokenizer packs more than ~64 chars per token.
+        if sum(len(x["content"]) for x in messages) > 64 * self.max_context:
+            raise RequestError("prompt_too_long", f"prompt exceeds the context of {self.max_context} tokens")
+        max_tokens = _num(req, "max_tokens", 256, int, 1, self.max_context)
+        temperature = _num(req, "temperature", 0.0, float, 0.0, 100.0)
+        top_p = _num(req, "top_p", 1.0, float, 1e-9, 1.0)
+        top_k = _num(req, "top_k", 0, int, 0, 1 << 30)
+        seed = _num(req, "seed", None, int, 0, (1 << 63) - 1) if req.get("seed") is not None else None
+        mode = req.get("mode", self.default_mode)
+        if mode is None:
+            mode = self.default_mode
+        if not isinstance(mode, str) or mode not in self.modes:
+            raise RequestError("invalid_value", f'"mode" must be one of {", ".join(self.modes)}')
+        stop = req.get("stop", [])
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is None:
+            stop = []
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
+            raise RequestError("invalid_type", '"stop" must be a string or a list of at most 16 strings')
+        return Request(req["id"], messages, max_tokens,
+                       SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed), mode, stop)
+
+    # --- generation -------------------------------------------------------------
+    def run(self, stream: BinaryIO) -> int:
+        reader = threading.Thread(target=self.read_lines, args=(stream,), daemon=True)
+        reader.start()
+        while True:
+            r = self.queue.get()
+            if r is _EOF:
+                return 0
+            try:
+                self.generate(r)
+            except Exception as e:  # one failed request must not end the server
+                self.error(r.id, "generation_failed", f"{type(e).__name__}: {e}")
+            finally:
+                with self.live_lock:
+                    self.live.pop(r.id, None)
+
+    def generate(self, r: Request) -> None:
+        if r.cancel.is_set():
+            self.emit({"id": r.id, "event": "done", "text": "", "finish_reason": "cancelled", "stats": {}})
+            return
+        from .generation import encode_prompt
+
+        n_prompt = len(encode_prompt(self.tokenizer, r.messages, use_chat_template=True))
+        if n_prompt >= self.max_context:
+            self.error(r.id, "prompt_too_long", f"prompt has {n_prompt} tokens; the context is {self.max_context}")
+            return
+        max_tokens = min(r.max_tokens, self.max_context - n_prompt)
+        kw = {"tree": "auto"} if r.mode == "ss" else {}
+        gen = self.session.stream(r.messages, max_tokens=max_tokens, sampling=r.sampling, mode=r.mode,
+                                  stop=r.stop, cancel=r.cancel, **kw)
+        while True:
+            try:
+                delta = next(gen)
+            except StopIteration as s:
+                reply = s.value
+                break
+            self.emit({"id": r.id, "event": "token", "text": delta})
+        self.emit({"id": r.id, "event": "done", "text": reply.text, "finish_reason": reply.finish_reason,
+                   "stats": reply.stats.to_dict() if reply.stats else {}})
+
+
+def serve_stdio(model, tokenizer, default_mode: str, max_context: int, modes: List[str]) -> int:
+    out = sys.stdout.buffer
+    # Anything else that prints (warnings, progress) goes to stderr, never into the protocol.
+    sys.stdout = sys.stderr
+    server = StdioServer(model, tokenizer, default_mode, max_context, out, modes)
+    return server.run(sys.stdin.buffer)
