@@ -36,3 +36,24 @@ def save_byte_tokenizer(out_dir: Path, chat_template: bool = True) -> None:
     if chat_template:
         fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
+
+
+def train_bpe_tokenizer(texts, vocab_size: int, out_dir: Path, chat_template: bool = True) -> None:
+    """A byte-level BPE tokenizer trained on ``texts`` (an iterable of strings),
+    saved as a standard Hugging Face tokenizer directory (same special tokens and
+    chat template as :func:`save_byte_tokenizer`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tk.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))

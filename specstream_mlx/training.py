@@ -94,10 +94,18 @@ class TrainConfig:
     val_batches: int = 8
     pruning_threshold: float = 0.0
     compile: bool = True
+    # Shared mode only: train every base weight (from-scratch demo models) instead of a LoRA.
+    full: bool = False
+    # False: a next-token-only baseline (no streams, no stream losses, no stream files).
+    streams: bool = True
 
     def __post_init__(self):
         if self.mode not in ("lossless", "shared"):
             raise ValueError(f"mode must be lossless or shared, got {self.mode!r}")
+        if self.full and self.mode != "shared":
+            raise ValueError("full training of the base is only meaningful in shared mode")
+        if not self.streams and self.mode != "shared":
+            raise ValueError("a no-streams baseline trains the base: use shared mode")
 
 
 class AllRowsLoRA:
@@ -126,7 +134,10 @@ class Trainable(nn.Module):
         )
         self.streams = new_streams(model, scfg, seed=cfg.seed)
         self.base_lora = {}
-        if cfg.mode == "shared" and cfg.lora_rank > 0:
+        if cfg.full:
+            model.unfreeze()
+            self.base = model  # every base weight trains, shared by main and streams
+        elif cfg.mode == "shared" and cfg.lora_rank > 0:
             mx.random.seed(cfg.seed + 1)
             for i, layer in enumerate(model.layers):
                 mods = {}
@@ -221,6 +232,9 @@ def compute_loss(model, trainable: Trainable, cfg: TrainConfig, tokens, loss_mas
         metrics["main_ce"] = main_loss
         metrics["main_acc"] = ((mx.argmax(logits, axis=-1) == tokens[:, 1:]) * lm).sum() / n_main
 
+    if not cfg.streams:
+        metrics["loss"] = total
+        return total, metrics
     if lossless:
         lora_for_layer = lambda i: streams.lora.get(lora_key(i)) if streams.lora else None
     else:
@@ -365,10 +379,11 @@ def write_model_dir(base_dir: Path, out_dir: Path, model, trainable, cfg: TrainC
         dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get(base_cfg.get("torch_dtype"), mx.float32)
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-    streams = trainable.streams
-    streams.config.trained = True
-    streams.config.extra = extra
-    save_streams(streams, tmp)
+    if cfg.streams:
+        streams = trainable.streams
+        streams.config.trained = True
+        streams.config.extra = extra
+        save_streams(streams, tmp)
     for f in tmp.iterdir():
         os.replace(f, out_dir / f.name)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -459,13 +474,14 @@ def train(
                 elapsed = time.perf_counter() - t_start
                 if step % cfg.steps_per_report == 0 or step == total:
                     m = _to_py(metrics)
-                    rec = {"step": step, "loss": lv, "stream_acc": m["stream_acc"], "stream_ce": m["stream_ce"],
+                    rec = {"step": step, "loss": lv, "stream_acc": m.get("stream_acc", []),
+                           "stream_ce": m.get("stream_ce", []), "main_acc": m.get("main_acc"),
                            "tokens_per_second": tokens_seen / elapsed}
                     result.history.append(rec)
                     if bar:
                         bar.set_postfix_str(
-                            f"loss {lv:.3f} ce " + "/".join(f"{c:.2f}" for c in m["stream_ce"])
-                            + " acc " + "/".join(f"{a:.2f}" for a in m["stream_acc"])
+                            f"loss {lv:.3f} ce " + "/".join(f"{c:.2f}" for c in m.get("stream_ce", []))
+                            + " acc " + "/".join(f"{a:.2f}" for a in m.get("stream_acc", []))
                             + f" {tokens_seen / elapsed:,.0f} tok/s"
                         )
                 if bar:
@@ -473,7 +489,7 @@ def train(
                 if valid_ds is not None and step % cfg.steps_per_eval == 0 and step < total:
                     v = evaluate(model, trainable, cfg, valid_ds, seq_len, cfg.val_batches)
                     log(f"[train] step {step}: valid loss {v['loss']:.3f}, stream top-1 "
-                        + " ".join(f"{a:.3f}" for a in v["stream_acc"]))
+                        + " ".join(f"{a:.3f}" for a in v.get("stream_acc", [])))
                 if step % cfg.save_every == 0 and step < total:
                     _save_checkpoint(ckpt, trainable, optimizer, step, cfg)
             epoch += 1
@@ -494,7 +510,7 @@ def train(
     if valid_ds is not None:
         result.val = evaluate(model, trainable, cfg, valid_ds, seq_len, cfg.val_batches)
         log(f"[train] final valid loss {result.val['loss']:.3f}, stream top-1 "
-            + " ".join(f"{a:.3f}" for a in result.val["stream_acc"]))
+            + " ".join(f"{a:.3f}" for a in result.val.get("stream_acc", [])))
     extra = {"steps": step, "train_tokens_per_second": result.tokens_per_second,
              "valid": result.val, "data": str(data_dir)}
     write_model_dir(base_dir, out, model, trainable, cfg, extra)

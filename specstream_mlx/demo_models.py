@@ -1,0 +1,180 @@
+"""Build the bundled demo models from scratch (`make demo-models`).
+
+Everything comes from this repository's own scripts and seeded data:
+
+* ``demo-sql``: a seeded sql-create-context-style corpus (:mod:`.datagen`), a BPE
+  tokenizer trained on it, a small Llama trained from random weights with the
+  shared-mode objective (main + 4 streams, all weights); ``demo-sql-baseline``
+  is trained identically with the next-token loss only; ``demo-sql-draft`` is a
+  smaller next-token model with the same tokenizer (the draft-model peer).
+* ``demo-chat``: a small Llama trained on ShareGPT V3 text (next-token), then
+  lossless streams trained on it (frozen base, self-distillation);
+  ``demo-chat-draft`` is the smaller draft model.
+
+Weights are stored in float16 to keep each model small; on the CPU they run in
+float32 (DESIGN §5). Sizes and step counts are set so the whole build fits in
+under an hour on a 2-core CPU; pass ``--scale`` to train longer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parent.parent
+RUNS = REPO / "runs"
+MODELS = REPO / "models"
+
+SQL_BASE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2)
+CHAT_BASE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2)
+DRAFT = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1)
+
+
+def log(msg: str) -> None:
+    print(f"[demo-models] {msg}", file=sys.stderr, flush=True)
+
+
+def init_model_dir(out: Path, tokenizer_dir: Path, shape: dict, seed: int) -> Path:
+    """A randomly initialised Llama (HF names, float32) with the given tokenizer."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from .models import build_model
+
+    tok_cfg = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = len(tok_cfg["model"]["vocab"]) + len([t for t in tok_cfg.get("added_tokens", [])
+                                                  if t["content"] not in tok_cfg["model"]["vocab"]])
+    cfg = dict(model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=10000.0,
+               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="float16",
+               max_position_embeddings=1024, **shape)
+    mx.random.seed(seed)
+    model = build_model(cfg)
+    # GPT-2-style init: N(0, 0.02), output projections scaled by depth.
+    L = shape["num_hidden_layers"]
+    weights = {}
+    for k, v in tree_flatten(model.parameters()):
+        if "norm" in k:
+            weights[k] = mx.ones(v.shape)
+        else:
+            std = 0.02 / (2 * L) ** 0.5 if k.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            weights[k] = mx.random.normal(v.shape) * std
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in tokenizer_dir.iterdir():
+        if f.is_file():
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def _texts(data_dir: Path):
+    for split in ("train.jsonl",):
+        with open(data_dir / split) as f:
+            for line in f:
+                r = json.loads(line)
+                if "messages" in r:
+                    yield "\n".join(m["content"] for m in r["messages"])
+                else:
+                    yield r.get("prompt", "") + "\n" + r.get("completion", "") + r.get("text", "")
+
+
+def _train(base: Path, data: Path, out: Path, **cfg_kw):
+    from .training import TrainConfig, train
+
+    cfg = TrainConfig(**cfg_kw)
+    t = time.time()
+    res = train(str(base), str(data), str(out), cfg, log=log)
+    log(f"trained {out.name} in {time.time() - t:.0f} s")
+    return res
+
+
+def _finalize(src: Path, name: str) -> Path:
+    """Copy a trained directory into models/NAME without training logs' bulk."""
+    dst = MODELS / name
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy2(f, dst / f.name)
+    # Store weights in float16 (the bundled size limit); CPU execution casts to float32.
+    import mlx.core as mx
+
+    for f in dst.glob("model*.safetensors"):
+        w = mx.load(str(f))
+        mx.save_safetensors(str(f), {k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v
+                                     for k, v in w.items()}, metadata={"format": "mlx"})
+    size = sum(f.stat().st_size for f in dst.iterdir()) / 1e6
+    log(f"models/{name}: {size:.1f} MB")
+    return dst
+
+
+def build_sql(scale: float = 1.0, seed: int = 0) -> None:
+    from .byte_tokenizer import train_bpe_tokenizer
+    from .datagen import write_sql_corpus
+
+    data = RUNS / "data" / "sql"
+    counts = write_sql_corpus(data, n_train=20000, n_valid=200, n_test=200, seed=seed)
+    log(f"sql corpus: {counts}")
+    tok = RUNS / "tok-sql"
+    train_bpe_tokenizer(_texts(data), 1024, tok)
+    steps = int(600 * scale)
+    common = dict(mode="shared", full=True, iters=steps, batch_size=16, max_seq_len=256, learning_rate=2e-3,
+                  warmup=50, seed=seed, steps_per_eval=200, save_every=200, stream_positions=16)
+    init = init_model_dir(RUNS / "sql-init", tok, SQL_BASE, seed)
+    _train(init, data, RUNS / "demo-sql", num_streams=4, stream_layers=2, alpha_stream=0.1, **common)
+    _finalize(RUNS / "demo-sql", "demo-sql")
+    _train(init, data, RUNS / "demo-sql-baseline", streams=False, **common)
+    _finalize(RUNS / "demo-sql-baseline", "demo-sql-baseline")
+    dinit = init_model_dir(RUNS / "sql-draft-init", tok, DRAFT, seed + 1)
+    _train(dinit, data, RUNS / "demo-sql-draft", streams=False, **{**common, "iters": int(300 * scale)})
+    _finalize(RUNS / "demo-sql-draft", "demo-sql-draft")
+
+
+def build_chat(scale: float = 1.0, seed: int = 0) -> None:
+    from .byte_tokenizer import train_bpe_tokenizer
+    from .sharegpt import write_sharegpt_jsonl
+
+    data = RUNS / "data" / "chat"
+    counts = write_sharegpt_jsonl(data, max_examples=30000, valid_fraction=0.01, seed=seed, max_turns=2,
+                                  max_chars=1200)
+    log(f"chat corpus: {counts}")
+    tok = RUNS / "tok-chat"
+    train_bpe_tokenizer(_texts(data), 4096, tok)
+    steps = int(500 * scale)
+    base_kw = dict(mode="shared", full=True, streams=False, batch_size=16, max_seq_len=128, learning_rate=2e-3,
+                   warmup=50, seed=seed, steps_per_eval=250, save_every=250)
+    init = init_model_dir(RUNS / "chat-init", tok, CHAT_BASE, seed)
+    _train(init, data, RUNS / "chat-base", iters=steps, **base_kw)
+    _train(RUNS / "chat-base", data, RUNS / "demo-chat", mode="lossless", num_streams=4, stream_layers=2,
+           lora_rank=16, iters=int(200 * scale), batch_size=16, max_seq_len=128, learning_rate=2e-3,
+           seed=seed, stream_positions=16, alpha_stream=1.0, steps_per_eval=100, save_every=100)
+    _finalize(RUNS / "demo-chat", "demo-chat")
+    dinit = init_model_dir(RUNS / "chat-draft-init", tok, DRAFT, seed + 1)
+    _train(dinit, data, RUNS / "demo-chat-draft", iters=int(300 * scale), **base_kw)
+    _finalize(RUNS / "demo-chat-draft", "demo-chat-draft")
+
+
+def main(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("which", nargs="*", default=["sql", "chat"], choices=["sql", "chat"])
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every step count")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    from .platform_info import maybe_reexec_with_openblas  # noqa: F401 (the Makefile preloads it)
+
+    for which in args.which:
+        (build_sql if which == "sql" else build_chat)(args.scale, args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
