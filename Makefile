@@ -7,7 +7,7 @@ UNAME  := $(shell uname -s)
 # The system OpenBLAS, preloaded for tests on Linux (the CLI preloads it itself).
 OPENBLAS = $(firstword $(wildcard /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0))
 
-.PHONY: install demo test bench-plain clean openblas
+.PHONY: install demo demo-models bench test bench-plain clean openblas
 
 install: $(STAMP)
 
@@ -38,6 +38,14 @@ demo: install
 
 test: install
 	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q
+
+# Rebuild the bundled demo models from scratch (about an hour on a 2-core CPU).
+demo-models: install
+	LD_PRELOAD="$(OPENBLAS)" $(PY) -m specstream_mlx.demo_models sql chat
+
+bench: install
+	$(VENV)/bin/specstream-mlx bench --model demo-sql --json bench-demo-sql.json
+	$(VENV)/bin/specstream-mlx bench --model demo-chat --json bench-demo-chat.json
 
 bench-plain: install
 	$(PY) examples/bench_plain.py

@@ -258,6 +258,41 @@ def serve(
     raise typer.Exit(serve_http(m, tok, str(m.path.name), mode, ctx, modes, host, port))
 
 
+@app.command()
+def bench(
+    model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory or bundled name."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for mlx_lm speculative decoding (default: MODEL-draft if present; '' for none)."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="Next-token-only baseline model to compare exact match with (default: MODEL-baseline if present)."),
+    prompts: int = typer.Option(8, "--prompts", help="Held-out prompts to decode."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens per prompt."),
+    temp: float = typer.Option(0.7, "--temp", help="Temperature of the sampling rows."),
+    tree: str = typer.Option("auto", "--tree", help="Draft tree for ss."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Write the JSON result here (default: bench-MODEL.json)."),
+    seed: int = typer.Option(0, "--seed"),
+):
+    """Benchmark ar, mlx_lm, mlx_lm with a draft model, lookup and ss on the same prompts."""
+    from .bench import markdown_table, run_bench, write_chart
+    from .loading import ModelLoadError, resolve_model_path
+
+    try:
+        path = resolve_model_path(model)
+    except ModelLoadError as e:
+        _err(str(e))
+    if baseline is None:
+        cand = path.parent / f"{path.name}-baseline"
+        baseline = str(cand) if cand.is_dir() else None
+    res = run_bench(str(path), draft=draft, baseline=baseline or None, n_prompts=prompts, max_tokens=max_tokens,
+                    temperature=temp, tree=tree, seed=seed, log=lambda s: typer.echo(s, err=True))
+    out = Path(json_out or f"bench-{path.name}.json")
+    out.write_text(json.dumps(res, indent=2))
+    md = markdown_table(res)
+    out.with_suffix(".md").write_text(md)
+    png = out.with_suffix(".png")
+    charted = write_chart(res, png)
+    typer.echo(md)
+    typer.echo(f"wrote {out}, {out.with_suffix('.md')}" + (f", {png}" if charted else " (no matplotlib: no chart)"), err=True)
+
+
 @app.command("prepare-sharegpt")
 def prepare_sharegpt(
     out: str = typer.Option(..., "--out", help="Output data directory (train/valid/test.jsonl)."),

@@ -1,6 +1,7 @@
-"""`make demo`: the users' path end to end on a self-built model.
+"""`make demo`: decode with the bundled demo models in `ar` and `ss` mode.
 
-Until the bundled, trained demo models exist, this writes a small *random*
+The tokens/s and tokens-per-pass (τ) lines come from `generate` itself. If the
+bundled models are missing, this instead writes a small *random*
 Llama-shaped checkpoint in Hugging Face layout (config.json, model.safetensors,
 a byte-level tokenizer), converts it with ``specstream-mlx convert`` and decodes
 with ``specstream-mlx generate``. The text is gibberish (random weights); the
@@ -42,10 +43,36 @@ def write_random_hf_checkpoint(out: Path, seed: int = 0) -> None:
     save_byte_tokenizer(out)
 
 
+DEMOS = [
+    ("demo-chat", "What is the best way to learn a new language?"),
+    ("demo-sql", "CREATE TABLE employees (name TEXT, department TEXT, salary INTEGER, age INTEGER)\n"
+                 "-- What is the average salary of employees with department Sales?"),
+]
+
+
+def bundled_demo(cli) -> bool:
+    """Decode with the bundled demo models in ar and ss mode; False when they are absent."""
+    from .loading import BUNDLED_MODELS_DIR
+
+    if not all((BUNDLED_MODELS_DIR / name / "config.json").exists() for name, _ in DEMOS):
+        return False
+    for name, prompt in DEMOS:
+        for mode in ("ar", "ss"):
+            print(f"\n[demo] specstream-mlx generate --model {name} --mode {mode} --max-tokens 64")
+            subprocess.run([*cli, "generate", "--model", name, "--prompt", prompt, "--max-tokens", "64",
+                            "--mode", mode, "--tree", "dynamic:12"], check=True)
+    print("\n[demo] chat with: .venv/bin/specstream-mlx chat        (or --model demo-sql)")
+    return True
+
+
 def main() -> int:
     cli = [sys.executable, "-m", "specstream_mlx"]
     src, dst = RUNS / "demo-hf", RUNS / "demo-mlx"
     subprocess.run([*cli, "--version"], check=True)
+    if bundled_demo(cli):
+        return 0
+    print("\n[demo] the bundled demo models are missing (make demo-models builds them); "
+          "showing the conversion pipeline on a random model instead")
     if not (src / "config.json").exists():
         print(f"\n[demo] writing a random 8-layer d=512 Llama checkpoint to {src}")
         write_random_hf_checkpoint(src)

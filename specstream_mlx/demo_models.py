@@ -117,6 +117,24 @@ def _finalize(src: Path, name: str) -> Path:
     return dst
 
 
+def write_bench_prompts(model_dir: Path, data_dir: Path, n: int = 24) -> None:
+    """Held-out prompts (test split) shipped with a model for `specstream-mlx bench`."""
+    rows = []
+    with open(data_dir / "test.jsonl") as f:
+        for line in f:
+            r = json.loads(line)
+            if "messages" in r:
+                user = next(m["content"] for m in r["messages"] if m["role"] == "user")
+                rows.append({"prompt": user})
+            else:
+                rows.append({"prompt": r["prompt"], "completion": r["completion"]})
+            if len(rows) >= n:
+                break
+    with open(model_dir / "bench_prompts.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
 def build_sql(scale: float = 1.0, seed: int = 0) -> None:
     from .byte_tokenizer import train_bpe_tokenizer
     from .datagen import write_sql_corpus
@@ -131,7 +149,7 @@ def build_sql(scale: float = 1.0, seed: int = 0) -> None:
                   warmup=50, seed=seed, steps_per_eval=200, save_every=200, stream_positions=16)
     init = init_model_dir(RUNS / "sql-init", tok, SQL_BASE, seed)
     _train(init, data, RUNS / "demo-sql", num_streams=4, stream_layers=2, alpha_stream=0.1, **common)
-    _finalize(RUNS / "demo-sql", "demo-sql")
+    write_bench_prompts(_finalize(RUNS / "demo-sql", "demo-sql"), data)
     _train(init, data, RUNS / "demo-sql-baseline", streams=False, **common)
     _finalize(RUNS / "demo-sql-baseline", "demo-sql-baseline")
     dinit = init_model_dir(RUNS / "sql-draft-init", tok, DRAFT, seed + 1)
@@ -157,7 +175,7 @@ def build_chat(scale: float = 1.0, seed: int = 0) -> None:
     _train(RUNS / "chat-base", data, RUNS / "demo-chat", mode="lossless", num_streams=4, stream_layers=2,
            lora_rank=16, iters=int(200 * scale), batch_size=16, max_seq_len=128, learning_rate=2e-3,
            seed=seed, stream_positions=16, alpha_stream=1.0, steps_per_eval=100, save_every=100)
-    _finalize(RUNS / "demo-chat", "demo-chat")
+    write_bench_prompts(_finalize(RUNS / "demo-chat", "demo-chat"), data)
     dinit = init_model_dir(RUNS / "chat-draft-init", tok, DRAFT, seed + 1)
     _train(dinit, data, RUNS / "demo-chat-draft", iters=int(300 * scale), **base_kw)
     _finalize(RUNS / "demo-chat-draft", "demo-chat-draft")

@@ -232,3 +232,27 @@ def test_http_errors_are_4xx_json_and_server_keeps_serving(http_server):
     # Still serving.
     r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "ok"}], max_tokens=3)
     assert r.choices[0].message.content is not None
+
+
+def test_bench_writes_json_markdown_and_chart(ss_model, tmp_path):
+    out = tmp_path / "b.json"
+    r = subprocess.run([*CLI, "bench", "--model", str(ss_model), "--prompts", "2", "--max-tokens", "8",
+                        "--json", str(out), "--draft", ""],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, SPECSTREAM_CACHE_DIR=str(tmp_path)))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    for k in ("cpu", "cores", "os", "mlx", "device", "blas"):
+        assert k in res["machine"]
+    methods = {x["method"]: x for x in res["results"]}
+    assert {"ar", "mlx_lm", "lookup", "ss", "ar@0.7", "ss@0.7"} <= set(methods)
+    for x in res["results"]:
+        for k in ("method", "temperature", "tokens_per_second_median", "speedup_vs_ar", "tokens_per_pass",
+                  "ttft_ms", "peak_memory_gb", "matches_ar"):
+            assert k in x
+    # Greedy lossless methods reproduce ar exactly; sampling rows have no such check.
+    assert methods["ss"]["matches_ar"] is True and methods["lookup"]["matches_ar"] is True
+    assert methods["mlx_lm"]["matches_ar"] is True
+    assert methods["ss@0.7"]["matches_ar"] is None
+    assert out.with_suffix(".md").read_text().count("\n| ") >= 6
+    assert out.with_suffix(".png").stat().st_size > 1000

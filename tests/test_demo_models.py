@@ -1,0 +1,46 @@
+"""The bundled demo models: present, small, trained, and exact under ss."""
+
+import json
+
+import pytest
+
+from specstream_mlx.generation import generate
+from specstream_mlx.loading import BUNDLED_MODELS_DIR, load
+from specstream_mlx.tree import TreeSpec
+
+NAMES = ["demo-sql", "demo-sql-baseline", "demo-sql-draft", "demo-chat", "demo-chat-draft"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bundled_model_is_small_and_loads(name):
+    d = BUNDLED_MODELS_DIR / name
+    size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+    assert size <= 25e6, f"{name} is {size / 1e6:.1f} MB"
+    model, tok = load(name, warn=False)
+    has_streams = (d / "specstream.json").exists()
+    assert has_streams == (name in ("demo-sql", "demo-chat"))
+    if has_streams:
+        assert json.loads((d / "specstream.json").read_text())["trained"] is True
+
+
+@pytest.mark.parametrize("name", ["demo-sql", "demo-chat"])
+def test_bundled_ss_equals_ar(name):
+    model, tok = load(name)
+    rows = [json.loads(l) for l in (BUNDLED_MODELS_DIR / name / "bench_prompts.jsonl").read_text().splitlines()][:3]
+    taus = []
+    for r in rows:
+        ss = generate(model, tok, r["prompt"], max_tokens=48, mode="ss", tree=TreeSpec("dynamic", budget=12))
+        ar = generate(model, tok, r["prompt"], max_tokens=48, mode="ar")
+        assert ss.tokens == ar.tokens
+        taus.append(ss.stats.tokens_per_pass)
+    # Trained streams: clearly more than one token per pass.
+    assert sum(taus) / len(taus) > 1.5
+
+
+def test_demo_sql_answers_held_out_questions():
+    model, tok = load("demo-sql")
+    rows = [json.loads(l) for l in (BUNDLED_MODELS_DIR / "demo-sql" / "bench_prompts.jsonl").read_text().splitlines()]
+    rows = rows[:8]
+    hits = sum(generate(model, tok, r["prompt"], max_tokens=64, mode="ss").text.strip() == r["completion"]
+               for r in rows)
+    assert hits >= 4, f"{hits}/8 exact matches"
