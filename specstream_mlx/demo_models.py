@@ -167,17 +167,17 @@ def build_chat(scale: float = 1.0, seed: int = 0) -> None:
     log(f"chat corpus: {counts}")
     tok = RUNS / "tok-chat"
     train_bpe_tokenizer(_texts(data), 4096, tok)
-    steps = int(500 * scale)
+    steps = int(350 * scale)
     base_kw = dict(mode="shared", full=True, streams=False, batch_size=16, max_seq_len=128, learning_rate=2e-3,
                    warmup=50, seed=seed, steps_per_eval=250, save_every=250)
     init = init_model_dir(RUNS / "chat-init", tok, CHAT_BASE, seed)
     _train(init, data, RUNS / "chat-base", iters=steps, **base_kw)
     _train(RUNS / "chat-base", data, RUNS / "demo-chat", mode="lossless", num_streams=4, stream_layers=2,
-           lora_rank=16, iters=int(200 * scale), batch_size=16, max_seq_len=128, learning_rate=2e-3,
+           lora_rank=16, iters=int(140 * scale), batch_size=16, max_seq_len=128, learning_rate=2e-3,
            seed=seed, stream_positions=16, alpha_stream=1.0, steps_per_eval=100, save_every=100)
     write_bench_prompts(_finalize(RUNS / "demo-chat", "demo-chat"), data)
     dinit = init_model_dir(RUNS / "chat-draft-init", tok, DRAFT, seed + 1)
-    _train(dinit, data, RUNS / "demo-chat-draft", iters=int(300 * scale), **base_kw)
+    _train(dinit, data, RUNS / "demo-chat-draft", iters=int(210 * scale), **base_kw)
     _finalize(RUNS / "demo-chat-draft", "demo-chat-draft")
 
 

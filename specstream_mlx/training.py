@@ -403,6 +403,8 @@ def train(
 
     base_dir = resolve_model_path(model_path)
     model, tokenizer = load(str(base_dir), warn=False)
+    if not cfg.streams:
+        cfg.stream_layers = min(cfg.stream_layers, len(model.layers))  # unused by a baseline
     if cfg.stream_layers > len(model.layers):
         raise TrainError(f"--stream-layers {cfg.stream_layers} exceeds the model's {len(model.layers)} layers")
     model.freeze()
