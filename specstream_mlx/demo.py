@@ -43,10 +43,12 @@ def write_random_hf_checkpoint(out: Path, seed: int = 0) -> None:
     save_byte_tokenizer(out)
 
 
+# (model, prompt, extra flags). demo-chat is a tiny, briefly trained model whose
+# greedy output degenerates into newlines, so it samples (ss sampling is lossless).
 DEMOS = [
-    ("demo-chat", "What is the best way to learn a new language?"),
+    ("demo-chat", "What is the best way to learn a new language?", ["--temp", "0.7", "--seed", "0"]),
     ("demo-sql", "CREATE TABLE employees (name TEXT, department TEXT, salary INTEGER, age INTEGER)\n"
-                 "-- What is the average salary of employees with department Sales?"),
+                 "-- What is the average salary of employees with department Sales?", []),
 ]
 
 
@@ -54,13 +56,13 @@ def bundled_demo(cli) -> bool:
     """Decode with the bundled demo models in ar and ss mode; False when they are absent."""
     from .loading import BUNDLED_MODELS_DIR
 
-    if not all((BUNDLED_MODELS_DIR / name / "config.json").exists() for name, _ in DEMOS):
+    if not all((BUNDLED_MODELS_DIR / name / "config.json").exists() for name, _, _ in DEMOS):
         return False
-    for name, prompt in DEMOS:
+    for name, prompt, extra in DEMOS:
         for mode in ("ar", "ss"):
-            print(f"\n[demo] specstream-mlx generate --model {name} --mode {mode} --max-tokens 64")
+            print(f"\n[demo] specstream-mlx generate --model {name} --mode {mode} --max-tokens 64 {' '.join(extra)}")
             subprocess.run([*cli, "generate", "--model", name, "--prompt", prompt, "--max-tokens", "64",
-                            "--mode", mode, "--tree", "dynamic:12"], check=True)
+                            "--mode", mode, "--tree", "dynamic:12", *extra], check=True)
     print("\n[demo] chat with: .venv/bin/specstream-mlx chat        (or --model demo-sql)")
     return True
 
