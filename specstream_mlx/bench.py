@@ -30,6 +30,7 @@ class Run:
     tps: float
     passes: int
     peak_gb: float
+    eos: bool = False
 
 
 @dataclass
@@ -66,7 +67,8 @@ def _timed(stream: Iterator, tokens_of: Callable, is_pass: Callable) -> Run:
         toks.extend(new)
         text.append(r.text)
     tps = after_first / (last - first) if last and last > first else 0.0
-    return Run(toks, "".join(text), (first or t0) - t0, tps, passes, mx.get_peak_memory() / 1e9)
+    eos = getattr(r, "finish_reason", None) == "stop" if first is not None else False
+    return Run(toks, "".join(text), (first or t0) - t0, tps, passes, mx.get_peak_memory() / 1e9, eos)
 
 
 def _load_prompts(model_dir: Path, n: int) -> List[dict]:
@@ -156,13 +158,15 @@ def run_bench(model: str, draft: Optional[str] = None, baseline: Optional[str] =
         from tqdm import tqdm
 
         bar = tqdm(total=len(methods) * (len(prompts) + 1), desc="bench", unit="run")
-    runs: Dict[str, List[Run]] = {}
+    runs: Dict[str, List[Run]] = {name: [] for name in methods}
     for name, fn in methods.items():
         fn(0)  # warm-up (also measures --tree auto step costs once)
         if bar:
             bar.update(1)
-        runs[name] = []
-        for i in range(len(prompts)):
+    # Round-robin over methods for each prompt, so slow drifts of the machine
+    # (frequency, other load) hit every method alike.
+    for i in range(len(prompts)):
+        for name, fn in methods.items():
             runs[name].append(fn(i))
             if bar:
                 bar.update(1)
@@ -193,11 +197,13 @@ def run_bench(model: str, draft: Optional[str] = None, baseline: Optional[str] =
         if "completion" in prompts[0] and name in ("ss", "ar", "baseline-ar"):
             exact = sum(r.text.strip() == p["completion"].strip() for r, p in zip(rs, prompts)) / len(prompts)
         total = sum(len(strip(r.tokens)) for r in rs)
+        # τ counts every token a pass decided, the EOS that ends a reply included.
+        decided = sum(len(strip(r.tokens)) + (len(strip(r.tokens)) < len(r.tokens) or r.eos) for r in rs)
         passes = sum(r.passes for r in rs)
         results.append(MethodResult(
             method=name, temperature=temp, tokens_per_second_median=med, tokens_per_second_min=min(tps),
             tokens_per_second_max=max(tps), speedup_vs_ar=(med / ref if ref else None),
-            tokens_per_pass=total / passes if passes else 0.0,
+            tokens_per_pass=decided / passes if passes else 0.0,
             ttft_ms=1000 * statistics.median(r.ttft for r in rs),
             peak_memory_gb=max(r.peak_gb for r in rs), matches_ar=matches, exact_match=exact,
             generated_tokens=total,
