@@ -223,7 +223,9 @@ def stream_generate(
                 first_tokens = stats.generated_tokens
             elif elapsed > 0:
                 stats.tokens_per_second = (stats.generated_tokens - first_tokens) / elapsed
-            stats.tokens_per_pass = stats.generated_tokens / stats.forward_passes
+            # τ counts every token a pass decided, including an EOS that ends the reply.
+            decided = stats.generated_tokens + (1 if finish == "stop" else 0)
+            stats.tokens_per_pass = decided / stats.forward_passes
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
             yield GenerationResponse(detok.last_segment, out, stats, finish, list(step.tokens))
             if finish is not None:
