@@ -90,14 +90,12 @@ def _resolve_source(hf_path: str) -> Path:
 
 
 def read_config(src: Path) -> dict:
-    cfg = src / "config.json"
-    if not cfg.exists():
-        raise ConvertError(f"{cfg}: missing config.json")
+    from ..loading import ModelLoadError, load_config
+
     try:
-        with open(cfg) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConvertError(f"{cfg}: invalid JSON ({e})") from e
+        return load_config(src)
+    except ModelLoadError as e:
+        raise ConvertError(str(e)) from e
 
 
 def _load_safetensors(path: str) -> Dict[str, mx.array]:

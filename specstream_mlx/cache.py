@@ -65,20 +65,18 @@ class KVCache:
         return n
 
     def commit(self, slots: Union[Sequence[int], mx.array]) -> None:
-        """Keep rows ``slots`` (indices into the last step's rows, ascending path
-        order) at ``start .. start+len(slots)`` and make that the new offset."""
-        idx = slots if isinstance(slots, mx.array) else mx.array(list(slots), dtype=mx.int32)
-        a = int(idx.shape[0])
+        """Keep rows ``slots`` (indices into the last step's rows, in path order)
+        at ``start .. start+len(slots)`` and make that the new offset."""
+        slots = slots.tolist() if isinstance(slots, mx.array) else [int(i) for i in slots]
+        a = len(slots)
         if a > self._last_len:
             raise ValueError(f"commit of {a} slots after a step of {self._last_len} rows")
         start = self._last_start
-        # A prefix 0..a-1 is already in place (the common all-main-path case).
-        if not _is_identity_prefix(slots, a):
-            src = start + idx
-            k = mx.take(self.keys, src, axis=2)
-            v = mx.take(self.values, src, axis=2)
-            self.keys[..., start : start + a, :] = k
-            self.values[..., start : start + a, :] = v
+        # A path 0..a-1 is already in place (a chain draft accepted from its root).
+        if slots != list(range(a)):
+            src = start + mx.array(slots, dtype=mx.int32)
+            self.keys[..., start : start + a, :] = mx.take(self.keys, src, axis=2)
+            self.values[..., start : start + a, :] = mx.take(self.values, src, axis=2)
         self.offset = start + a
         self._last_len = a
 
@@ -89,12 +87,6 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
-
-
-def _is_identity_prefix(slots, a: int) -> bool:
-    if isinstance(slots, mx.array):
-        return False
-    return list(slots) == list(range(a))
 
 
 def make_cache(model) -> List[KVCache]:
@@ -108,7 +100,5 @@ def trim_cache(cache: List[KVCache], n: int) -> None:
 
 
 def commit_cache(cache: List[KVCache], slots: Sequence[int]) -> None:
-    idx = mx.array(list(slots), dtype=mx.int32)
-    identity = list(slots) == list(range(len(slots)))
     for c in cache:
-        c.commit(list(slots) if identity else idx)
+        c.commit(slots)

@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
 
 from .models import build_model
 
@@ -169,7 +169,3 @@ def load(path_or_name: str, dtype="auto", lazy: bool = False, warn: bool = True)
     object.__setattr__(model, "path", path)
     tokenizer = load_tokenizer(path)
     return model, tokenizer
-
-
-def num_parameters(model: nn.Module) -> int:
-    return sum(v.size for _, v in tree_flatten(model.parameters()))

@@ -165,9 +165,6 @@ def stream_logits(model, out: SSOutput, node: int) -> mx.array:
 def commit_ss(cache, streams: StreamParams, model, out: SSOutput, path) -> None:
     """Keep the accepted path: lower layers index the full tree, MSA layers the kept rows."""
     s0 = len(model.layers) - streams.config.stream_layers
-    upper = list(path)
     lower = [int(out.kept[i]) for i in path]
-    lo = lower if lower == list(range(len(lower))) else mx.array(lower, dtype=mx.int32)
-    up = upper if upper == list(range(len(upper))) else mx.array(upper, dtype=mx.int32)
     for i, c in enumerate(cache):
-        c.commit(lo if i < s0 else up)
+        c.commit(lower if i < s0 else path)

@@ -90,23 +90,11 @@ class ChatSession:
         self.seq = list(ids)
         return ids[keep:]
 
-    def stream(
-        self,
-        messages: List[Dict[str, str]],
-        max_tokens: int = 512,
-        sampling: Optional[SamplingParams] = None,
-        mode: str = "ar",
-        stop: Sequence[str] = (),
-        cancel: Optional[threading.Event] = None,
-        reply: Optional[Reply] = None,
-        **mode_kwargs,
-    ) -> Generator[str, None, Reply]:
-        """Generate the assistant's answer to ``messages``, yielding text deltas.
-
-        Stops on EOS, ``max_tokens``, a stop string, or when ``cancel`` is set
-        (``finish_reason`` "cancelled"). Returns the :class:`Reply`."""
+    def stream(self, messages: List[Dict[str, str]], **kw) -> Generator[str, None, Reply]:
+        """Generate the assistant's answer to ``messages`` (chat template applied);
+        same arguments and behaviour as :meth:`stream_ids`."""
         ids = encode_prompt(self.tokenizer, messages, use_chat_template=True)
-        return (yield from self.stream_ids(ids, max_tokens, sampling, mode, stop, cancel, reply, **mode_kwargs))
+        return (yield from self.stream_ids(ids, **kw))
 
     def stream_ids(
         self,
@@ -119,7 +107,10 @@ class ChatSession:
         reply: Optional[Reply] = None,
         **mode_kwargs,
     ) -> Generator[str, None, Reply]:
-        """Like :meth:`stream` for a prompt already tokenized (no chat template)."""
+        """Stream the reply to token ids ``ids``, yielding text deltas.
+
+        Stops on EOS, ``max_tokens``, a stop string, or when ``cancel`` is set
+        (``finish_reason`` "cancelled"). Returns the :class:`Reply`."""
         if not ids:
             raise ValueError("empty prompt")
         reply = reply if reply is not None else Reply()

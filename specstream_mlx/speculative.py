@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from .acceptance import Verdict, greedy_verify, sample_verify
-from .cache import make_cache
+from .cache import commit_cache, make_cache
 from .generation import Step, ar_steps, prefill
 from .msa import commit_ss, prefix_tree_mask, ss_forward, stream_logits
 from .sampling import SamplingParams, target_logprobs
@@ -238,7 +238,6 @@ def lookup_steps(
     cache=None,
     draft_len: int = 5,
     prefill_chunk: int = 512,
-    **_,
 ) -> Generator[Step, None, None]:
     """Prompt-lookup decoding verified exactly like ``ss`` (lossless)."""
     cache = cache if cache is not None else make_cache(model)
@@ -260,8 +259,7 @@ def lookup_steps(
             q = np.zeros((len(draft), logits.shape[-1]))
             q[np.arange(len(draft)), draft] = 1.0
         verdict = _verify(tree, buf, logits, sampling, q, rng)
-        for c in cache:
-            c.commit(verdict.path if verdict.path == list(range(len(verdict.path))) else mx.array(verdict.path))
+        commit_cache(cache, verdict.path)
         new = [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
         history.extend(new)
         root = verdict.bonus

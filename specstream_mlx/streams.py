@@ -199,10 +199,6 @@ def save_streams(streams: StreamParams, out_dir: Path) -> None:
         json.dump(streams.config.to_json(), f, indent=2)
 
 
-def has_streams(model_dir: Path) -> bool:
-    return (Path(model_dir) / CONFIG_FILE).exists()
-
-
 def load_streams(model, model_dir: Path, warn=True) -> Optional[StreamParams]:
     """The streams stored beside a model, or None when it has none."""
     model_dir = Path(model_dir)
