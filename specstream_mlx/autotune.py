@@ -33,13 +33,15 @@ from .tree import Tree, TreeSpec, dynamic_tree
 CANDIDATE_BUDGETS = (2, 4, 8, 12, 16, 24)
 CACHE_FILE = Path(os.environ.get("SPECSTREAM_CACHE_DIR", Path.home() / ".cache" / "specstream-mlx")) / "step_costs.json"
 WARMUP_STEPS = 6
+# Bump when the pass changes what it computes per sync: cached costs are then re-measured.
+COST_VERSION = 2
 
 
 def _model_key(model, streams) -> str:
     from .platform_info import blas_in_use
 
     a = model.args
-    ident = [a.model_type, a.hidden_size, a.num_hidden_layers, a.intermediate_size, a.vocab_size,
+    ident = [COST_VERSION, a.model_type, a.hidden_size, a.num_hidden_layers, a.intermediate_size, a.vocab_size,
              a.num_attention_heads, a.num_key_value_heads, streams.num_streams,
              streams.config.stream_layers, str(mx.default_device()), blas_in_use(),
              str(model.model.norm.weight.dtype), "quantized" if "Quantized" in str(type(model.layers[0].mlp.down_proj)) else "float"]
@@ -58,6 +60,10 @@ def measure_step_costs(model, streams, context: int = 128, reps: int = 5, budget
     """Cost of one ss pass with ``b`` draft nodes relative to one plain step."""
     from .cache import make_cache
     from .msa import ss_forward
+    from .sampling import SamplingParams
+    from .speculative import greedy_accepted_node, next_draft_logits, stream_candidates
+
+    GREEDY = SamplingParams()
 
     def timed(fn):
         fn()  # warm-up
@@ -72,21 +78,36 @@ def measure_step_costs(model, streams, context: int = 128, reps: int = 5, budget
     model(mx.array([[1] * context]), cache=cache)
     mx.eval([c.keys for c in cache])
 
-    def plain():
-        logits = model(mx.array([[5]]), cache=cache)
-        mx.eval(mx.argmax(logits[:, -1], axis=-1))
+    def plain(n=8):
+        # Pipelined like ar_steps: the next step is queued before the host reads a token.
+        y = mx.argmax(model(mx.array([[5]]), cache=cache)[:, -1], axis=-1)
+        mx.async_eval(y)
+        for _ in range(n):
+            nxt = mx.argmax(model(y.reshape(1, 1), cache=cache)[:, -1], axis=-1)
+            mx.async_eval(nxt)
+            y.item()
+            y = nxt
+        y.item()
         for c in cache:
-            c.trim(1)
+            c.trim(c.offset - context)
 
-    base = timed(plain)
+    base = timed(plain) / 9
     costs = {0: 1.0}
     depth = streams.num_streams
     for b in budgets:
         tree = _synthetic_tree(b, depth)
 
         def step(tree=tree):
+            # What one greedy pass evaluates in its single sync (see ss_steps).
             out = ss_forward(model, streams, tree, context, cache)
-            mx.eval(mx.argmax(out.main_logits, axis=-1), model.lm_logits(out.stream_hidden[0][None]))
+            am = mx.argmax(out.main_logits, axis=-1)
+            node = greedy_accepted_node(am, out)
+            cand = stream_candidates(next_draft_logits(model, out, node), 8, GREEDY)
+            mx.eval(am, node, *cand[:2])
+            # Host work of a pass: commit a short path, build the next tree.
+            for c in cache:
+                c.commit([0, len(tree) - 1] if len(tree) > 2 else [0])
+            dynamic_tree(1, np.array(cand[0]), np.array(cand[1]), b)
             for c in cache:
                 c.trim(c.offset - context)
 

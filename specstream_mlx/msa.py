@@ -46,11 +46,10 @@ def msa_tree_part(anc: np.ndarray, gamma: int) -> np.ndarray:
     R = n * (1 + gamma)
     m = np.zeros((R, R), dtype=bool)
     m[:n, :n] = anc
-    for t in range(n):
-        for j in range(gamma):
-            r = n + t * gamma + j
-            m[r, :n] = anc[t]
-            m[r, n + t * gamma : r + 1] = True
+    m[n:, :n] = np.repeat(anc, gamma, axis=0)
+    # Streams of one node: a lower-triangular γ x γ block on the diagonal.
+    blocks = np.kron(np.eye(n, dtype=bool), np.tril(np.ones((gamma, gamma), dtype=bool)))
+    m[n:, n:] = blocks
     return m
 
 
@@ -93,6 +92,7 @@ class SSOutput:
         main_logits: (n_kept, V) target logits at each kept node.
         stream_hidden: (n_kept, γ, h) normed-later hidden states of the streams.
         pruned: nodes dropped by pruning.
+        offset: cached prefix length when the pass started (the root's position).
     """
 
     tree: Tree
@@ -101,6 +101,7 @@ class SSOutput:
     main_logits: mx.array
     stream_hidden: mx.array
     pruned: int
+    offset: int = 0
 
 
 def ss_forward(
@@ -154,11 +155,11 @@ def ss_forward(
         x = msa_layer(layers[i], x, nk, mask, cache[i] if cache else None, pos_all, adapter)
     main_logits = model.lm_logits(x[:, :nk])[0]
     stream_hidden = x[0, nk:].reshape(nk, gamma, -1)
-    return SSOutput(kept_tree, kept_buf, kept, main_logits, stream_hidden, n - nk)
+    return SSOutput(kept_tree, kept_buf, kept, main_logits, stream_hidden, n - nk, offset)
 
 
 def stream_logits(model, out: SSOutput, node: int) -> mx.array:
-    """(γ, V) logits of the streams hosted at kept node ``node``."""
+    """(γ, V) logits of the streams hosted at kept node ``node`` (int or device scalar)."""
     return model.lm_logits(out.stream_hidden[node][None])[0]
 
 

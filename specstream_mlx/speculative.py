@@ -50,42 +50,64 @@ class Draft:
     scores: Optional[List[float]] = None
 
 
+def stream_candidates(logits: mx.array, K: int, sampling: SamplingParams):
+    """Device-side candidates of stream logits (..., γ, V): the top-K token ids
+    and their probabilities in descending order, and (sampling only) the
+    processed distributions the drafts are drawn from. Lazy: the caller
+    evaluates them in the same sync as verification."""
+    logits = logits.astype(mx.float32)
+    probs = mx.softmax(logits, axis=-1)
+    K = min(K, logits.shape[-1])
+    if K < logits.shape[-1]:
+        part = mx.argpartition(-probs, kth=K - 1, axis=-1)[..., :K]
+    else:
+        part = mx.broadcast_to(mx.arange(K), probs.shape)
+    ptop = mx.take_along_axis(probs, part, axis=-1)
+    order = mx.argsort(-ptop, axis=-1)
+    top = mx.take_along_axis(part, order, axis=-1)
+    ptop = mx.take_along_axis(ptop, order, axis=-1)
+    q = None if sampling.greedy else _probs(logits, sampling)
+    return top, ptop, q
+
+
+def num_candidates(spec: TreeSpec, score_budget: int = 0) -> int:
+    """Top-K per stream that a tree of ``spec`` (and --tree auto's scoring) needs."""
+    return max(spec.widths) if spec.kind == "cartesian" else min(max(spec.budget, score_budget), 8)
+
+
 def draft_tree(
     root: int,
-    logits: mx.array,
+    top: np.ndarray,
+    ptop: np.ndarray,
+    q: Optional[np.ndarray],
     spec: TreeSpec,
     sampling: SamplingParams,
     rng: np.random.Generator,
     score_budget: int = 0,
 ) -> Draft:
-    """Next draft tree from the γ stream logits (γ, V) of the last accepted node.
+    """Next draft tree from the stream candidates of the last accepted node.
 
-    Greedy: top-k candidates per stream (Cartesian or dynamic tree). Sampling:
-    i.i.d. draws from each stream's processed distribution, shared by every
-    parent at that depth (what :func:`sample_verify` needs to stay lossless).
+    ``top``/``ptop``: (γ, K) top tokens and probabilities per stream; ``q``:
+    (γ, V) processed distributions when sampling. Greedy: Cartesian or dynamic
+    tree over the top-k. Sampling: i.i.d. draws from each stream's processed
+    distribution, shared by every parent at that depth (what
+    :func:`sample_verify` needs to stay lossless).
     """
-    depth = min(spec.max_depth, logits.shape[0])
+    depth = min(spec.max_depth, top.shape[0])
     if depth == 0:
         return Draft(Tree((root,), (-1,)))
-    logits = logits[:depth]
-    K = max(spec.widths) if spec.kind == "cartesian" else min(max(spec.budget, score_budget), 8)
-    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-    top = mx.argsort(-probs, axis=-1)[:, :K]
-    q = _probs(logits, sampling) if not sampling.greedy else None
-    mx.eval(top, probs, *([q] if q is not None else []))
-    top_np = np.array(top)
-    p_np = np.array(mx.take_along_axis(probs, top, axis=-1))
-    cands = dynamic_candidates(top_np, p_np, max(spec.budget if spec.kind == "dynamic" else 0, score_budget))
+    top, ptop = top[:depth], ptop[:depth]
+    cands = dynamic_candidates(top, ptop, max(spec.budget if spec.kind == "dynamic" else 0, score_budget))
     scores = [c[2] for c in cands]
     if sampling.greedy:
         if spec.kind == "cartesian":
-            tree = cartesian_tree(root, top_np, spec.widths[:depth])
-            predicted = _expected_accepted(tree, top_np, p_np)
+            tree = cartesian_tree(root, top, spec.widths[:depth])
+            predicted = _expected_accepted(tree, top, ptop)
         else:
-            tree = dynamic_tree(root, top_np, p_np, spec.budget, cands)
+            tree = dynamic_tree(root, top, ptop, spec.budget, cands)
             predicted = float(sum(scores[: spec.budget]))
         return Draft(tree, None, predicted, scores)
-    q = np.array(q).astype(np.float64)
+    q = np.asarray(q[:depth], dtype=np.float64)
     q /= q.sum(axis=-1, keepdims=True)
     widths = spec.widths[:depth] if spec.kind == "cartesian" else _budget_widths(spec.budget, depth)
     draws = [rng.choice(q.shape[1], size=w, p=q[g]) for g, w in enumerate(widths)]
@@ -121,14 +143,14 @@ def _expected_accepted(tree: Tree, top: np.ndarray, probs: np.ndarray) -> float:
     return total
 
 
-def _verify(out_tree, buffers, main_logits, sampling, draft_q, rng, extra=None) -> Verdict:
-    """Verify on the host; ``extra`` arrays are evaluated in the same sync."""
+def _verify(out_tree, buffers, main_logits, sampling, draft_q, rng) -> Verdict:
+    """Verify on the host (one sync)."""
     if sampling.greedy:
         am = mx.argmax(main_logits, axis=-1)
-        mx.eval(am, *(extra or []))
+        mx.eval(am)
         return greedy_verify(out_tree.tokens, buffers.children, np.array(am))
     target = _probs(main_logits, sampling)
-    mx.eval(target, *(extra or []))
+    mx.eval(target)
     target = np.array(target)
     if draft_q is None:
         draft_q = np.zeros((0, target.shape[1]))
@@ -136,14 +158,34 @@ def _verify(out_tree, buffers, main_logits, sampling, draft_q, rng, extra=None) 
 
 
 # Below this many stream-logit elements (kept nodes x γ x vocab) the streams of
-# every kept node go through the LM head in the verification pass itself, saving
-# a second host sync; above it only the accepted node's streams are computed.
+# every kept node go through the LM head in the verification pass itself when
+# sampling (the accepted node is only known after host-side rejection sampling);
+# above it only the accepted node's streams are computed, after a second sync.
 EAGER_STREAM_LOGITS = 1 << 16
 
 
-def next_draft_logits(model, out, node: int, all_logits: Optional[mx.array] = None) -> mx.array:
-    """(γ, V) stream logits at the last accepted node (precomputed when eager)."""
-    return all_logits[node] if all_logits is not None else stream_logits(model, out, node)
+def next_draft_logits(model, out, node) -> mx.array:
+    """(γ, V) stream logits at kept node ``node`` (an int, or a device scalar)."""
+    return stream_logits(model, out, node)
+
+
+def greedy_accepted_node(target_argmax: mx.array, out) -> mx.array:
+    """The last node greedy verification will accept, computed on the device so
+    that the next draft's stream logits join the verification sync.
+
+    Siblings carry distinct tokens, so the nodes whose own token and every
+    ancestor's token match the target's argmax at their parent form one chain
+    from the root; its deepest node is the answer. :func:`greedy_verify` on the
+    host remains the authority (``ss_steps`` checks that both agree)."""
+    n = len(out.tree)
+    if n == 1:
+        return mx.array(0, dtype=mx.int32)
+    b = out.buffers
+    par = mx.array(b.parents[1:].astype(np.int32))
+    toks = mx.array(np.asarray(out.tree.tokens[1:], dtype=np.int32))
+    bad = mx.concatenate([mx.zeros((1,)), (toks != target_argmax[par]).astype(mx.float32)])
+    on_path = (mx.array(b.ancestor_mask.astype(np.float32)) @ bad) == 0
+    return mx.argmax(mx.where(on_path, mx.array(b.depths), -1)).astype(mx.int32)
 
 
 def ss_steps(
@@ -158,6 +200,10 @@ def ss_steps(
     log=None,
 ) -> Generator[Step, None, None]:
     """Speculative Streaming decoding; yields the tokens each pass decided.
+
+    One host sync per pass: the verification inputs and the next draft's
+    stream candidates are evaluated together (greedy always; sampling when the
+    stream logits of every node are small enough to compute eagerly).
 
     Args:
         tree: a :class:`TreeSpec`, ``"auto"`` (measure and choose; may fall
@@ -178,6 +224,7 @@ def ss_steps(
             tree = None
     spec = tree or DEFAULT_TREE
     max_budget = max(auto.costs) if auto else 0
+    K = num_candidates(spec, max_budget)
     threshold = streams.config.pruning_threshold if pruning_threshold is None else pruning_threshold
     cache = cache if cache is not None else make_cache(model)
     rng = np.random.default_rng(sampling.seed)
@@ -186,15 +233,41 @@ def ss_steps(
     draft = Draft(Tree((int(prompt[-1].item()),), (-1,)))
     while True:
         out = ss_forward(model, streams, draft.tree, offset, cache, threshold)
-        eager = out.stream_hidden.size // out.stream_hidden.shape[-1] * model.args.vocab_size <= EAGER_STREAM_LOGITS
-        all_logits = model.lm_logits(out.stream_hidden) if eager else None
-        verdict = _verify(out.tree, out.buffers, out.main_logits, sampling, draft.draft_q, rng,
-                          [all_logits] if eager else None)
+        resync = False
+        if sampling.greedy:
+            am = mx.argmax(out.main_logits, axis=-1)
+            node_dev = greedy_accepted_node(am, out)
+            cand = stream_candidates(next_draft_logits(model, out, node_dev), K, sampling)
+            mx.eval(am, node_dev, *cand[:2])
+            verdict = greedy_verify(out.tree.tokens, out.buffers.children, np.array(am))
+            if verdict.path[-1] != int(node_dev.item()):
+                resync = True  # not expected; the host verdict wins
+                cand = stream_candidates(next_draft_logits(model, out, verdict.path[-1]), K, sampling)
+                mx.eval(*cand[:2])
+            top, ptop, q = np.array(cand[0]), np.array(cand[1]), None
+        else:
+            nk = len(out.kept)
+            eager = nk * streams.num_streams * model.args.vocab_size <= EAGER_STREAM_LOGITS
+            target = _probs(out.main_logits, sampling)
+            cand = stream_candidates(model.lm_logits(out.stream_hidden), K, sampling) if eager else None
+            mx.eval(target, *(cand or ()))
+            draft_q = draft.draft_q if draft.draft_q is not None else np.zeros((0, target.shape[1]))
+            verdict = sample_verify(out.tree.tokens, out.buffers.children, out.buffers.depths,
+                                    np.array(target), draft_q, rng)
+            node = verdict.path[-1]
+            if not eager:
+                cand = stream_candidates(next_draft_logits(model, out, node), K, sampling)
+                mx.eval(*cand)
+                top, ptop, q = (np.array(a) for a in cand)
+            else:
+                top, ptop, q = (np.array(a[node]) for a in cand)
         commit_ss(cache, streams, model, out, verdict.path)
         offset = cache[0].offset
         tokens = [out.tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
         info = {"accepted": verdict.accepted, "nodes": len(out.kept) + out.pruned - 1,
                 "pruned": out.pruned, "tree": spec.describe()}
+        if resync:
+            info["resync"] = True
         if auto is not None:
             if len(draft.tree) > 1:
                 auto.observe(draft.predicted, verdict.accepted, draft.scores)
@@ -208,8 +281,7 @@ def ss_steps(
                 return
             spec = auto.spec()
             info["tree"] = "auto:" + spec.describe()
-        logits = next_draft_logits(model, out, verdict.path[-1], all_logits)
-        draft = draft_tree(verdict.bonus, logits, spec, sampling, rng, max_budget)
+        draft = draft_tree(verdict.bonus, top, ptop, q, spec, sampling, rng, max_budget)
         yield Step(tokens, info)
 
 

@@ -98,6 +98,36 @@ def test_greedy_verify_walks_matching_children():
     assert v.path == [0, 2, 4] and v.bonus == 3 and v.accepted == 2
 
 
+def test_device_accepted_node_agrees_with_greedy_verify():
+    """The on-device greedy acceptance (one sync per pass) finds the same last
+    node as the host walk, on random dynamic trees and random targets that
+    accept anywhere from nothing to a full path."""
+    from types import SimpleNamespace
+
+    from specstream_mlx.speculative import greedy_accepted_node
+    from specstream_mlx.tree import Tree, dynamic_tree
+
+    rng = np.random.default_rng(0)
+    depths_seen = set()
+    for trial in range(200):
+        depth, K, V = 4, 4, 6
+        top = np.stack([rng.permutation(V)[:K] for _ in range(depth)])
+        probs = np.sort(rng.dirichlet(np.ones(K), size=depth), axis=1)[:, ::-1]
+        tree = dynamic_tree(int(rng.integers(V)), top, probs, int(rng.integers(1, 14)))
+        b = tree_buffers(tree.parents)
+        # Targets that often follow the tree: each node wants one of its children's tokens.
+        argmax = np.array([tree.tokens[rng.choice(c)] if c and rng.random() < 0.8 else int(rng.integers(V))
+                           for c in b.children])
+        host = greedy_verify(tree.tokens, b.children, argmax)
+        out = SimpleNamespace(tree=tree, buffers=b)
+        dev = int(greedy_accepted_node(mx.array(argmax), out).item())
+        assert dev == host.path[-1], (trial, tree, argmax)
+        depths_seen.add(len(host.path) - 1)
+    assert {0, 1, 2, 3} <= depths_seen  # the test covers short and long acceptances
+    single = SimpleNamespace(tree=Tree((3,), (-1,)), buffers=tree_buffers([-1]))
+    assert int(greedy_accepted_node(mx.array([1]), single).item()) == 0
+
+
 # --- end to end: ss sampling vs the exact ar distribution ------------------
 
 V = 6

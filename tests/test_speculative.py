@@ -22,7 +22,11 @@ TREES = [TreeSpec("dynamic", budget=10, depth=3), TreeSpec("cartesian", (3, 2, 1
 def take(steps, n):
     out, passes = [], 0
     while len(out) < n:
-        out += next(steps).tokens
+        step = next(steps)
+        # The device-side greedy acceptance (one sync per pass) must agree with
+        # the host verdict; a disagreement is repaired but reported as "resync".
+        assert not (step.info or {}).get("resync"), "device and host acceptance disagree"
+        out += step.tokens
         passes += 1
     return out[:n], passes
 
@@ -99,13 +103,13 @@ def test_perfect_streams_accept_everything(hf_models, monkeypatch):
     full = prompt.tolist() + ref
     cache = make_cache(model)
 
-    def oracle_logits(model_, out, node, all_logits=None):
-        # After commit the cache holds everything before the bonus token;
-        # stream j must predict the token j places after the bonus.
-        pos = cache[0].offset
+    def oracle_logits(model_, out, node):
+        # The accepted node sits at position offset + depth; the bonus token
+        # follows it and stream j must predict the token j places after the bonus.
+        pos = out.offset + int(out.buffers.depths[int(node.item() if hasattr(node, "item") else node)])
         logits = mx.full((gamma, 151), -10.0)
         for j in range(gamma):
-            logits[j, full[pos + 1 + j]] = 10.0
+            logits[j, full[pos + 2 + j]] = 10.0
         return logits
 
     monkeypatch.setattr(spec_mod, "next_draft_logits", oracle_logits)
