@@ -8,6 +8,11 @@ attaches γ=4 streams in the top 4 layers, and reports for several dynamic-tree
 budgets the time of one ss pass divided by one plain step (median of reps, at
 a 128-token context), then the peak memory of `ss` and `ar` generation on the
 same prompt.
+
+With ``--tau-model demo-sql`` (repeatable) it also measures, on that model's
+held-out bench prompts, the tokens per pass τ of greedy ``ss`` with each
+budget, and prints the speedup that τ would give at this shape's step costs:
+τ(b) / cost(b) (issue 5, "two regimes").
 """
 
 from __future__ import annotations
@@ -21,12 +26,40 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def tau_by_budget(name: str, budgets, n_prompts: int = 16, max_tokens: int = 64) -> dict:
+    """Greedy ss tokens per pass (EOS included) of a bundled model, per dynamic-tree budget."""
+    from specstream_mlx.generation import encode_prompt, stream_generate
+    from specstream_mlx.loading import load, resolve_model_path
+    from specstream_mlx.sampling import SamplingParams
+    from specstream_mlx.tree import TreeSpec
+
+    model, tok = load(name, warn=False)
+    path = resolve_model_path(name)
+    rows = [json.loads(x) for x in open(path / "bench_prompts.jsonl")][:n_prompts]
+    out = {}
+    for b in budgets:
+        decided = passes = 0
+        for r in rows:
+            ids = encode_prompt(tok, r["prompt"])
+            for resp in stream_generate(model, tok, ids, max_tokens=max_tokens, sampling=SamplingParams(),
+                                        mode="ss", tree=TreeSpec("dynamic", budget=b, depth=model.streams.num_streams),
+                                        use_chat_template=False):
+                last = resp
+            decided += last.stats.tokens_per_pass * last.stats.forward_passes
+            passes += last.stats.forward_passes
+        out[b] = decided / passes
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="qwen0.5b")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tau-model", action="append", default=[], help="bundled model whose τ per budget to project")
+    ap.add_argument("--budgets", default="2,4,8,12,16,24")
     args = ap.parse_args()
+    budgets = tuple(int(b) for b in args.budgets.split(","))
 
     import mlx.core as mx
 
@@ -43,7 +76,7 @@ def main():
         path = build_dir(args.size, Path(d) / "m")
         model, tok = load(str(path))
     streams = new_streams(model, StreamConfig(num_streams=4, stream_layers=4))
-    costs = measure_step_costs(model, streams, reps=args.reps, budgets=(4, 8, 12, 16, 24))
+    costs = measure_step_costs(model, streams, reps=args.reps, budgets=budgets)
     print("step cost (ss pass / plain step) by draft budget:", json.dumps({k: round(v, 3) for k, v in costs.items()}))
 
     prompt = list(range(3, 3 + 200))
@@ -55,7 +88,16 @@ def main():
         mem[mode] = r.stats.peak_memory_gb
     print(f"peak memory: ar {mem['ar']:.3f} GB, ss {mem['ss']:.3f} GB, ratio {mem['ss'] / mem['ar']:.3f}")
     res = {"size": args.size, "step_cost_by_budget": costs, "peak_memory_gb": mem,
-           "default_tree": "dynamic:12", "runtime": runtime_info()}
+           "default_tree": "dynamic:12", "runtime": runtime_info(), "projection": {}}
+    del model, streams
+    for name in args.tau_model:
+        taus = tau_by_budget(name, budgets)
+        proj = {b: taus[b] / costs[b] for b in budgets}
+        res["projection"][name] = {"tau": taus, "speedup": proj}
+        best = max(proj, key=proj.get)
+        print(f"{name}: τ by budget " + json.dumps({b: round(t, 2) for b, t in taus.items()})
+              + f"; projected speedup at {args.size} step costs " + json.dumps({b: round(v, 2) for b, v in proj.items()})
+              + f"; best b={best}: {proj[best]:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
 

@@ -56,7 +56,7 @@ def _synthetic_tree(budget: int, depth: int) -> Tree:
     return dynamic_tree(1, tokens, probs, budget)
 
 
-def measure_step_costs(model, streams, context: int = 128, reps: int = 5, budgets=CANDIDATE_BUDGETS) -> Dict[int, float]:
+def measure_step_costs(model, streams, context: int = 128, reps: int = 7, budgets=CANDIDATE_BUDGETS) -> Dict[int, float]:
     """Cost of one ss pass with ``b`` draft nodes relative to one plain step."""
     from .cache import make_cache
     from .msa import ss_forward
@@ -72,7 +72,7 @@ def measure_step_costs(model, streams, context: int = 128, reps: int = 5, budget
             t = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t)
-        return float(np.median(ts))
+        return float(np.min(ts))  # the least disturbed run: robust to other load
 
     cache = make_cache(model)
     model(mx.array([[1] * context]), cache=cache)
@@ -139,6 +139,18 @@ def load_or_measure_costs(model, streams, log=None) -> Dict[int, float]:
     return costs
 
 
+def auto_tree_for(model, streams, log=None) -> "AutoTree":
+    """The model's :class:`AutoTree`, shared by every generation in this process:
+    acceptance statistics carry over between requests, so short replies do not
+    each spend their few passes warming up."""
+    auto = getattr(streams, "_auto_tree", None)
+    if auto is None:
+        auto = AutoTree(load_or_measure_costs(model, streams, log), depth=streams.num_streams)
+        object.__setattr__(streams, "_auto_tree", auto)
+    auto.new_request()
+    return auto
+
+
 @dataclass
 class AutoTree:
     """Online choice of the dynamic-tree budget from step costs and acceptance."""
@@ -146,13 +158,23 @@ class AutoTree:
     costs: Dict[int, float]
     depth: int
     budget: int = 8
-    steps: int = 0
+    steps: float = 0
     predicted: float = 0.0
     actual: float = 0.0
     scores_sum: Dict[int, float] = field(default_factory=dict)
 
     def spec(self) -> TreeSpec:
         return TreeSpec("dynamic", budget=self.budget, depth=self.depth)
+
+    def new_request(self) -> None:
+        """Halve the evidence at each new generation: averages are unchanged,
+        recent requests weigh more, and after a fall-back to plain decoding the
+        evidence eventually drops below the warm-up length, so trees get
+        re-tried instead of being ruled out for the life of the process."""
+        self.steps /= 2
+        self.predicted /= 2
+        self.actual /= 2
+        self.scores_sum = {b: v / 2 for b, v in self.scores_sum.items()}
 
     def observe(self, predicted_at_budget: float, accepted: int, path_scores: Optional[List[float]]) -> None:
         """Record one pass: what the chosen tree predicted, what was accepted,

@@ -218,11 +218,11 @@ def ss_steps(
         if tree != "auto":
             tree = TreeSpec.parse(tree)
         else:
-            from .autotune import AutoTree, load_or_measure_costs
+            from .autotune import auto_tree_for
 
-            auto = AutoTree(load_or_measure_costs(model, streams, log), depth=streams.num_streams)
+            auto = auto_tree_for(model, streams, log)
             tree = None
-    spec = tree or DEFAULT_TREE
+    spec = (auto.spec() if auto else tree) or DEFAULT_TREE
     max_budget = max(auto.costs) if auto else 0
     K = num_candidates(spec, max_budget)
     threshold = streams.config.pruning_threshold if pruning_threshold is None else pruning_threshold
