@@ -99,7 +99,7 @@ def measure_step_costs(model, streams, context: int = 128, reps: int = 7, budget
 
         def step(tree=tree):
             # What one greedy pass evaluates in its single sync (see ss_steps).
-            out = ss_forward(model, streams, tree, context, cache)
+            out = ss_forward(model, streams, tree, context, cache, num_streams=min(depth, b))
             am = mx.argmax(out.main_logits, axis=-1)
             node = greedy_accepted_node(am, out)
             cand = stream_candidates(next_draft_logits(model, out, node), 8, GREEDY)

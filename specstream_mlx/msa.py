@@ -111,11 +111,16 @@ def ss_forward(
     offset: int,
     cache,
     pruning_threshold: float = 0.0,
+    num_streams: Optional[int] = None,
 ) -> SSOutput:
-    """Verify ``tree`` (main rows) and host streams at its nodes, in one pass."""
+    """Verify ``tree`` (main rows) and host streams at its nodes, in one pass.
+
+    ``num_streams``: host only streams 1..g (default all γ) when the next tree
+    cannot be deeper than g. Stream j attends to streams <= j of its node only,
+    so the hosted streams compute exactly what they would with all γ present."""
     buf = tree_buffers(tree.parents)
     n = len(tree)
-    gamma = streams.num_streams
+    gamma = streams.num_streams if num_streams is None else max(1, min(num_streams, streams.num_streams))
     layers = model.layers
     s0 = len(layers) - streams.config.stream_layers
     depths = buf.depths
@@ -144,7 +149,7 @@ def ss_forward(
     nk = len(kept)
 
     # Stream insertion: S[t, j] = M[t] + P[j], node-major.
-    S = (h[0][:, None, :] + streams.embeddings[None]).reshape(1, nk * gamma, -1)
+    S = (h[0][:, None, :] + streams.embeddings[None, :gamma]).reshape(1, nk * gamma, -1)
     x = mx.concatenate([h, S], axis=1)
     stream_pos = (positions[0][:, None] + mx.arange(1, gamma + 1, dtype=mx.int32)[None]).reshape(1, -1)
     pos_all = mx.concatenate([positions, stream_pos], axis=1)

@@ -232,7 +232,8 @@ def ss_steps(
     offset = cache[0].offset
     draft = Draft(Tree((int(prompt[-1].item()),), (-1,)))
     while True:
-        out = ss_forward(model, streams, draft.tree, offset, cache, threshold)
+        # Streams deeper than the next tree can use are not hosted (fewer MSA rows).
+        out = ss_forward(model, streams, draft.tree, offset, cache, threshold, num_streams=spec.max_depth)
         resync = False
         if sampling.greedy:
             am = mx.argmax(out.main_logits, axis=-1)
@@ -246,8 +247,7 @@ def ss_steps(
                 mx.eval(*cand[:2])
             top, ptop, q = np.array(cand[0]), np.array(cand[1]), None
         else:
-            nk = len(out.kept)
-            eager = nk * streams.num_streams * model.args.vocab_size <= EAGER_STREAM_LOGITS
+            eager = out.stream_hidden.shape[0] * out.stream_hidden.shape[1] * model.args.vocab_size <= EAGER_STREAM_LOGITS
             target = _probs(out.main_logits, sampling)
             cand = stream_candidates(model.lm_logits(out.stream_hidden), K, sampling) if eager else None
             mx.eval(target, *(cand or ()))

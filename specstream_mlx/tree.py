@@ -125,7 +125,8 @@ class TreeSpec:
 
     @property
     def max_depth(self) -> int:
-        return len(self.widths) if self.kind == "cartesian" else self.depth
+        # A dynamic tree of b nodes is at most b deep.
+        return len(self.widths) if self.kind == "cartesian" else min(self.depth, self.budget)
 
     @property
     def max_nodes(self) -> int:

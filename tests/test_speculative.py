@@ -151,3 +151,24 @@ def test_cache_grows_only_with_accepted_tokens(hf_models):
         assert cache[0].offset == 20 + produced - 1
         assert cache[-1].offset == cache[0].offset
     assert cache[0].capacity == 256
+
+
+def test_hosting_fewer_streams_keeps_their_states(hf_models):
+    """A pass that hosts only streams 1..g (the next tree is at most g deep)
+    computes the same main logits and the same states for those streams."""
+    from specstream_mlx.msa import ss_forward
+    from specstream_mlx.tree import Tree
+
+    _, _, dst = hf_models("llama")
+    model, _ = load_model(dst)
+    streams = pretend_trained(new_streams(model, StreamConfig(num_streams=4, stream_layers=2, lora_rank=4)))
+    tree = Tree((7, 9, 11, 12), (-1, 0, 0, 1))
+    outs = []
+    for g in (None, 2):
+        cache = make_cache(model)
+        model(mx.array([[5, 17, 33, 2, 90]]), cache=cache)
+        outs.append(ss_forward(model, streams, tree, 5, cache, num_streams=g))
+    full, part = outs
+    assert part.stream_hidden.shape[1] == 2
+    assert mx.allclose(full.main_logits, part.main_logits, atol=1e-5).item()
+    assert mx.allclose(full.stream_hidden[:, :2], part.stream_hidden, atol=1e-5).item()
