@@ -92,9 +92,9 @@ def _f32(model):
     return model
 
 
-def run_bench(model: str, draft: Optional[str] = None, baseline: Optional[str] = None, n_prompts: int = 8,
+def run_bench(model: str, draft: Optional[str] = None, baseline: Optional[str] = None, n_prompts: int = 16,
               max_tokens: int = 64, temperature: float = 0.7, tree: str = "auto", num_draft_tokens: int = 3,
-              seed: int = 0, progress: bool = True, log=print) -> dict:
+              seed: int = 0, progress: bool = True, log=print, rounds: int = 3) -> dict:
     import mlx_lm
 
     from .generation import encode_prompt, stream_generate
@@ -157,7 +157,7 @@ def run_bench(model: str, draft: Optional[str] = None, baseline: Optional[str] =
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(methods) * (len(prompts) + 1), desc="bench", unit="run")
+        bar = tqdm(total=len(methods) * (rounds * len(prompts) + 1), desc="bench", unit="run")
     runs: Dict[str, List[Run]] = {name: [] for name in methods}
     for name, fn in methods.items():
         fn(0)  # warm-up (also measures --tree auto step costs once)
@@ -165,11 +165,15 @@ def run_bench(model: str, draft: Optional[str] = None, baseline: Optional[str] =
             bar.update(1)
     # Round-robin over methods for each prompt, so slow drifts of the machine
     # (frequency, other load) hit every method alike.
-    for i in range(len(prompts)):
-        for name, fn in methods.items():
-            runs[name].append(fn(i))
-            if bar:
-                bar.update(1)
+    # Every prompt is decoded ``rounds`` times per method; short replies (SQL
+    # answers are ~20 tokens) give noisy single timings.
+    for _ in range(rounds):
+        for i in range(len(prompts)):
+            for name, fn in methods.items():
+                runs[name].append(fn(i))
+                if bar:
+                    bar.update(1)
+    prompts = prompts * rounds
     if bar:
         bar.close()
 
@@ -216,7 +220,7 @@ def run_bench(model: str, draft: Optional[str] = None, baseline: Optional[str] =
         "model": str(path.name),
         "draft_model": draft_path.name if draft_path else None,
         "baseline_model": baseline,
-        "settings": {"prompts": len(prompts), "max_tokens": max_tokens, "temperature": temperature, "tree": tree,
+        "settings": {"prompts": len(prompts) // rounds, "rounds": rounds, "max_tokens": max_tokens, "temperature": temperature, "tree": tree,
                      "num_draft_tokens": num_draft_tokens, "seed": seed},
         "results": [asdict(r) for r in results],
     }
@@ -227,7 +231,7 @@ def markdown_table(res: dict) -> str:
     lines = [
         f"`{res['model']}` — {res['date']} — {m['cpu']} ({m['cores']} cores), {m['os']}, MLX {m['mlx']} "
         f"({m['device']}), BLAS: {m['blas']}; {res['settings']['prompts']} prompts × "
-        f"{res['settings']['max_tokens']} tokens",
+        f"{res['settings']['max_tokens']} tokens × {res['settings'].get('rounds', 1)} rounds",
         "",
         "| method | temp | tok/s (median) | range | speedup vs ar | τ (tokens/pass) | TTFT ms | peak GB | equals ar | exact match |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",

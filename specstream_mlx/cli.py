@@ -263,7 +263,8 @@ def bench(
     model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory or bundled name."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for mlx_lm speculative decoding (default: MODEL-draft if present; '' for none)."),
     baseline: Optional[str] = typer.Option(None, "--baseline", help="Next-token-only baseline model to compare exact match with (default: MODEL-baseline if present)."),
-    prompts: int = typer.Option(8, "--prompts", help="Held-out prompts to decode."),
+    prompts: int = typer.Option(16, "--prompts", help="Held-out prompts to decode."),
+    rounds: int = typer.Option(3, "--rounds", help="Times each prompt is decoded per method (timings are medians over all)."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens per prompt."),
     temp: float = typer.Option(0.7, "--temp", help="Temperature of the sampling rows."),
     tree: str = typer.Option("auto", "--tree", help="Draft tree for ss."),
@@ -282,7 +283,7 @@ def bench(
         cand = path.parent / f"{path.name}-baseline"
         baseline = str(cand) if cand.is_dir() else None
     res = run_bench(str(path), draft=draft, baseline=baseline or None, n_prompts=prompts, max_tokens=max_tokens,
-                    temperature=temp, tree=tree, seed=seed, log=lambda s: typer.echo(s, err=True))
+                    temperature=temp, tree=tree, seed=seed, rounds=rounds, log=lambda s: typer.echo(s, err=True))
     out = Path(json_out or f"bench-{path.name}.json")
     out.write_text(json.dumps(res, indent=2))
     md = markdown_table(res)
