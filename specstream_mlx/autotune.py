@@ -33,6 +33,7 @@ from .tree import Tree, TreeSpec, dynamic_tree
 CANDIDATE_BUDGETS = (2, 4, 8, 12, 16, 24)
 CACHE_FILE = Path(os.environ.get("SPECSTREAM_CACHE_DIR", Path.home() / ".cache" / "specstream-mlx")) / "step_costs.json"
 WARMUP_STEPS = 6
+MAX_BACKOFF = 16
 # Bump when the pass changes what it computes per sync: cached costs are then re-measured.
 COST_VERSION = 2
 
@@ -147,7 +148,7 @@ def auto_tree_for(model, streams, log=None) -> "AutoTree":
     if auto is None:
         auto = AutoTree(load_or_measure_costs(model, streams, log), depth=streams.num_streams)
         object.__setattr__(streams, "_auto_tree", auto)
-    auto.new_request()
+    auto.try_trees = auto.new_request()
     return auto
 
 
@@ -162,19 +163,34 @@ class AutoTree:
     predicted: float = 0.0
     actual: float = 0.0
     scores_sum: Dict[int, float] = field(default_factory=dict)
+    # After a fall-back, this many requests decode plainly before trees are
+    # re-tried (doubling while re-tries keep failing, up to MAX_BACKOFF).
+    backoff: int = 0
+    skip: int = 0
+    try_trees: bool = True
 
     def spec(self) -> TreeSpec:
         return TreeSpec("dynamic", budget=self.budget, depth=self.depth)
 
-    def new_request(self) -> None:
+    def new_request(self) -> bool:
         """Halve the evidence at each new generation: averages are unchanged,
         recent requests weigh more, and after a fall-back to plain decoding the
         evidence eventually drops below the warm-up length, so trees get
-        re-tried instead of being ruled out for the life of the process."""
+        re-tried instead of being ruled out for the life of the process.
+        Returns False when this request should decode plainly (back-off)."""
         self.steps /= 2
         self.predicted /= 2
         self.actual /= 2
         self.scores_sum = {b: v / 2 for b, v in self.scores_sum.items()}
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def note_fallback(self) -> None:
+        """A request fell back to plain decoding: skip trees for the next requests."""
+        self.backoff = min(max(1, 2 * self.backoff), MAX_BACKOFF)
+        self.skip = self.backoff
 
     def observe(self, predicted_at_budget: float, accepted: int, path_scores: Optional[List[float]]) -> None:
         """Record one pass: what the chosen tree predicted, what was accepted,
@@ -203,6 +219,7 @@ class AutoTree:
                 best, best_rate = b, rate
         if best is not None:
             self.budget = best
+            self.backoff = 0
         return best
 
     def expected_speedup(self, budget: int) -> float:

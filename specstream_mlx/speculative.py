@@ -227,6 +227,14 @@ def ss_steps(
     K = num_candidates(spec, max_budget)
     threshold = streams.config.pruning_threshold if pruning_threshold is None else pruning_threshold
     cache = cache if cache is not None else make_cache(model)
+    if auto is not None and not auto.try_trees:
+        # --tree auto fell back on recent requests: decode plainly (re-tried later).
+        steps = ar_steps(model, prompt, sampling, cache=cache, prefill_chunk=prefill_chunk)
+        first = next(steps)
+        first.info["fallback"] = "plain decoding: draft trees did not pay off on recent requests (re-tried later)"
+        yield first
+        yield from steps
+        return
     rng = np.random.default_rng(sampling.seed)
     prefill(model, prompt[:-1], cache, prefill_chunk)
     offset = cache[0].offset
@@ -276,6 +284,7 @@ def ss_steps(
                     "plain decoding: no draft tree is expected to be faster on this machine "
                     f"(best {max(auto.expected_speedup(b) for b in auto.costs if b):.2f}x)"
                 )
+                auto.note_fallback()
                 yield Step(tokens, info)
                 yield from ar_steps(model, mx.array([verdict.bonus]), sampling, cache=cache)
                 return

@@ -1,10 +1,9 @@
 """Pretrain a small Hugging Face Llama from scratch with PyTorch (next-token loss).
 
 Why this exists: on a CPU-only Linux machine MLX's CPU backend trains a
-3M-parameter Llama at ~1,600 tokens/s (fwd+bwd+AdamW, 16x96 batch, OpenBLAS),
-while PyTorch's CPU kernels do ~8,200 tokens/s on the same shapes
-(`python -m specstream_mlx.torch_pretrain --help`, measured 2026-11-29 on the
-2-core build machine). The demo models' *base* weights are therefore trained
+3M-parameter Llama at ~1,650 tokens/s (fwd+bwd+AdamW, 16x96 batch, OpenBLAS),
+while PyTorch's CPU kernels do ~8,000 tokens/s on the same shapes
+(`examples/train_speed.py`, 2-core build machine, 2026-11-29). The demo models' *base* weights are therefore trained
 here, saved as an ordinary Hugging Face checkpoint, and imported with
 `specstream-mlx convert` — exactly the path a user with a fine-tuned HF model
 takes. Everything the method adds (streams, shared/lossless objectives) is

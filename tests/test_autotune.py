@@ -33,3 +33,14 @@ def test_warm_up_keeps_the_budget_and_new_requests_halve_evidence():
     assert abs(auto.expected_speedup(2) - before) < 1e-12  # averages unchanged
     assert auto.steps < WARMUP_STEPS  # so the next request re-tries a tree
     assert auto.choose() == auto.budget
+
+
+def test_fallback_backs_off_exponentially_and_resets_on_success():
+    auto = AutoTree({0: 1.0, 2: 1.2}, depth=4, budget=2)
+    auto.note_fallback()
+    assert [auto.new_request() for _ in range(2)] == [False, True]  # skip 1, then re-try
+    auto.note_fallback()
+    assert [auto.new_request() for _ in range(3)] == [False, False, True]  # skip 2
+    # A tree that pays off again clears the back-off.
+    observe_many(auto, 2 * WARMUP_STEPS, accepted=1.0, scores=[0.9, 0.9])
+    assert auto.choose() == 2 and auto.backoff == 0
