@@ -62,7 +62,7 @@ def bundled_demo(cli) -> bool:
         for mode in ("ar", "ss"):
             print(f"\n[demo] specstream-mlx generate --model {name} --mode {mode} --max-tokens 64 {' '.join(extra)}")
             subprocess.run([*cli, "generate", "--model", name, "--prompt", prompt, "--max-tokens", "64",
-                            "--mode", mode, "--tree", "dynamic:12", *extra], check=True)
+                            "--mode", mode, *extra], check=True)
     print("\n[demo] chat with: .venv/bin/specstream-mlx chat        (or --model demo-sql)")
     return True
 
