@@ -122,6 +122,12 @@ def _finalize(src: Path, name: str) -> Path:
         w = mx.load(str(f))
         mx.save_safetensors(str(f), {k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v
                                      for k, v in w.items()}, metadata={"format": "mlx"})
+    cfg_path = dst / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for key in ("torch_dtype", "dtype"):
+        if key in cfg:
+            cfg[key] = "float16"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
     size = sum(f.stat().st_size for f in dst.iterdir()) / 1e6
     log(f"models/{name}: {size:.1f} MB")
     return dst
@@ -173,6 +179,7 @@ def _pretrain_hf(init: Path, data: Path, name: str, steps: int, **kw) -> Path:
         f"{summary.get('valid_completion_acc', float('nan')):.3f}")
     out = RUNS / name
     convert(str(hf), str(out), ConvertOptions(dtype="float32", force=True), log=log)
+    shutil.copy2(done, out / "pretrain_log.json")  # provenance travels with the weights
     return out
 
 
