@@ -39,7 +39,8 @@ demo: install
 test: install
 	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q
 
-# Rebuild the bundled demo models from scratch (about an hour on a 2-core CPU).
+# Rebuild the bundled demo models from scratch (about 75 minutes on a 2-core CPU; needs
+# the dev extras, PyTorch included, which `make install` installs).
 demo-models: install
 	LD_PRELOAD="$(OPENBLAS)" $(PY) -m specstream_mlx.demo_models sql chat
 
