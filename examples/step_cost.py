@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def tau_by_budget(name: str, budgets, n_prompts: int = 16, max_tokens: int = 64) -> dict:
     """Greedy ss tokens per pass (EOS included) of a bundled model, per dynamic-tree budget."""
+    from specstream_mlx.bench import load_bench_prompts
     from specstream_mlx.generation import encode_prompt, stream_generate
     from specstream_mlx.loading import load, resolve_model_path
     from specstream_mlx.sampling import SamplingParams
@@ -35,7 +36,7 @@ def tau_by_budget(name: str, budgets, n_prompts: int = 16, max_tokens: int = 64)
 
     model, tok = load(name, warn=False)
     path = resolve_model_path(name)
-    rows = [json.loads(x) for x in open(path / "bench_prompts.jsonl")][:n_prompts]
+    rows = load_bench_prompts(path, n_prompts)
     out = {}
     for b in budgets:
         decided = passes = 0

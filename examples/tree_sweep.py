@@ -9,11 +9,11 @@ first token (prompt processing); τ = generated tokens / passes after the first.
 Run it with ``OPENBLAS_NUM_THREADS=1`` and without to compare BLAS threading.
 """
 
-import json
 import os
 import sys
 import time
 
+from specstream_mlx.bench import load_bench_prompts
 from specstream_mlx.generation import encode_prompt, stream_generate
 from specstream_mlx.loading import load, resolve_model_path
 from specstream_mlx.platform_info import blas_in_use
@@ -25,7 +25,7 @@ def main() -> int:
     name, specs = sys.argv[1], sys.argv[2].split(",")
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 16
     model, tok = load(name, warn=False)
-    rows = [json.loads(x) for x in open(resolve_model_path(name) / "bench_prompts.jsonl")][:n]
+    rows = load_bench_prompts(resolve_model_path(name), n)
     ids = [encode_prompt(tok, r["prompt"]) for r in rows]
 
     def run(mode, tree=None):

@@ -62,7 +62,8 @@ def measure_step_costs(model, streams, context: int = 128, reps: int = 7, budget
     from .cache import make_cache
     from .msa import ss_forward
     from .sampling import SamplingParams
-    from .speculative import greedy_accepted_node, next_draft_logits, stream_candidates
+    from .msa import stream_logits
+    from .speculative import greedy_accepted_node, stream_candidates
 
     GREEDY = SamplingParams()
 
@@ -103,7 +104,7 @@ def measure_step_costs(model, streams, context: int = 128, reps: int = 7, budget
             out = ss_forward(model, streams, tree, context, cache, num_streams=min(depth, b))
             am = mx.argmax(out.main_logits, axis=-1)
             node = greedy_accepted_node(am, out)
-            cand = stream_candidates(next_draft_logits(model, out, node), 8, GREEDY)
+            cand = stream_candidates(stream_logits(model, out, node), 8, GREEDY)
             mx.eval(am, node, *cand[:2])
             # Host work of a pass: commit a short path, build the next tree.
             for c in cache:
@@ -143,12 +144,12 @@ def load_or_measure_costs(model, streams, log=None) -> Dict[int, float]:
 def auto_tree_for(model, streams, log=None) -> "AutoTree":
     """The model's :class:`AutoTree`, shared by every generation in this process:
     acceptance statistics carry over between requests, so short replies do not
-    each spend their few passes warming up."""
+    each spend their few passes warming up. Each generation starts with
+    :meth:`AutoTree.new_request`."""
     auto = getattr(streams, "_auto_tree", None)
     if auto is None:
         auto = AutoTree(load_or_measure_costs(model, streams, log), depth=streams.num_streams)
         object.__setattr__(streams, "_auto_tree", auto)
-    auto.try_trees = auto.new_request()
     return auto
 
 
@@ -167,7 +168,6 @@ class AutoTree:
     # re-tried (doubling while re-tries keep failing, up to MAX_BACKOFF).
     backoff: int = 0
     skip: int = 0
-    try_trees: bool = True
 
     def spec(self) -> TreeSpec:
         return TreeSpec("dynamic", budget=self.budget, depth=self.depth)

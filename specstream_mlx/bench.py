@@ -15,7 +15,7 @@ import datetime
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
 
@@ -71,7 +71,8 @@ def _timed(stream: Iterator, tokens_of: Callable, is_pass: Callable) -> Run:
     return Run(toks, "".join(text), (first or t0) - t0, tps, passes, mx.get_peak_memory() / 1e9, eos)
 
 
-def _load_prompts(model_dir: Path, n: int) -> List[dict]:
+def load_bench_prompts(model_dir: Path, n: int) -> List[dict]:
+    """The first ``n`` held-out prompts shipped with a model (generic ones if none)."""
     f = model_dir / "bench_prompts.jsonl"
     if not f.exists():
         return [{"prompt": p} for p in (
@@ -105,7 +106,7 @@ def run_bench(model: str, draft: Optional[str] = None, baseline: Optional[str] =
 
     path = resolve_model_path(model)
     m, tok = load(str(path), warn=False)
-    prompts = _load_prompts(path, n_prompts)
+    prompts = load_bench_prompts(path, n_prompts)
     ids = [encode_prompt(tok, p["prompt"], use_chat_template=True) for p in prompts]
     theirs, ttok = mlx_lm.load(str(path))
     _f32(theirs)
@@ -173,7 +174,6 @@ def run_bench(model: str, draft: Optional[str] = None, baseline: Optional[str] =
                 runs[name].append(fn(i))
                 if bar:
                     bar.update(1)
-    prompts = prompts * rounds
     if bar:
         bar.close()
 
@@ -199,7 +199,9 @@ def run_bench(model: str, draft: Optional[str] = None, baseline: Optional[str] =
             matches = all(strip(a.tokens) == strip(b.tokens) for a, b in zip(rs, runs["ar"]))
         exact = None
         if "completion" in prompts[0] and name in ("ss", "ar", "baseline-ar"):
-            exact = sum(r.text.strip() == p["completion"].strip() for r, p in zip(rs, prompts)) / len(prompts)
+            # Runs are ordered round by round: run k decoded prompt k mod len(prompts).
+            exact = sum(r.text.strip() == prompts[k % len(prompts)]["completion"].strip()
+                        for k, r in enumerate(rs)) / len(rs)
         total = sum(len(strip(r.tokens)) for r in rs)
         # τ counts every token a pass decided, the EOS that ends a reply included.
         decided = sum(len(strip(r.tokens)) + (len(strip(r.tokens)) < len(r.tokens) or r.eos) for r in rs)
@@ -220,7 +222,7 @@ def run_bench(model: str, draft: Optional[str] = None, baseline: Optional[str] =
         "model": str(path.name),
         "draft_model": draft_path.name if draft_path else None,
         "baseline_model": baseline,
-        "settings": {"prompts": len(prompts) // rounds, "rounds": rounds, "max_tokens": max_tokens, "temperature": temperature, "tree": tree,
+        "settings": {"prompts": len(prompts), "rounds": rounds, "max_tokens": max_tokens, "temperature": temperature, "tree": tree,
                      "num_draft_tokens": num_draft_tokens, "seed": seed},
         "results": [asdict(r) for r in results],
     }

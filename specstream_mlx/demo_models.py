@@ -272,7 +272,6 @@ def main(argv: Optional[list] = None) -> int:
     args = ap.parse_args(argv)
     REUSE = args.reuse
     RUNS, MODELS = args.runs.resolve(), args.models.resolve()
-    from .platform_info import maybe_reexec_with_openblas  # noqa: F401 (the Makefile preloads it)
 
     for which in args.which:
         (build_sql if which == "sql" else build_chat)(args.scale, args.seed)

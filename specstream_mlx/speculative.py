@@ -164,11 +164,6 @@ def _verify(out_tree, buffers, main_logits, sampling, draft_q, rng) -> Verdict:
 EAGER_STREAM_LOGITS = 1 << 16
 
 
-def next_draft_logits(model, out, node) -> mx.array:
-    """(γ, V) stream logits at kept node ``node`` (an int, or a device scalar)."""
-    return stream_logits(model, out, node)
-
-
 def greedy_accepted_node(target_argmax: mx.array, out) -> mx.array:
     """The last node greedy verification will accept, computed on the device so
     that the next draft's stream logits join the verification sync.
@@ -221,13 +216,14 @@ def ss_steps(
             from .autotune import auto_tree_for
 
             auto = auto_tree_for(model, streams, log)
+            try_trees = auto.new_request()
             tree = None
     spec = (auto.spec() if auto else tree) or DEFAULT_TREE
     max_budget = max(auto.costs) if auto else 0
     K = num_candidates(spec, max_budget)
     threshold = streams.config.pruning_threshold if pruning_threshold is None else pruning_threshold
     cache = cache if cache is not None else make_cache(model)
-    if auto is not None and not auto.try_trees:
+    if auto is not None and not try_trees:
         # --tree auto fell back on recent requests: decode plainly (re-tried later).
         steps = ar_steps(model, prompt, sampling, cache=cache, prefill_chunk=prefill_chunk)
         first = next(steps)
@@ -246,12 +242,12 @@ def ss_steps(
         if sampling.greedy:
             am = mx.argmax(out.main_logits, axis=-1)
             node_dev = greedy_accepted_node(am, out)
-            cand = stream_candidates(next_draft_logits(model, out, node_dev), K, sampling)
+            cand = stream_candidates(stream_logits(model, out, node_dev), K, sampling)
             mx.eval(am, node_dev, *cand[:2])
             verdict = greedy_verify(out.tree.tokens, out.buffers.children, np.array(am))
             if verdict.path[-1] != int(node_dev.item()):
                 resync = True  # not expected; the host verdict wins
-                cand = stream_candidates(next_draft_logits(model, out, verdict.path[-1]), K, sampling)
+                cand = stream_candidates(stream_logits(model, out, verdict.path[-1]), K, sampling)
                 mx.eval(*cand[:2])
             top, ptop, q = np.array(cand[0]), np.array(cand[1]), None
         else:
@@ -264,7 +260,7 @@ def ss_steps(
                                     np.array(target), draft_q, rng)
             node = verdict.path[-1]
             if not eager:
-                cand = stream_candidates(next_draft_logits(model, out, node), K, sampling)
+                cand = stream_candidates(stream_logits(model, out, node), K, sampling)
                 mx.eval(*cand)
                 top, ptop, q = (np.array(a) for a in cand)
             else:

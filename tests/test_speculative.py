@@ -112,7 +112,7 @@ def test_perfect_streams_accept_everything(hf_models, monkeypatch):
             logits[j, full[pos + 2 + j]] = 10.0
         return logits
 
-    monkeypatch.setattr(spec_mod, "next_draft_logits", oracle_logits)
+    monkeypatch.setattr(spec_mod, "stream_logits", oracle_logits)
     steps = ss_steps(model, prompt, GREEDY, cache=cache, streams=streams,
                      tree=TreeSpec("cartesian", (1,) * gamma))
     got, passes = take(steps, n)
