@@ -34,7 +34,7 @@ ifeq ($(UNAME),Linux)
 endif
 
 demo: install
-	$(PY) -m specstream_mlx.demo
+	$(PY) -m specstream_mlx.demo.run
 
 test: install
 	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q
@@ -42,7 +42,7 @@ test: install
 # Rebuild the bundled demo models from scratch (about 75 minutes on a 2-core CPU; needs
 # the dev extras, PyTorch included, which `make install` installs).
 demo-models: install
-	LD_PRELOAD="$(OPENBLAS)" $(PY) -m specstream_mlx.demo_models sql chat
+	LD_PRELOAD="$(OPENBLAS)" $(PY) -m specstream_mlx.demo.build sql chat
 
 bench: install
 	$(VENV)/bin/specstream-mlx bench --model demo-sql --json bench-demo-sql.json

@@ -19,20 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..io.files import TOKENIZER_FILES, atomic_directory, copy_tokenizer_files
+from ..method.streams import StreamConfig, new_streams, save_streams
 from ..models import UnsupportedModelError, build_model
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -90,7 +79,7 @@ def _resolve_source(hf_path: str) -> Path:
 
 
 def read_config(src: Path) -> dict:
-    from ..loading import ModelLoadError, load_config
+    from ..io.loading import ModelLoadError, load_config
 
     try:
         return load_config(src)
@@ -242,8 +231,6 @@ def convert(
     elif stream_tensors:
         raise ConvertError(f"{src}: has speculative_streaming tensors but config.json lacks '{CONFIG_KEY}'")
     elif opts.num_streams > 0:
-        from ..streams import StreamConfig, new_streams
-
         if not 1 <= opts.stream_layers <= len(model.layers):
             raise ConvertError(f"--stream-layers must be in 1..{len(model.layers)}, got {opts.stream_layers}")
         streams = new_streams(model, StreamConfig(num_streams=opts.num_streams, stream_layers=opts.stream_layers))
@@ -255,29 +242,11 @@ def convert(
 
 
 def _write_atomically(dst: Path, model: nn.Module, config: dict, src: Path, force: bool, streams=None) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
+    with atomic_directory(dst, force, ConvertError) as tmp:
         weights = dict(tree_flatten(model.parameters()))
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         with open(tmp / "config.json", "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         if streams is not None:
-            from ..streams import save_streams
-
             save_streams(streams, tmp)
-        for name in TOKENIZER_FILES:
-            if (src / name).exists():
-                shutil.copy2(src / name, tmp / name)
-        if dst.exists():
-            if not force:
-                raise ConvertError(f"{dst}: already exists; pass --force to overwrite it")
-            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-            os.rename(dst, old)
-            os.rename(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        copy_tokenizer_files(src, tmp)

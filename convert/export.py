@@ -10,23 +10,19 @@ the tokenizer files. PyTorch trainers can produce the same layout, and
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .converter import TOKENIZER_FILES, ConvertError
+from ..io.files import atomic_directory, copy_tokenizer_files
+from ..io.loading import ModelLoadError, load_config, load_model, resolve_model_path
+from ..method.streams import load_streams
+from .converter import ConvertError
 from .hf_layout import CONFIG_KEY, streams_to_hf
 
 
 def export_hf(model_path: str, hf_path: str, force: bool = False, log=lambda s: None) -> Path:
-    from ..loading import ModelLoadError, load_config, load_model, resolve_model_path
-    from ..streams import load_streams
-
     try:
         src = resolve_model_path(model_path)
         config = load_config(src)
@@ -48,19 +44,9 @@ def export_hf(model_path: str, hf_path: str, force: bool = False, log=lambda s: 
         out_config[CONFIG_KEY] = scfg
     if out_config.get("tie_word_embeddings", True):
         weights.pop("lm_head.weight", None)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
+    with atomic_directory(dst, force, ConvertError) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(out_config, indent=2, sort_keys=True))
-        for name in TOKENIZER_FILES:
-            if (src / name).exists():
-                shutil.copy2(src / name, tmp / name)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        copy_tokenizer_files(src, tmp)
     log(f"[export] wrote {dst}" + (f" with {streams.num_streams} streams" if streams else ""))
     return dst

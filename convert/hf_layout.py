@@ -30,7 +30,7 @@ from typing import Dict, Tuple
 
 import mlx.core as mx
 
-from ..streams import StreamConfig, StreamParams, _find_linear, lora_key
+from ..method.streams import StreamConfig, StreamParams, find_linear, lora_key
 
 PREFIX = "speculative_streaming."
 CONFIG_KEY = "speculative_streaming"

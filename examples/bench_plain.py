@@ -33,7 +33,7 @@ SIZES = {
 
 
 def build_dir(size: str, out: Path) -> Path:
-    from specstream_mlx.byte_tokenizer import VOCAB_SIZE, save_byte_tokenizer
+    from specstream_mlx.demo.byte_tokenizer import VOCAB_SIZE, save_byte_tokenizer
     from specstream_mlx.models import build_model
 
     cfg = dict(model_type="llama", vocab_size=VOCAB_SIZE, rms_norm_eps=1e-5, tie_word_embeddings=True,
@@ -65,7 +65,7 @@ def _rate(responses):
 
 
 def ours_tps(model, tok, prompt, max_tokens):
-    from specstream_mlx.generation import stream_generate
+    from specstream_mlx.runtime.generation import stream_generate
 
     return _rate(stream_generate(model, tok, prompt, max_tokens=max_tokens, use_chat_template=False))
 
@@ -86,7 +86,7 @@ def main():
 
     import mlx_lm
 
-    from specstream_mlx.loading import load
+    from specstream_mlx import load
     from specstream_mlx.platform_info import runtime_info
 
     with tempfile.TemporaryDirectory() as d:

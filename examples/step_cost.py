@@ -29,10 +29,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 def tau_by_budget(name: str, budgets, n_prompts: int = 16, max_tokens: int = 64) -> dict:
     """Greedy ss tokens per pass (EOS included) of a bundled model, per dynamic-tree budget."""
     from specstream_mlx.bench import load_bench_prompts
-    from specstream_mlx.generation import encode_prompt, stream_generate
-    from specstream_mlx.loading import load, resolve_model_path
-    from specstream_mlx.sampling import SamplingParams
-    from specstream_mlx.tree import TreeSpec
+    from specstream_mlx.runtime.generation import encode_prompt, stream_generate
+    from specstream_mlx import load
+from specstream_mlx.io.loading import resolve_model_path
+    from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.method.tree import TreeSpec
 
     model, tok = load(name, warn=False)
     path = resolve_model_path(name)
@@ -65,13 +66,13 @@ def main():
     import mlx.core as mx
 
     from bench_plain import build_dir
-    from specstream_mlx.autotune import measure_step_costs
-    from specstream_mlx.generation import generate
-    from specstream_mlx.loading import load
+    from specstream_mlx.runtime.autotune import measure_step_costs
+    from specstream_mlx.runtime.generation import generate
+    from specstream_mlx import load
     from specstream_mlx.platform_info import runtime_info
-    from specstream_mlx.sampling import SamplingParams
-    from specstream_mlx.streams import StreamConfig, new_streams
-    from specstream_mlx.tree import TreeSpec
+    from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.method.streams import StreamConfig, new_streams
+    from specstream_mlx.method.tree import TreeSpec
 
     with tempfile.TemporaryDirectory() as d:
         path = build_dir(args.size, Path(d) / "m")

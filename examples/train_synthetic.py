@@ -11,13 +11,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import tempfile, json, numpy as np
 from pathlib import Path
-from tiny_models import make_tiny_model_dir
-from specstream_mlx.datagen import write_phrase_corpus
-from specstream_mlx.training import TrainConfig, train
-from specstream_mlx.loading import load
-from specstream_mlx.generation import generate
+from tests.helpers.tiny_models import make_tiny_model_dir
+from specstream_mlx.demo.datagen import write_phrase_corpus
+from specstream_mlx.train import TrainConfig, train
+from specstream_mlx import load
+from specstream_mlx.runtime.generation import generate
 from specstream_mlx.convert import convert, ConvertOptions
-from specstream_mlx.tree import TreeSpec
+from specstream_mlx.method.tree import TreeSpec
 d = Path(tempfile.mkdtemp())
 base = make_tiny_model_dir(d/'base', hidden_size=64, num_hidden_layers=4)
 table = write_phrase_corpus(d/'data', n_keys=8, words_per_phrase=5)

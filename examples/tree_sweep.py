@@ -14,11 +14,12 @@ import sys
 import time
 
 from specstream_mlx.bench import load_bench_prompts
-from specstream_mlx.generation import encode_prompt, stream_generate
-from specstream_mlx.loading import load, resolve_model_path
+from specstream_mlx.runtime.generation import encode_prompt, stream_generate
+from specstream_mlx import load
+from specstream_mlx.io.loading import resolve_model_path
 from specstream_mlx.platform_info import blas_in_use
-from specstream_mlx.sampling import SamplingParams
-from specstream_mlx.tree import TreeSpec
+from specstream_mlx.runtime.sampling import SamplingParams
+from specstream_mlx.method.tree import TreeSpec
 
 
 def main() -> int:

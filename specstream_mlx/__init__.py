@@ -5,6 +5,16 @@ Public API::
     from specstream_mlx import load, generate, stream_generate, SamplingParams
     model, tokenizer = load("path/to/model")
     result = generate(model, tokenizer, "Hello", max_tokens=64)
+
+Package layout (each layer imports only the ones above it):
+
+    models/   architectures: the one decoder block, per-architecture flags
+    method/   Speculative Streaming: streams, multi-stream attention, trees, acceptance
+    io/       model directories: loading, bundled models, atomic writes
+    runtime/  KV cache, sampling, step engines (ar, ss, lookup), auto-tuning, generation, chat sessions
+    train/    training streams (depends on models, method, io)
+    convert   Hugging Face <-> MLX (the top-level convert/ folder)
+    serve/, bench/, cli/, demo/   front ends and the demo-model builders
 """
 
 __version__ = "0.1.0"
@@ -15,6 +25,7 @@ __all__ = [
     "generate",
     "stream_generate",
     "SamplingParams",
+    "SpeculativeModel",
     "GenerationResponse",
     "GenerationResult",
 ]
@@ -22,16 +33,16 @@ __all__ = [
 
 def __getattr__(name):
     # Lazy, so `import specstream_mlx` (and the CLI's --help) stays instant.
-    if name == "load":
-        from .loading import load
+    if name in ("load", "SpeculativeModel"):
+        from .runtime import engine
 
-        return load
+        return getattr(engine, name)
     if name in ("generate", "stream_generate", "GenerationResponse", "GenerationResult"):
-        from . import generation as _g
+        from .runtime import generation
 
-        return getattr(_g, name)
+        return getattr(generation, name)
     if name == "SamplingParams":
-        from .sampling import SamplingParams
+        from .runtime.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -1,10 +1,5 @@
 import os
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 # transformers prints progress bars and advisories we do not need in tests.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -15,7 +10,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
     """Factory: variant -> (torch model, HF dir, converted float32 MLX dir); cached."""
-    from hf_reference import make_hf_model
+    from tests.helpers.hf_reference import make_hf_model
 
     from specstream_mlx.convert import ConvertOptions, convert
 
@@ -35,6 +30,6 @@ def hf_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A small llama with the byte tokenizer: a complete model directory for CLI tests."""
-    from tiny_models import make_tiny_model_dir
+    from tests.helpers.tiny_models import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from specstream_mlx.acceptance import greedy_verify, rrs_step, sample_verify
-from specstream_mlx.tree import tree_buffers
+from specstream_mlx.method.acceptance import greedy_verify, rrs_step, sample_verify
+from specstream_mlx.method.tree import tree_buffers
 
 
 def exact_rrs_output(p, q, k):
@@ -102,10 +102,8 @@ def test_device_accepted_node_agrees_with_greedy_verify():
     """The on-device greedy acceptance (one sync per pass) finds the same last
     node as the host walk, on random dynamic trees and random targets that
     accept anywhere from nothing to a full path."""
-    from types import SimpleNamespace
-
-    from specstream_mlx.speculative import greedy_accepted_node
-    from specstream_mlx.tree import Tree, dynamic_tree
+    from specstream_mlx.method.acceptance import greedy_accepted_node
+    from specstream_mlx.method.tree import Tree, dynamic_tree
 
     rng = np.random.default_rng(0)
     depths_seen = set()
@@ -119,13 +117,11 @@ def test_device_accepted_node_agrees_with_greedy_verify():
         argmax = np.array([tree.tokens[rng.choice(c)] if c and rng.random() < 0.8 else int(rng.integers(V))
                            for c in b.children])
         host = greedy_verify(tree.tokens, b.children, argmax)
-        out = SimpleNamespace(tree=tree, buffers=b)
-        dev = int(greedy_accepted_node(mx.array(argmax), out).item())
+        dev = int(greedy_accepted_node(tree.tokens, b, mx.array(argmax)).item())
         assert dev == host.path[-1], (trial, tree, argmax)
         depths_seen.add(len(host.path) - 1)
     assert {0, 1, 2, 3} <= depths_seen  # the test covers short and long acceptances
-    single = SimpleNamespace(tree=Tree((3,), (-1,)), buffers=tree_buffers([-1]))
-    assert int(greedy_accepted_node(mx.array([1]), single).item()) == 0
+    assert int(greedy_accepted_node(Tree((3,), (-1,)).tokens, tree_buffers([-1]), mx.array([1])).item()) == 0
 
 
 # --- end to end: ss sampling vs the exact ar distribution ------------------
@@ -136,7 +132,7 @@ N_TOKENS = 3
 
 def tiny_vocab_model():
     from specstream_mlx.models import build_model
-    from specstream_mlx.streams import StreamConfig, new_streams
+    from specstream_mlx.method.streams import StreamConfig, new_streams
 
     cfg = dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                num_attention_heads=2, num_key_value_heads=1, vocab_size=V, tie_word_embeddings=False)
@@ -154,7 +150,7 @@ def tiny_vocab_model():
 
 def exact_sequence_distribution(model, prompt, sampling):
     """P(x1 x2 x3 | prompt) under plain sampling, by enumerating all prefixes."""
-    from specstream_mlx.sampling import target_logprobs
+    from specstream_mlx.runtime.sampling import target_logprobs
 
     seqs = [list(s) for s in itertools.product(range(V), repeat=N_TOKENS - 1)]
     ids = mx.array([prompt + s for s in seqs])
@@ -173,9 +169,9 @@ def test_ss_sampling_matches_ar_distribution(top_p):
     """10,000 seeded ss generations of 3 tokens against the exact ar distribution."""
     from scipy.stats import chisquare
 
-    from specstream_mlx.sampling import SamplingParams
-    from specstream_mlx.speculative import ss_steps
-    from specstream_mlx.tree import TreeSpec
+    from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.runtime.speculative import ss_steps
+    from specstream_mlx.method.tree import TreeSpec
 
     model, streams = tiny_vocab_model()
     prompt = [4]  # one token: no separate prefill pass, so the test stays fast
@@ -190,7 +186,7 @@ def test_ss_sampling_matches_ar_distribution(top_p):
         out = []
         while len(out) < N_TOKENS:
             step = next(steps)
-            accepted += step.info["accepted"]
+            accepted += step.info.accepted
             out += step.tokens
         counts[tuple(out[:N_TOKENS])] += 1
     # Drafts were accepted often enough for the test to mean something.

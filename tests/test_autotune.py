@@ -1,6 +1,6 @@
 """--tree auto: the budget choice follows measured costs and observed acceptance."""
 
-from specstream_mlx.autotune import WARMUP_STEPS, AutoTree
+from specstream_mlx.runtime.autotune import WARMUP_STEPS, AutoTree
 
 
 def observe_many(auto, n, accepted, scores):

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from specstream_mlx.cache import KVCache, commit_cache, make_cache
+from specstream_mlx.runtime.cache import KVCache, commit_cache, make_cache
 
 
 def rows(start, n, H=2, D=4):
@@ -69,7 +69,7 @@ def test_commit_more_than_step_is_refused():
 def test_model_commit_equals_plain_decoding(hf_models):
     """Run a step of several candidate rows, commit one path: the cache then
     equals the cache of plain decoding of that path."""
-    from specstream_mlx.loading import load_model
+    from specstream_mlx.io.loading import load_model
 
     _, _, dst = hf_models("llama")
     model, _ = load_model(dst)

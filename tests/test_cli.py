@@ -95,13 +95,13 @@ def test_generation_stops_at_eos(tiny_model_dir):
     from specstream_mlx import generate, load
 
     model, tok = load(str(tiny_model_dir))
-    real = model.lm_logits
+    real = model.base.lm_logits
 
     def always_eos(h):
         logits = real(h)
         return logits + mx.where(mx.arange(logits.shape[-1]) == 2, 1e4, 0.0)
 
-    model.lm_logits = always_eos
+    model.base.lm_logits = always_eos
     res = generate(model, tok, "hi", max_tokens=20)
     assert res.tokens == [] and res.finish_reason == "stop"
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from specstream_mlx.byte_tokenizer import save_byte_tokenizer
+from specstream_mlx.demo.byte_tokenizer import save_byte_tokenizer
 from specstream_mlx.convert import ConvertError, ConvertOptions, convert
-from specstream_mlx.loading import load_model
+from specstream_mlx.io.loading import load_model
 
 CLI = [sys.executable, "-m", "specstream_mlx"]
 

@@ -4,16 +4,17 @@ import json
 
 import pytest
 
-from specstream_mlx.generation import generate
-from specstream_mlx.loading import BUNDLED_MODELS_DIR, load
-from specstream_mlx.tree import TreeSpec
+from specstream_mlx.runtime.generation import generate
+from specstream_mlx import load
+from specstream_mlx.io.loading import bundled_models_dir
+from specstream_mlx.method.tree import TreeSpec
 
 NAMES = ["demo-sql", "demo-sql-baseline", "demo-sql-draft", "demo-chat", "demo-chat-draft"]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_bundled_model_is_small_and_loads(name):
-    d = BUNDLED_MODELS_DIR / name
+    d = bundled_models_dir() / name
     size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
     assert size <= 25e6, f"{name} is {size / 1e6:.1f} MB"
     model, tok = load(name, warn=False)
@@ -26,7 +27,7 @@ def test_bundled_model_is_small_and_loads(name):
 @pytest.mark.parametrize("name", ["demo-sql", "demo-chat"])
 def test_bundled_ss_equals_ar(name):
     model, tok = load(name)
-    rows = [json.loads(l) for l in (BUNDLED_MODELS_DIR / name / "bench_prompts.jsonl").read_text().splitlines()][:3]
+    rows = [json.loads(l) for l in (bundled_models_dir() / name / "bench_prompts.jsonl").read_text().splitlines()][:3]
     taus = []
     for r in rows:
         ss = generate(model, tok, r["prompt"], max_tokens=48, mode="ss", tree=TreeSpec("dynamic", budget=12))

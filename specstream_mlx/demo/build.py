@@ -1,0 +1,282 @@
+"""Build the bundled demo models from scratch (`make demo-models`).
+
+Everything comes from this repository's own scripts and seeded data:
+
+* ``demo-sql``: a seeded sql-create-context-style corpus (:mod:`.datagen`), a BPE
+  tokenizer trained on it, a small Llama trained from random weights with the
+  shared-mode objective (main + 4 streams, all weights); ``demo-sql-baseline``
+  is trained identically with the next-token loss only; ``demo-sql-draft`` is a
+  smaller next-token model with the same tokenizer (the draft-model peer).
+* ``demo-chat``: a small Llama trained on ShareGPT V3 text (next-token), then
+  lossless streams trained on it (frozen base, self-distillation);
+  ``demo-chat-draft`` is the smaller draft model.
+
+Base weights are pretrained with PyTorch (:mod:`.torch_pretrain`: its CPU
+kernels train these shapes ~5x faster than MLX's CPU backend), saved as Hugging
+Face checkpoints and imported with our converter; the streams and both SQL
+fine-tunes are trained in MLX by :mod:`.training`. Weights are stored in
+float16 to keep each model small; on the CPU they run in float32 (DESIGN §5).
+Step counts are set so the whole build fits in about 80 minutes on a 2-core
+CPU; ``--scale`` multiplies every step count (``--scale 0.01`` is a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parent.parent.parent
+RUNS = REPO / "runs"
+MODELS = REPO / "models"
+
+SQL_BASE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2)
+CHAT_BASE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2)
+SQL_FINETUNE_STEPS = 300
+SQL_FINETUNE_LR = 5e-4
+SQL_ALPHA_STREAM = 0.1
+CHAT_PRETRAIN_STEPS = 1200
+CHAT_STREAM_STEPS = 150
+REUSE = False  # --reuse: keep finished PyTorch pretraining runs in runs/
+DRAFT = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1)
+
+
+def log(msg: str) -> None:
+    print(f"[demo-models] {msg}", file=sys.stderr, flush=True)
+
+
+def init_model_dir(out: Path, tokenizer_dir: Path, shape: dict, seed: int) -> Path:
+    """A randomly initialised Llama (HF names, float32) with the given tokenizer."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from ..models import build_model
+
+    tok_cfg = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = len(tok_cfg["model"]["vocab"]) + len([t for t in tok_cfg.get("added_tokens", [])
+                                                  if t["content"] not in tok_cfg["model"]["vocab"]])
+    cfg = dict(model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=10000.0,
+               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="float16",
+               max_position_embeddings=1024, **shape)
+    mx.random.seed(seed)
+    model = build_model(cfg)
+    # GPT-2-style init: N(0, 0.02), output projections scaled by depth.
+    L = shape["num_hidden_layers"]
+    weights = {}
+    for k, v in tree_flatten(model.parameters()):
+        if "norm" in k:
+            weights[k] = mx.ones(v.shape)
+        else:
+            std = 0.02 / (2 * L) ** 0.5 if k.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            weights[k] = mx.random.normal(v.shape) * std
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in tokenizer_dir.iterdir():
+        if f.is_file():
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def _texts(data_dir: Path):
+    for split in ("train.jsonl",):
+        with open(data_dir / split) as f:
+            for line in f:
+                r = json.loads(line)
+                if "messages" in r:
+                    yield "\n".join(m["content"] for m in r["messages"])
+                else:
+                    yield r.get("prompt", "") + "\n" + r.get("completion", "") + r.get("text", "")
+
+
+def _train(base: Path, data: Path, out: Path, **cfg_kw):
+    from ..train import TrainConfig, train
+
+    cfg = TrainConfig(**cfg_kw)
+    t = time.time()
+    res = train(str(base), str(data), str(out), cfg, log=log)
+    log(f"trained {out.name} in {time.time() - t:.0f} s")
+    return res
+
+
+def _finalize(src: Path, name: str) -> Path:
+    """Copy a trained directory into models/NAME without training logs' bulk."""
+    dst = MODELS / name
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy2(f, dst / f.name)
+    # Store weights in float16 (the bundled size limit); CPU execution casts to float32.
+    import mlx.core as mx
+
+    for f in dst.glob("model*.safetensors"):
+        w = mx.load(str(f))
+        mx.save_safetensors(str(f), {k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v
+                                     for k, v in w.items()}, metadata={"format": "mlx"})
+    cfg_path = dst / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for key in ("torch_dtype", "dtype"):
+        if key in cfg:
+            cfg[key] = "float16"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    size = sum(f.stat().st_size for f in dst.iterdir()) / 1e6
+    log(f"models/{name}: {size:.1f} MB")
+    return dst
+
+
+def write_bench_prompts(model_dir: Path, data_dir: Path, n: int = 24) -> None:
+    """Held-out prompts (test split) shipped with a model for `specstream-mlx bench`."""
+    rows = []
+    with open(data_dir / "test.jsonl") as f:
+        for line in f:
+            r = json.loads(line)
+            if "messages" in r:
+                user = next(m["content"] for m in r["messages"] if m["role"] == "user")
+                rows.append({"prompt": user})
+            else:
+                rows.append({"prompt": r["prompt"], "completion": r["completion"]})
+            if len(rows) >= n:
+                break
+    with open(model_dir / "bench_prompts.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def _pretrain_hf(init: Path, data: Path, name: str, steps: int, **kw) -> Path:
+    """Next-token pretraining with PyTorch (fast CPU kernels), then our converter:
+    a Hugging Face checkpoint imported exactly as a user's would be.
+
+    PyTorch runs in its own process without the OpenBLAS preload: sharing a
+    process with MLX's threads and an interposed BLAS made it 3x slower here."""
+    import os
+    import subprocess
+
+    from ..convert.converter import ConvertOptions, convert
+
+    hf = RUNS / f"{name}-hf"
+    t = time.time()
+    done = hf / "pretrain_log.json"
+    if REUSE and done.exists() and json.loads(done.read_text())["summary"]["steps"] == steps:
+        log(f"reusing {hf} (--reuse)")
+    else:
+        cmd = [sys.executable, "-m", "specstream_mlx.demo.torch_pretrain", "--init", str(init), "--data", str(data),
+               "--out", str(hf), "--steps", str(steps)]
+        for k, v in kw.items():
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        subprocess.run(cmd, env=env, check=True)
+    summary = json.loads(done.read_text())["summary"]
+    log(f"pretrained {hf.name} in {time.time() - t:.0f} s: valid completion accuracy "
+        f"{summary.get('valid_completion_acc', float('nan')):.3f}")
+    out = RUNS / name
+    convert(str(hf), str(out), ConvertOptions(dtype="float32", force=True), log=log)
+    shutil.copy2(done, out / "pretrain_log.json")  # provenance travels with the weights
+    return out
+
+
+def exact_match(model_dir: Path, test_file: Path, max_tokens: int = 96) -> dict:
+    """Greedy exact-match accuracy of a prompt/completion model on a test split.
+
+    Greedy ``ss`` equals ``ar`` token for token (tests/test_speculative.py), so
+    this plain-decoding score is also the score of ``ss``."""
+    from tqdm import tqdm
+
+    from ..runtime.generation import generate
+    from ..runtime.engine import load
+
+    model, tok = load(str(model_dir), warn=False)
+    rows = [json.loads(line) for line in open(test_file) if line.strip()]
+    hits = 0
+    for r in tqdm(rows, desc=f"exact match {model_dir.name}", unit="ex", file=sys.stderr):
+        out = generate(model, tok, r["prompt"], max_tokens=max_tokens, mode="ar")
+        hits += out.text.strip() == r["completion"].strip()
+    return {"model": model_dir.name, "test_examples": len(rows), "exact_match": hits / len(rows)}
+
+
+def build_sql(scale: float = 1.0, seed: int = 0) -> None:
+    from .byte_tokenizer import train_bpe_tokenizer
+    from .datagen import write_sql_corpus
+
+    data = RUNS / "data" / "sql"
+    counts = write_sql_corpus(data, n_train=20000, n_valid=200, n_test=200, seed=seed)
+    log(f"sql corpus: {counts}")
+    tok = RUNS / "tok-sql"
+    train_bpe_tokenizer(_texts(data), 1024, tok)
+    # 1) A shared next-token base (PyTorch, ~2.4 epochs), 2) identical MLX
+    # fine-tunes that differ only in the objective: shared-mode streams
+    # (demo-sql) versus next-token only (demo-sql-baseline).
+    init = init_model_dir(RUNS / "sql-init", tok, SQL_BASE, seed)
+    base = _pretrain_hf(init, data, "sql-base", int(3000 * scale), batch_size=16, max_seq_len=256,
+                        learning_rate=1e-3, warmup=100, seed=seed)
+    common = dict(mode="shared", full=True, iters=int(SQL_FINETUNE_STEPS * scale), batch_size=16,
+                  max_seq_len=256, learning_rate=SQL_FINETUNE_LR, warmup=20, seed=seed, steps_per_eval=100,
+                  save_every=100, stream_positions=16)
+    _train(base, data, RUNS / "demo-sql", num_streams=4, stream_layers=2, alpha_stream=SQL_ALPHA_STREAM, **common)
+    write_bench_prompts(_finalize(RUNS / "demo-sql", "demo-sql"), data)
+    _train(base, data, RUNS / "demo-sql-baseline", streams=False, **common)
+    _finalize(RUNS / "demo-sql-baseline", "demo-sql-baseline")
+    dinit = init_model_dir(RUNS / "sql-draft-init", tok, DRAFT, seed + 1)
+    draft = _pretrain_hf(dinit, data, "sql-draft", int(2000 * scale), batch_size=16, max_seq_len=256,
+                         learning_rate=2e-3, warmup=100, seed=seed)
+    _finalize(draft, "demo-sql-draft")
+    # The paper's claim, checked: the speculative objective does not hurt quality.
+    em = [exact_match(MODELS / name, data / "test.jsonl") for name in ("demo-sql", "demo-sql-baseline")]
+    (MODELS / "demo-sql" / "exact_match.json").write_text(json.dumps(em, indent=2) + "\n")
+    log(f"exact match on the test split: {em}")
+
+
+def build_chat(scale: float = 1.0, seed: int = 0) -> None:
+    from .byte_tokenizer import train_bpe_tokenizer
+    from ..train.sharegpt import write_sharegpt_jsonl
+
+    data = RUNS / "data" / "chat"
+    counts = write_sharegpt_jsonl(data, max_examples=30000, valid_fraction=0.01, seed=seed, max_turns=2,
+                                  max_chars=1200)
+    log(f"chat corpus: {counts}")
+    tok = RUNS / "tok-chat"
+    train_bpe_tokenizer(_texts(data), 4096, tok)
+    init = init_model_dir(RUNS / "chat-init", tok, CHAT_BASE, seed)
+    base = _pretrain_hf(init, data, "chat-base", int(CHAT_PRETRAIN_STEPS * scale), batch_size=16,
+                        max_seq_len=256, learning_rate=1e-3, warmup=200, seed=seed)
+    # Lossless streams on the frozen base (self-distillation to its own outputs).
+    _train(base, data, RUNS / "demo-chat", mode="lossless", num_streams=4, stream_layers=2,
+           lora_rank=16, iters=int(CHAT_STREAM_STEPS * scale), batch_size=16, max_seq_len=256,
+           learning_rate=1e-3, warmup=20, seed=seed, stream_positions=32, alpha_stream=1.0,
+           steps_per_eval=100, save_every=100)
+    write_bench_prompts(_finalize(RUNS / "demo-chat", "demo-chat"), data)
+    dinit = init_model_dir(RUNS / "chat-draft-init", tok, DRAFT, seed + 1)
+    draft = _pretrain_hf(dinit, data, "chat-draft", int(CHAT_PRETRAIN_STEPS * scale) // 2, batch_size=16,
+                         max_seq_len=256, learning_rate=2e-3, warmup=200, seed=seed)
+    _finalize(draft, "demo-chat-draft")
+
+
+def main(argv: Optional[list] = None) -> int:
+    global RUNS, MODELS, REUSE
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("which", nargs="*", default=["sql", "chat"], choices=["sql", "chat"])
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every step count")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", type=Path, default=RUNS, help="working directory for data and checkpoints")
+    ap.add_argument("--models", type=Path, default=MODELS, help="where the finished models go")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse finished PyTorch pretraining checkpoints in --runs (same step count)")
+    args = ap.parse_args(argv)
+    REUSE = args.reuse
+    RUNS, MODELS = args.runs.resolve(), args.models.resolve()
+
+    for which in args.which:
+        (build_sql if which == "sql" else build_chat)(args.scale, args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

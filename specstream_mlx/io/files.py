@@ -1,0 +1,56 @@
+"""The files of a model directory besides weights, and atomic directory writes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+
+
+@contextmanager
+def atomic_directory(dst: Path, force: bool, exists_error) -> Iterator[Path]:
+    """Yield a temporary sibling of ``dst`` to fill; on success it replaces
+    ``dst`` by rename, on any failure (Ctrl-C included) it is removed, so a
+    crash never leaves a half-written directory at ``dst``.
+
+    ``exists_error(message)`` builds the exception raised when ``dst`` exists
+    and ``force`` is False."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        yield tmp
+        if dst.exists():
+            if not force:
+                raise exists_error(f"{dst}: already exists; pass --force to overwrite it")
+            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,196 @@
+"""Load an MLX model directory (ours or mlx-lm's) into our model classes.
+
+:func:`load_model_dir` returns a :class:`LoadedModel`: the base model, its
+speculative streams (or None), the directory and its tokenizer. Bundled demo
+models are found by name whether the package runs from a checkout or was
+installed with pip (they ship as package data, ``specstream_mlx.bundled``).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+from ..method.streams import StreamParams, load_streams
+from ..models import build_model
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def bundled_models_dir() -> Path:
+    """Where the bundled demo models are: the package data ``specstream_mlx.bundled``
+    (the repository's top-level ``models/`` folder, installed or editable)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("specstream_mlx.bundled")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    # A checkout used without installing (PYTHONPATH=.): the folder itself.
+    return Path(__file__).resolve().parent.parent.parent / "models"
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """A local directory, a bundled model name, or a Hugging Face hub id."""
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        return p
+    bundled = bundled_models_dir() / name_or_path
+    if "/" not in name_or_path and bundled.is_dir():
+        return bundled
+    if p.exists():
+        raise ModelLoadError(f"{p}: not a model directory")
+    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(
+                snapshot_download(
+                    name_or_path,
+                    allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"],
+                )
+            )
+        except Exception as e:  # network, auth and missing-repo errors alike
+            raise ModelLoadError(f"cannot download {name_or_path!r} from the hub: {e}") from e
+    raise ModelLoadError(f"{name_or_path}: no such model directory")
+
+
+def load_config(path: Path) -> Dict[str, Any]:
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.exists():
+        raise ModelLoadError(f"{cfg_path}: missing config.json")
+    try:
+        with open(cfg_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_path}: invalid JSON ({e})") from e
+
+
+def load_weights(path: Path) -> Dict[str, mx.array]:
+    """All ``model*.safetensors`` of a directory (streams.safetensors excluded)."""
+    files = sorted(glob.glob(str(Path(path) / "model*.safetensors")))
+    if not files:
+        files = [
+            f
+            for f in sorted(glob.glob(str(Path(path) / "*.safetensors")))
+            if not os.path.basename(f).startswith("streams")
+        ]
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights")
+    weights: Dict[str, mx.array] = {}
+    for f in files:
+        try:
+            weights.update(mx.load(f))
+        except Exception as e:  # mlx raises RuntimeError/ValueError on corrupt files
+            raise ModelLoadError(f"{f}: cannot read safetensors ({e})") from e
+    return weights
+
+
+def compute_dtype_for_device() -> Optional[mx.Dtype]:
+    """float32 on the CPU backend (no half-precision BLAS on x86; DESIGN §5),
+    otherwise None: keep the stored dtype (the fast path on a GPU)."""
+    if mx.default_device() == mx.cpu:
+        return mx.float32
+    return None
+
+
+def cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
+    def cast(x):
+        if mx.issubdtype(x.dtype, mx.floating) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    model.update(tree_map(cast, model.parameters()))
+
+
+def apply_quantization(model: nn.Module, config: Dict[str, Any], weights: Dict[str, mx.array]):
+    q = config.get("quantization")
+    if not q:
+        return
+
+    def predicate(path, module):
+        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+    nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=predicate)
+
+
+def load_model(
+    path: Path, dtype: Optional[mx.Dtype] = "auto", lazy: bool = False
+) -> Tuple[nn.Module, Dict[str, Any]]:
+    """Build the model for ``config.json`` and load its weights strictly.
+
+    Args:
+        path: model directory.
+        dtype: "auto" (float32 on CPU, stored dtype elsewhere), None (stored) or a dtype.
+        lazy: leave parameters unevaluated.
+    """
+    path = Path(path)
+    config = load_config(path)
+    model = build_model(config)
+    weights = load_weights(path)
+    weights = model.sanitize(weights)
+    apply_quantization(model, config, weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: weights do not match config.json ({e})") from e
+    if dtype == "auto":
+        dtype = compute_dtype_for_device()
+    if dtype is not None:
+        cast_floating(model, dtype)
+    if not lazy:
+        mx.eval(model.parameters())
+    model.eval()
+    return model, config
+
+
+def load_tokenizer(path: Path):
+    """mlx-lm's TokenizerWrapper (streaming detokenizer, chat template, EOS ids)."""
+    from mlx_lm.tokenizer_utils import load as _load_tok
+
+    eos = None
+    cfg = Path(path) / "config.json"
+    if cfg.exists():
+        with open(cfg) as f:
+            e = json.load(f).get("eos_token_id")
+        eos = [e] if isinstance(e, int) else e
+    return _load_tok(Path(path), eos_token_ids=eos)
+
+
+@dataclass
+class LoadedModel:
+    """What a model directory holds, loaded.
+
+    Attributes:
+        model: the base causal LM (our :class:`~specstream_mlx.models.base.Model`).
+        streams: its speculative streams, or None when it has none.
+        path: the directory it was loaded from.
+        config: its ``config.json``.
+        tokenizer: mlx-lm's TokenizerWrapper.
+    """
+
+    model: nn.Module
+    streams: Optional[StreamParams]
+    path: Path
+    config: Dict[str, Any]
+    tokenizer: Any
+
+
+def load_model_dir(path_or_name: str, dtype="auto", lazy: bool = False, warn: bool = True) -> LoadedModel:
+    """Load a model directory, bundled name or hub id with its streams and tokenizer."""
+    path = resolve_model_path(path_or_name)
+    model, config = load_model(path, dtype=dtype, lazy=lazy)
+    try:
+        streams = load_streams(model, path, warn=warn)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    return LoadedModel(model, streams, path, config, load_tokenizer(path))

@@ -1,0 +1,281 @@
+"""Speculative-stream parameters and their files (DESIGN §3).
+
+A model with streams is an mlx-lm model directory plus:
+
+* ``specstream.json``: :class:`StreamConfig` (version, num_streams,
+  stream_layers, mode, lora, pruning, trained).
+* ``streams.safetensors``: ``embeddings`` (γ, h); ``lora.layer<i>.<proj>.a``
+  (in, r) and ``.b`` (r, out) for the MSA layers; ``pruning.down`` (h, 8) and
+  ``pruning.up`` (8, h).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "specstream.json"
+WEIGHTS_FILE = "streams.safetensors"
+
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+PHI3_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class NoStreamsError(RuntimeError):
+    pass
+
+
+@dataclass
+class StreamConfig:
+    """How a model's speculative streams are shaped.
+
+    Args:
+        num_streams: γ, the number of speculative streams. Default 4.
+        stream_layers: N_s, the top layers that run multi-stream attention. Default 4.
+        mode: "lossless" (stream-only LoRA, frozen base) or "shared" (LoRA fused into the base).
+        lora_rank: rank of the stream LoRA in the MSA layers; 0 for none. Default 32.
+        lora_scale: multiplier of the LoRA delta. Default 2.0 (alpha 64 / rank 32).
+        lora_targets: projections carrying stream LoRA.
+        pruning_rank: rank of the early-exit adapter. Default 8.
+        pruning_threshold: drop draft nodes whose early-exit transition
+            probability is below this; 0 disables pruning. Default 0.
+        trained: False for freshly initialised streams.
+    """
+
+    num_streams: int = 4
+    stream_layers: int = 4
+    mode: str = "lossless"
+    lora_rank: int = 32
+    lora_scale: float = 2.0
+    lora_targets: Tuple[str, ...] = ATTN_TARGETS + MLP_TARGETS
+    pruning_rank: int = 8
+    pruning_threshold: float = 0.0
+    trained: bool = False
+    version: int = FORMAT_VERSION
+    extra: Dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["lora"] = {"rank": d.pop("lora_rank"), "scale": d.pop("lora_scale"), "targets": list(d.pop("lora_targets"))}
+        d["pruning"] = {"rank": d.pop("pruning_rank"), "threshold": d.pop("pruning_threshold")}
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "StreamConfig":
+        d = dict(d)
+        lora = d.pop("lora", {}) or {}
+        pruning = d.pop("pruning", {}) or {}
+        version = d.get("version", FORMAT_VERSION)
+        if version > FORMAT_VERSION:
+            raise ValueError(f"{CONFIG_FILE} version {version} is newer than this runtime supports ({FORMAT_VERSION})")
+        known = {f for f in StreamConfig.__dataclass_fields__}
+        cfg = StreamConfig(**{k: v for k, v in d.items() if k in known})
+        cfg.lora_rank = lora.get("rank", cfg.lora_rank)
+        cfg.lora_scale = lora.get("scale", cfg.lora_scale)
+        cfg.lora_targets = tuple(lora.get("targets", cfg.lora_targets))
+        cfg.pruning_rank = pruning.get("rank", cfg.pruning_rank)
+        cfg.pruning_threshold = pruning.get("threshold", cfg.pruning_threshold)
+        return cfg
+
+
+class LoRA(nn.Module):
+    """Low-rank delta ``scale * (x @ a) @ b``; ``b`` starts at zero."""
+
+    def __init__(self, in_dims: int, out_dims: int, rank: int, scale: float):
+        super().__init__()
+        bound = 1.0 / math.sqrt(in_dims)
+        self.a = mx.random.uniform(-bound, bound, (in_dims, rank))
+        self.b = mx.zeros((rank, out_dims))
+        self.scale = scale
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.scale * ((x @ self.a) @ self.b)
+
+
+class PruningAdapter(nn.Module):
+    """o_θ(M) = M + up(down(M)), rank 8: early-exit hidden state for tree pruning.
+
+    Untrained (``up == 0``) it is the identity, so early-exit logits are the
+    LM head applied to the stream-insertion layer's input (a logit lens)."""
+
+    def __init__(self, hidden: int, rank: int):
+        super().__init__()
+        self.down = mx.random.normal((hidden, rank)) * (1.0 / math.sqrt(hidden))
+        self.up = mx.zeros((rank, hidden))
+
+    def __call__(self, h: mx.array) -> mx.array:
+        return h + (h @ self.down) @ self.up
+
+
+def lora_key(layer_index: int) -> str:
+    # Not a bare number: mlx's tree_unflatten would turn numeric keys into a list.
+    return f"layer{layer_index}"
+
+
+def linear_dims(module) -> Tuple[int, int]:
+    """(in, out) of a Linear or QuantizedLinear."""
+    if isinstance(module, nn.QuantizedLinear):
+        out_dims = module.weight.shape[0]
+        in_dims = module.weight.shape[1] * 32 // module.bits
+        return in_dims, out_dims
+    out_dims, in_dims = module.weight.shape
+    return in_dims, out_dims
+
+
+def find_linear(layer, name: str):
+    for parent in (layer.self_attn, layer.mlp):
+        if name in parent:
+            return parent[name]
+    return None
+
+
+def make_layer_loras(model, layer_indices, targets, rank: int, scale: float) -> Dict[str, Dict[str, "LoRA"]]:
+    """A LoRA for every targeted projection of the given layers, keyed by :func:`lora_key`."""
+    out: Dict[str, Dict[str, LoRA]] = {}
+    for i in layer_indices:
+        mods = {}
+        for name in targets:
+            lin = find_linear(model.layers[i], name)
+            if lin is not None:
+                d_in, d_out = linear_dims(lin)
+                mods[name] = LoRA(d_in, d_out, rank, scale)
+        out[lora_key(i)] = mods
+    return out
+
+
+class LoRAAdapter:
+    """The block's ``adapter``: adds a layer's LoRA deltas to its projections.
+
+    ``row_mask`` (1, R, 1), 1.0 on stream rows and 0.0 on main rows, confines
+    the delta to stream rows (lossless mode: main rows keep the frozen
+    projection exactly, since y + 0·delta == y). Multiplying by a mask costs
+    one broadcast instead of slicing and re-concatenating rows in every
+    projection. None adds the delta to every row."""
+
+    def __init__(self, loras: Dict[str, "LoRA"], row_mask: Optional[mx.array] = None):
+        self.loras = loras
+        self.row_mask = row_mask
+
+    def __call__(self, name: str, x: mx.array, y: mx.array) -> mx.array:
+        lora = self.loras.get(name)
+        if lora is None:
+            return y
+        delta = lora(x)
+        return y + (delta if self.row_mask is None else delta * self.row_mask)
+
+
+def stream_row_mask(n_main: int, n_rows: int, dtype=mx.float32) -> mx.array:
+    """(1, n_rows, 1): 0 for the first ``n_main`` rows, 1 for the stream rows after them."""
+    return (mx.arange(n_rows) >= n_main).astype(dtype)[None, :, None]
+
+
+class StreamParams(nn.Module):
+    """Stream embeddings P, the MSA layers' stream LoRA, and the pruning adapter.
+
+    ``first_layer`` is the stream-insertion layer N - N_s: layers before it run
+    main rows only, layers from it on run multi-stream attention."""
+
+    def __init__(self, model, cfg: StreamConfig):
+        super().__init__()
+        n_layers = len(model.layers)
+        if not 1 <= cfg.stream_layers <= n_layers:
+            raise ValueError(f"stream_layers must be in 1..{n_layers}, got {cfg.stream_layers}")
+        if cfg.num_streams < 1:
+            raise ValueError(f"num_streams must be >= 1, got {cfg.num_streams}")
+        self.config = cfg
+        self.first_layer = n_layers - cfg.stream_layers
+        hidden = model.args.hidden_size
+        # Small random identifiers: streams start as near-copies of the main row.
+        self.embeddings = mx.random.normal((cfg.num_streams, hidden)) * 0.02
+        self.lora: Dict[str, Dict[str, LoRA]] = {}
+        if cfg.lora_rank > 0:
+            self.lora = make_layer_loras(
+                model, range(self.first_layer, n_layers), cfg.lora_targets, cfg.lora_rank, cfg.lora_scale
+            )
+        self.pruning = PruningAdapter(hidden, cfg.pruning_rank)
+
+    @property
+    def num_streams(self) -> int:
+        return self.config.num_streams
+
+    def layer_lora(self, layer_index: int) -> Optional[Dict[str, LoRA]]:
+        """The stream LoRA of an MSA layer, or None."""
+        return self.lora.get(lora_key(layer_index)) or None if self.lora else None
+
+    def extra_parameters(self) -> int:
+        return sum(v.size for _, v in tree_flatten(self.parameters()))
+
+
+def default_targets(model_type: str) -> Tuple[str, ...]:
+    return PHI3_TARGETS if model_type == "phi3" else ATTN_TARGETS + MLP_TARGETS
+
+
+def new_streams(model, cfg: StreamConfig, seed: int = 0) -> StreamParams:
+    """Freshly initialised (untrained) streams for ``model``."""
+    mx.random.seed(seed)
+    if cfg.lora_targets == ATTN_TARGETS + MLP_TARGETS:
+        cfg.lora_targets = default_targets(model.model_type)
+    sp = StreamParams(model, cfg)
+    mx.eval(sp.parameters())
+    return sp
+
+
+def save_streams(streams: StreamParams, out_dir: Path) -> None:
+    out_dir = Path(out_dir)
+    weights = dict(tree_flatten(streams.parameters()))
+    mx.save_safetensors(str(out_dir / WEIGHTS_FILE), weights, metadata={"format": "specstream"})
+    with open(out_dir / CONFIG_FILE, "w") as f:
+        json.dump(streams.config.to_json(), f, indent=2)
+
+
+def load_streams(model, model_dir: Path, warn=True) -> Optional[StreamParams]:
+    """The streams stored beside a model, or None when it has none."""
+    model_dir = Path(model_dir)
+    cfg_path = model_dir / CONFIG_FILE
+    if not cfg_path.exists():
+        return None
+    try:
+        cfg = StreamConfig.from_json(json.loads(cfg_path.read_text()))
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise ValueError(f"{cfg_path}: invalid ({e})") from e
+    w_path = model_dir / WEIGHTS_FILE
+    if not w_path.exists():
+        raise ValueError(f"{w_path}: missing (named by {CONFIG_FILE})")
+    sp = StreamParams(model, cfg)
+    try:
+        weights = mx.load(str(w_path))
+    except Exception as e:  # corrupt file
+        raise ValueError(f"{w_path}: cannot read safetensors ({e})") from e
+    try:
+        sp.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(f"{w_path}: does not match {CONFIG_FILE} ({e})") from e
+    dtype = model.model.norm.weight.dtype
+    sp.update(tree_unflatten([(k, v.astype(dtype)) for k, v in tree_flatten(sp.parameters())]))
+    mx.eval(sp.parameters())
+    if warn and not cfg.trained:
+        print(
+            f"specstream-mlx: warning: {model_dir.name} has untrained speculative streams; "
+            "ss decoding stays exact but will accept few drafts (train them with "
+            "`specstream-mlx train`).",
+            file=sys.stderr,
+        )
+    return sp
+
+
+def no_streams_message(model_dir) -> str:
+    return (
+        f"{model_dir} has no speculative streams ({CONFIG_FILE} missing). Add untrained ones with "
+        "`specstream-mlx convert --hf-path SRC --mlx-path DST --num-streams 4 --stream-layers 4`, "
+        "train them with `specstream-mlx train`, or use --mode lookup / --mode ar."
+    )

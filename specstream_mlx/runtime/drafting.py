@@ -1,0 +1,131 @@
+"""Drafting the next tree from the streams of the last accepted node.
+
+:func:`stream_candidates` turns stream logits into device-side top-K
+candidates (and, when sampling, the processed proposal distributions);
+:func:`draft_tree` builds the next tree from them on the host: a Cartesian or
+budgeted dynamic tree when greedy, i.i.d. draws from each stream's proposal
+when sampling (what lossless verification needs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..method.tree import Tree, TreeSpec, cartesian_tree, dynamic_candidates, dynamic_tree
+from .sampling import SamplingParams, target_probs
+
+
+@dataclass
+class Draft:
+    """The next tree, what sampling verification needs, and acceptance predictions.
+
+    Attributes:
+        tree: the draft tree rooted at the bonus token.
+        draft_q: (depth, V) distributions the sampled children were drawn from.
+        predicted: expected accepted length of this tree if streams were calibrated.
+        scores: path scores of the best-first candidates (for --tree auto).
+    """
+
+    tree: Tree
+    draft_q: Optional[np.ndarray] = None
+    predicted: float = 0.0
+    scores: Optional[List[float]] = None
+
+
+def stream_candidates(logits: mx.array, K: int, sampling: SamplingParams):
+    """Device-side candidates of stream logits (..., γ, V): the top-K token ids
+    and their probabilities in descending order, and (sampling only) the
+    processed distributions the drafts are drawn from. Lazy: the caller
+    evaluates them in the same sync as verification."""
+    logits = logits.astype(mx.float32)
+    probs = mx.softmax(logits, axis=-1)
+    K = min(K, logits.shape[-1])
+    if K < logits.shape[-1]:
+        part = mx.argpartition(-probs, kth=K - 1, axis=-1)[..., :K]
+    else:
+        part = mx.broadcast_to(mx.arange(K), probs.shape)
+    ptop = mx.take_along_axis(probs, part, axis=-1)
+    order = mx.argsort(-ptop, axis=-1)
+    top = mx.take_along_axis(part, order, axis=-1)
+    ptop = mx.take_along_axis(ptop, order, axis=-1)
+    q = None if sampling.greedy else target_probs(logits, sampling)
+    return top, ptop, q
+
+
+def num_candidates(spec: TreeSpec, score_budget: int = 0) -> int:
+    """Top-K per stream that a tree of ``spec`` (and --tree auto's scoring) needs."""
+    return max(spec.widths) if spec.kind == "cartesian" else min(max(spec.budget, score_budget), 8)
+
+
+def draft_tree(
+    root: int,
+    top: np.ndarray,
+    ptop: np.ndarray,
+    q: Optional[np.ndarray],
+    spec: TreeSpec,
+    sampling: SamplingParams,
+    rng: np.random.Generator,
+    score_budget: int = 0,
+) -> Draft:
+    """Next draft tree from the stream candidates of the last accepted node.
+
+    ``top``/``ptop``: (γ, K) top tokens and probabilities per stream; ``q``:
+    (γ, V) processed distributions when sampling. Greedy: Cartesian or dynamic
+    tree over the top-k. Sampling: i.i.d. draws from each stream's processed
+    distribution, shared by every parent at that depth (what
+    :func:`sample_verify` needs to stay lossless).
+    """
+    depth = min(spec.max_depth, top.shape[0])
+    if depth == 0:
+        return Draft(Tree((root,), (-1,)))
+    top, ptop = top[:depth], ptop[:depth]
+    cands = dynamic_candidates(top, ptop, max(spec.budget if spec.kind == "dynamic" else 0, score_budget))
+    scores = [c[2] for c in cands]
+    if sampling.greedy:
+        if spec.kind == "cartesian":
+            tree = cartesian_tree(root, top, spec.widths[:depth])
+            predicted = _expected_accepted(tree, top, ptop)
+        else:
+            tree = dynamic_tree(root, top, ptop, spec.budget, cands)
+            predicted = float(sum(scores[: spec.budget]))
+        return Draft(tree, None, predicted, scores)
+    q = np.asarray(q[:depth], dtype=np.float64)
+    q /= q.sum(axis=-1, keepdims=True)
+    widths = spec.widths[:depth] if spec.kind == "cartesian" else _budget_widths(spec.budget, depth)
+    draws = [rng.choice(q.shape[1], size=w, p=q[g]) for g, w in enumerate(widths)]
+    tree = cartesian_tree(root, draws, widths)
+    return Draft(tree, q, float(sum(scores[: len(tree) - 1])), scores)
+
+
+def _budget_widths(budget: int, depth: int) -> tuple:
+    """Cartesian widths of at most ``budget`` draft nodes for sampled trees."""
+    for widths in ((4, 2, 1, 1), (3, 2, 1, 1), (2, 2, 1, 1), (2, 1, 1, 1), (1, 1, 1, 1), (1,)):
+        w = widths[:depth]
+        total, level = 0, 1
+        for x in w:
+            level *= x
+            total += level
+        if total <= budget:
+            return w
+    return (1,)
+
+
+def _expected_accepted(tree: Tree, top: np.ndarray, probs: np.ndarray) -> float:
+    """Σ over draft nodes of the product of stream probabilities on its path:
+    the expected accepted length if streams were calibrated."""
+    lookup = [dict(zip(top[g].tolist(), probs[g].tolist())) for g in range(top.shape[0])]
+    score = [1.0] * len(tree)
+    depth = [0] * len(tree)
+    total = 0.0
+    for i in range(1, len(tree)):
+        p = tree.parents[i]
+        depth[i] = depth[p] + 1
+        score[i] = score[p] * lookup[depth[i] - 1].get(tree.tokens[i], 0.0)
+        total += score[i]
+    return total
+
+

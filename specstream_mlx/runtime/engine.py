@@ -1,0 +1,91 @@
+"""A loaded model and everything decoding keeps about it.
+
+:class:`SpeculativeModel` is what :func:`load` returns: the base model, its
+speculative streams, the directory it came from, and the ``--tree auto``
+tuners that learn across requests. Calling it runs the base model, so it can
+be used wherever a plain MLX language model is expected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import mlx.nn as nn
+
+from ..io.loading import load_model_dir
+from ..method.streams import StreamParams
+from ..models.base import ModelArgs
+from .autotune import AutoTree, auto_tree_for
+from .sampling import SamplingParams
+
+
+@dataclass
+class SpeculativeModel:
+    """A base model with (optionally) its speculative streams.
+
+    Attributes:
+        base: the causal LM (main stream); its logits never depend on the streams.
+        streams: stream embeddings, stream LoRA and pruning adapter; None for a plain model.
+        path: the model directory, when loaded from one.
+        tuners: ``--tree auto`` state per decoding kind ("greedy", "sampled"):
+            greedy and sampled passes draft different trees and cost differently.
+    """
+
+    base: nn.Module
+    streams: Optional[StreamParams] = None
+    path: Optional[Path] = None
+    tuners: Dict[str, AutoTree] = field(default_factory=dict)
+
+    def __call__(self, *args, **kwargs):
+        return self.base(*args, **kwargs)
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.base.args
+
+    @property
+    def layers(self):
+        return self.base.layers
+
+    def tuner(self, sampling: SamplingParams, log: Optional[Callable[[str], None]] = None) -> AutoTree:
+        """The auto-tuner for this decoding kind, created (and costs measured) on first use."""
+        kind = "greedy" if sampling.greedy else "sampled"
+        if kind not in self.tuners:
+            self.tuners[kind] = auto_tree_for(self.base, self.streams, log)
+        return self.tuners[kind]
+
+
+def as_speculative(model: Any, streams: Optional[StreamParams] = None) -> SpeculativeModel:
+    """``model`` as a :class:`SpeculativeModel` (a bare base model is wrapped);
+    ``streams``, when given, replaces the model's own."""
+    if isinstance(model, SpeculativeModel):
+        if streams is None or streams is model.streams:
+            return model
+        return SpeculativeModel(model.base, streams, model.path)
+    return SpeculativeModel(model, streams)
+
+
+def base_model(model: Any) -> nn.Module:
+    """The base causal LM of a :class:`SpeculativeModel` or of a bare model."""
+    return model.base if isinstance(model, SpeculativeModel) else model
+
+
+def load(path_or_name: str, dtype="auto", lazy: bool = False, warn: bool = True) -> Tuple[SpeculativeModel, Any]:
+    """Load ``(model, tokenizer)`` from a directory, bundled name or hub id.
+
+    Args:
+        path_or_name: a model directory, a bundled model name (``demo-chat``,
+            ``demo-sql``) or a Hugging Face hub id of an MLX model.
+        dtype: "auto" (float32 on the CPU backend, the stored dtype elsewhere),
+            None (stored) or an mlx dtype.
+        lazy: leave parameters unevaluated.
+        warn: warn on stderr when the streams are untrained.
+
+    Returns:
+        A :class:`SpeculativeModel` (``model.streams`` is None for a model
+        without streams) and mlx-lm's tokenizer wrapper.
+    """
+    lm = load_model_dir(path_or_name, dtype=dtype, lazy=lazy, warn=warn)
+    return SpeculativeModel(lm.model, lm.streams, lm.path), lm.tokenizer

@@ -1,0 +1,194 @@
+"""The Speculative Streaming engine (``--mode ss``).
+
+One pass over the tree rooted at the last decided token verifies the previous
+draft with the main rows and drafts the next tree from the streams of the
+last accepted node (docs/DESIGN.md). The engine is a step generator like
+:func:`~specstream_mlx.runtime.steps.ar_steps`: one :class:`Step` per pass.
+
+A pass costs one host sync when greedy (the accepted node is found on the
+device, so the next draft's stream candidates join the verification eval),
+and one or two when sampling (the accepted node is only known after host-side
+rejection sampling; small stream logits are computed eagerly for every node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Generator, Optional, Union
+
+import mlx.core as mx
+import numpy as np
+
+from ..method.acceptance import Verdict, greedy_accepted_node
+from ..method.msa import SSOutput, commit_ss, ss_forward, stream_logits
+from ..method.streams import NoStreamsError, StreamParams
+from ..method.tree import Tree, TreeSpec
+from .autotune import AutoTree
+from .cache import make_cache
+from .drafting import Draft, draft_tree, num_candidates, stream_candidates
+from .engine import SpeculativeModel, as_speculative
+from .sampling import SamplingParams
+from .steps import Step, StepInfo, ar_steps, prefill
+from .verification import verification_target, verify
+
+DEFAULT_TREE = TreeSpec("dynamic", budget=12, depth=4)
+
+# Below this many stream-logit elements (kept nodes x γ x vocab) the streams of
+# every kept node go through the LM head in the verification pass itself when
+# sampling (the accepted node is only known after host-side rejection sampling);
+# above it only the accepted node's streams are computed, after a second sync.
+EAGER_STREAM_LOGITS = 1 << 16
+
+
+@dataclass
+class TreePlan:
+    """Which trees this generation drafts.
+
+    Attributes:
+        spec: the tree shape of the next pass.
+        auto: the ``--tree auto`` tuner, or None for a fixed tree.
+        candidates: top-K per stream to fetch (enough for every budget auto scores).
+        score_budget: largest budget auto scores (0 without auto).
+    """
+
+    spec: TreeSpec
+    auto: Optional[AutoTree]
+    candidates: int
+    score_budget: int
+
+
+@dataclass
+class PassResult:
+    """Host-side outcome of one pass: the verdict and the next draft's candidates."""
+
+    verdict: Verdict
+    top: np.ndarray  # (γ, K) stream candidate tokens at the accepted node
+    ptop: np.ndarray  # (γ, K) their probabilities
+    q: Optional[np.ndarray]  # (γ, V) proposal distributions (sampling only)
+    resync: bool = False
+
+
+def plan_trees(sm: SpeculativeModel, tree: Union[None, str, TreeSpec], sampling: SamplingParams, log) -> TreePlan:
+    if isinstance(tree, str) and tree != "auto":
+        tree = TreeSpec.parse(tree)
+    if tree == "auto":
+        auto = sm.tuner(sampling, log)
+        budget = max(auto.costs)
+        return TreePlan(auto.spec(), auto, num_candidates(auto.spec(), budget), budget)
+    spec = tree or DEFAULT_TREE
+    return TreePlan(spec, None, num_candidates(spec), 0)
+
+
+def verify_greedy(sm: SpeculativeModel, out: SSOutput, K: int, sampling: SamplingParams) -> PassResult:
+    """Verification and the next draft's candidates in one sync."""
+    am = verification_target(out.main_logits, sampling)
+    node_dev = greedy_accepted_node(out.tree.tokens, out.buffers, am)
+    cand = stream_candidates(stream_logits(sm.base, out, node_dev), K, sampling)
+    mx.eval(am, node_dev, *cand[:2])
+    verdict = verify(out.tree, out.buffers, sampling, np.array(am), None, None)
+    resync = verdict.path[-1] != int(node_dev.item())
+    if resync:  # not expected; the host verdict wins
+        cand = stream_candidates(stream_logits(sm.base, out, verdict.path[-1]), K, sampling)
+        mx.eval(*cand[:2])
+    return PassResult(verdict, np.array(cand[0]), np.array(cand[1]), None, resync)
+
+
+def verify_sampled(
+    sm: SpeculativeModel, out: SSOutput, K: int, sampling: SamplingParams, draft: Draft, rng: np.random.Generator
+) -> PassResult:
+    """Rejection-sampling verification; stream candidates in the same sync when small."""
+    n_stream_logits = out.stream_hidden.shape[0] * out.stream_hidden.shape[1] * sm.args.vocab_size
+    eager = n_stream_logits <= EAGER_STREAM_LOGITS
+    target = verification_target(out.main_logits, sampling)
+    cand = stream_candidates(sm.base.lm_logits(out.stream_hidden), K, sampling) if eager else None
+    mx.eval(target, *(cand or ()))
+    verdict = verify(out.tree, out.buffers, sampling, np.array(target), draft.draft_q, rng)
+    node = verdict.path[-1]
+    if eager:
+        top, ptop, q = (np.array(a[node]) for a in cand)
+    else:
+        cand = stream_candidates(stream_logits(sm.base, out, node), K, sampling)
+        mx.eval(*cand)
+        top, ptop, q = (np.array(a) for a in cand)
+    return PassResult(verdict, top, ptop, q)
+
+
+def _plain_fallback(model, prompt, sampling, cache, prefill_chunk) -> Generator[Step, None, None]:
+    """--tree auto fell back on recent requests: decode plainly (trees are re-tried later)."""
+    steps = ar_steps(model, prompt, sampling, cache=cache, prefill_chunk=prefill_chunk)
+    first = next(steps)
+    first.info.fallback = "plain decoding: draft trees did not pay off on recent requests (re-tried later)"
+    yield first
+    yield from steps
+
+
+def _auto_fallback_reason(auto: AutoTree) -> str:
+    best = max(auto.expected_speedup(b) for b in auto.costs if b)
+    return f"plain decoding: no draft tree is expected to be faster on this machine (best {best:.2f}x)"
+
+
+def ss_steps(
+    model,
+    prompt: mx.array,
+    sampling: SamplingParams,
+    cache=None,
+    streams: Optional[StreamParams] = None,
+    tree: Union[None, str, TreeSpec] = None,
+    pruning_threshold: Optional[float] = None,
+    prefill_chunk: int = 512,
+    log: Optional[Callable[[str], None]] = None,
+) -> Generator[Step, None, None]:
+    """Speculative Streaming decoding; yields the tokens each pass decided.
+
+    Args:
+        model: a :class:`SpeculativeModel` (from :func:`load`) or a bare base model.
+        prompt: 1-D prompt ids.
+        sampling: greedy or sampled decoding.
+        cache: a KV cache to continue (multi-turn); default fresh.
+        streams: streams to use instead of the model's own.
+        tree: a :class:`TreeSpec` (or its text form), ``"auto"`` (measure and
+            choose; may fall back to plain decoding), or None for the default dynamic tree.
+        pruning_threshold: early-exit pruning threshold; default from specstream.json.
+            Applied to greedy decoding only: under sampling the surviving children
+            would no longer be draws from the proposal that verification assumes.
+    """
+    sm = as_speculative(model, streams)
+    if sm.streams is None:
+        raise NoStreamsError("this model has no speculative streams; use --mode ar or lookup")
+    plan = plan_trees(sm, tree, sampling, log)
+    cache = cache if cache is not None else make_cache(sm)
+    if plan.auto is not None and not plan.auto.new_request():
+        yield from _plain_fallback(sm.base, prompt, sampling, cache, prefill_chunk)
+        return
+    threshold = sm.streams.config.pruning_threshold if pruning_threshold is None else pruning_threshold
+    if not sampling.greedy:
+        threshold = 0.0  # lossless sampling: see the docstring
+    rng = np.random.default_rng(sampling.seed)
+    prefill(sm.base, prompt[:-1], cache, prefill_chunk)
+    draft = Draft(Tree((int(prompt[-1].item()),), (-1,)))
+    spec = plan.spec
+    while True:
+        # Streams deeper than the next tree can use are not hosted (fewer MSA rows).
+        out = ss_forward(sm.base, sm.streams, draft.tree, cache[0].offset, cache, threshold, spec.max_depth)
+        if sampling.greedy:
+            res = verify_greedy(sm, out, plan.candidates, sampling)
+        else:
+            res = verify_sampled(sm, out, plan.candidates, sampling, draft, rng)
+        commit_ss(cache, sm.streams, out, res.verdict.path)
+        tokens = [out.tree.tokens[i] for i in res.verdict.path[1:]] + [res.verdict.bonus]
+        info = StepInfo(accepted=res.verdict.accepted, nodes=len(out.kept) + out.pruned - 1,
+                        pruned=out.pruned, tree=spec.describe(), resync=res.resync)
+        if plan.auto is not None:
+            auto = plan.auto
+            if len(draft.tree) > 1:
+                auto.observe(draft.predicted, res.verdict.accepted, draft.scores)
+            if auto.choose() is None:
+                info.fallback = _auto_fallback_reason(auto)
+                auto.note_fallback()
+                yield Step(tokens, info)
+                yield from ar_steps(sm.base, mx.array([res.verdict.bonus]), sampling, cache=cache)
+                return
+            spec = auto.spec()
+            info.tree = "auto:" + spec.describe()
+        draft = draft_tree(res.verdict.bonus, res.top, res.ptop, res.q, spec, sampling, rng, plan.score_budget)
+        yield Step(tokens, info)

@@ -1,0 +1,82 @@
+"""The step-generator protocol and plain autoregressive decoding.
+
+A decoding engine is a generator that takes prompt ids and yields one
+:class:`Step` per target forward pass: the tokens that pass decided and a
+typed :class:`StepInfo` of what happened in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generator, List, Optional
+
+import mlx.core as mx
+
+from .cache import make_cache
+from .sampling import KeyStream, SamplingParams, sample_token
+
+
+@dataclass
+class StepInfo:
+    """Facts about one pass (speculative engines fill them; plain steps leave defaults).
+
+    Attributes:
+        accepted: draft tokens accepted in this pass (None for plain decoding).
+        nodes: draft nodes the pass verified (root excluded), pruned ones included.
+        pruned: draft nodes dropped by early-exit pruning before the top layers.
+        tree: the draft-tree shape in use, e.g. ``dynamic:8`` or ``auto:dynamic:8``.
+        fallback: why decoding switched to plain steps, when it did.
+        resync: the device-side accepted node disagreed with host verification
+            (never expected; the host verdict was used).
+    """
+
+    accepted: Optional[int] = None
+    nodes: int = 0
+    pruned: int = 0
+    tree: Optional[str] = None
+    fallback: Optional[str] = None
+    resync: bool = False
+
+
+@dataclass
+class Step:
+    """What one target forward pass produced."""
+
+    tokens: List[int]
+    info: StepInfo = field(default_factory=StepInfo)
+
+
+def prefill(model, prompt: mx.array, cache, chunk: int = 512) -> None:
+    """Run all of ``prompt`` (1-D ids) through the model into ``cache``, in chunks."""
+    for start in range(0, prompt.shape[0], chunk):
+        model(prompt[start : start + chunk][None], cache=cache)
+        mx.eval([c.keys for c in cache])
+
+
+def ar_steps(
+    model,
+    prompt: mx.array,
+    sampling: SamplingParams,
+    cache=None,
+    prefill_chunk: int = 512,
+) -> Generator[Step, None, None]:
+    """Plain autoregressive decoding; one token per forward pass.
+
+    The next pass is queued (``mx.async_eval``) before the current token is
+    handed out, so Python work overlaps the model's compute.
+    """
+    cache = cache if cache is not None else make_cache(model)
+    keys = KeyStream(sampling.seed)
+    prefill(model, prompt[:-1], cache, prefill_chunk)
+
+    def forward(tok: mx.array) -> mx.array:
+        logits = model(tok.reshape(1, -1), cache=cache)[:, -1, :]
+        return sample_token(logits, sampling, None if sampling.greedy else keys.next())
+
+    y = forward(prompt[-1:])
+    mx.async_eval(y)
+    while True:
+        next_y = forward(y)
+        mx.async_eval(next_y)
+        yield Step([y.item()])
+        y = next_y

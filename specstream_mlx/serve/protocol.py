@@ -1,0 +1,138 @@
+"""What both servers accept: one request representation and its validators.
+
+The stdio and HTTP front ends differ in framing (JSON lines vs HTTP bodies)
+and in a few field names (``specstream_mode`` over HTTP), but a generation
+request is the same :class:`GenerationRequest` and every field goes through
+the same checks, so a value rejected by one server is rejected by the other.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from ..runtime.sampling import SamplingParams
+
+ROLES = ("system", "user", "assistant")
+MAX_STOP_STRINGS = 16
+# Cheap bound before tokenizing: no tokenizer packs more than ~64 chars per token.
+CHARS_PER_TOKEN_BOUND = 64
+
+
+class ProtocolError(Exception):
+    """A request the server refuses; ``code`` is machine-readable, ``status`` the HTTP status."""
+
+    def __init__(self, code: str, message: str, status: int = 400):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status
+
+
+@dataclass
+class GenerationRequest:
+    """One validated generation request.
+
+    Attributes:
+        id: the client's id (stdio) or a generated one (HTTP).
+        messages: chat messages to render with the template, or None.
+        prompt_ids: raw prompt token ids (HTTP completions), or None.
+        max_tokens: most tokens to generate (capped by the context left at run time).
+        sampling: temperature, top-p, top-k and seed.
+        mode: decoding mode (ss, ar or lookup).
+        stop: stop strings.
+        stream: stream events/chunks (HTTP); stdio always streams.
+        cancel: set to stop the request early.
+    """
+
+    id: Any
+    messages: Optional[List[Dict[str, str]]]
+    prompt_ids: Optional[List[int]]
+    max_tokens: int
+    sampling: SamplingParams
+    mode: str
+    stop: List[str]
+    stream: bool = True
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+def number(body: dict, key: str, default, lo, hi, integer: bool = False):
+    """``body[key]`` as a finite number in [lo, hi], or ``default`` when absent or null."""
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise ProtocolError("invalid_type", f'"{key}" must be {"an integer" if integer else "a number"}')
+    if not math.isfinite(v) or not lo <= v <= hi:
+        raise ProtocolError("invalid_value", f'"{key}" must be between {lo} and {hi}')
+    return int(v) if integer else float(v)
+
+
+def text_of(content: Any) -> Optional[str]:
+    """A message's text: a string, or OpenAI content parts of type text; None if neither."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content if isinstance(content, str) else None
+
+
+def parse_messages(raw: Any, strict_keys: bool = True) -> List[Dict[str, str]]:
+    """Validated chat messages ``[{"role", "content"}]``.
+
+    ``strict_keys``: refuse keys besides role and content (stdio); HTTP clients
+    send extra keys (``name``...) that are ignored."""
+    if not isinstance(raw, list) or not raw:
+        raise ProtocolError("invalid_type", '"messages" must be a non-empty list')
+    out = []
+    for m in raw:
+        content = text_of(m.get("content")) if isinstance(m, dict) else None
+        ok = isinstance(m, dict) and m.get("role") in ROLES and content is not None
+        if ok and strict_keys:
+            ok = set(m) <= {"role", "content"} and isinstance(m.get("content"), str)
+        if not ok:
+            raise ProtocolError("invalid_type", 'each message is {"role": system|user|assistant, "content": string}')
+        out.append({"role": m["role"], "content": content})
+    if not any(m["content"].strip() for m in out):
+        raise ProtocolError("empty_prompt", "the prompt is empty")
+    return out
+
+
+def parse_stop(raw: Any) -> List[str]:
+    """Stop strings: a string, a list of at most 16 strings, or nothing."""
+    if raw is None:
+        return []
+    stop = [raw] if isinstance(raw, str) else raw
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise ProtocolError("invalid_type", f'"stop" must be a string or a list of at most {MAX_STOP_STRINGS} strings')
+    return stop
+
+
+def parse_mode(raw: Any, modes: List[str], default: str, key: str = "mode") -> str:
+    mode = default if raw is None else raw
+    if not isinstance(mode, str) or mode not in modes:
+        raise ProtocolError("invalid_value", f'"{key}" must be one of {", ".join(modes)}')
+    return mode
+
+
+def check_prompt_chars(n_chars: int, max_context: int, code: str = "prompt_too_long") -> None:
+    """Refuse prompts that cannot fit before paying for tokenization."""
+    if n_chars > CHARS_PER_TOKEN_BOUND * max_context:
+        raise ProtocolError(code, f"the prompt exceeds the context of {max_context} tokens")
+
+
+def parse_sampling(body: dict, default_temperature: float) -> SamplingParams:
+    """Temperature, top-p, top-k and seed of a request."""
+    return SamplingParams(
+        temperature=number(body, "temperature", default_temperature, 0.0, 100.0),
+        top_p=number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=number(body, "top_k", 0, 0, 1 << 30, integer=True),
+        seed=number(body, "seed", None, 0, (1 << 63) - 1, integer=True),
+    )
+
+
+def cap_max_tokens(requested: int, n_prompt: int, max_context: int, code: str = "prompt_too_long") -> int:
+    """``requested`` capped by the context left after ``n_prompt`` tokens."""
+    if n_prompt >= max_context:
+        raise ProtocolError(code, f"the prompt has {n_prompt} tokens; the context is {max_context}")
+    return min(requested, max_context - n_prompt)

@@ -1,0 +1,200 @@
+"""``specstream-mlx serve --stdio``: JSON lines over stdin/stdout (docs/PROTOCOL.md).
+
+One request per line on stdin; events on stdout, one JSON object per line;
+logs on stderr only. A reader thread parses and validates lines (so ``ping``
+and ``cancel`` are answered while a request generates); the main thread runs
+generation requests one at a time, in arrival order. Bad input of any kind
+gets an ``error`` event; EOF lets queued requests finish, then exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import threading
+from typing import Any, BinaryIO, Dict, List
+
+from ..runtime.generation import encode_prompt
+from ..runtime.session import ChatSession
+from .protocol import (
+    GenerationRequest,
+    ProtocolError,
+    cap_max_tokens,
+    check_prompt_chars,
+    number,
+    parse_messages,
+    parse_mode,
+    parse_sampling,
+    parse_stop,
+)
+
+FIELDS = {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "mode", "stop", "seed",
+          "cancel", "ping"}
+MAX_LINE_BYTES = 4 << 20
+_EOF = object()
+
+
+def _is_id(v) -> bool:
+    return (isinstance(v, str) and 0 < len(v) <= 256) or (isinstance(v, int) and not isinstance(v, bool))
+
+
+class StdioServer:
+    def __init__(self, model, tokenizer, default_mode: str, max_context: int, out: BinaryIO, modes: List[str]):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.default_mode = default_mode
+        self.modes = modes
+        self.max_context = max_context
+        self.out = out
+        self.out_lock = threading.Lock()
+        self.queue: "queue.Queue" = queue.Queue()
+        self.live: Dict[Any, GenerationRequest] = {}  # queued or running, by id
+        self.live_lock = threading.Lock()
+        self.session = ChatSession(model, tokenizer)
+
+    # --- output ---------------------------------------------------------------
+    def emit(self, obj: dict) -> None:
+        data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8", errors="replace")
+        with self.out_lock:
+            self.out.write(data)
+            self.out.flush()
+
+    def error(self, rid, code: str, message: str) -> None:
+        self.emit({"id": rid, "event": "error", "code": code, "message": message})
+
+    # --- input ----------------------------------------------------------------
+    def read_lines(self, stream: BinaryIO) -> None:
+        try:
+            while True:
+                raw = stream.readline(MAX_LINE_BYTES + 1)
+                if not raw:
+                    break
+                if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    while True:  # discard the rest of the over-long line
+                        more = stream.readline(MAX_LINE_BYTES)
+                        if not more or more.endswith(b"\n"):
+                            break
+                    self.error(None, "line_too_long", f"request lines are limited to {MAX_LINE_BYTES} bytes")
+                    continue
+                self.handle_line(raw)
+        finally:
+            self.queue.put(_EOF)
+
+    def handle_line(self, raw: bytes) -> None:
+        if not raw.strip():
+            return  # blank lines are ignored
+        rid = None
+        try:
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ProtocolError("invalid_utf8", f"line is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            try:
+                req = json.loads(text)
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise ProtocolError("invalid_json", f"line is not valid JSON: {getattr(e, 'msg', e)}") from None
+            if not isinstance(req, dict):
+                raise ProtocolError("invalid_request", "a request must be a JSON object")
+            if "id" not in req:
+                raise ProtocolError("missing_id", 'every request needs an "id" (string or integer)')
+            if not _is_id(req["id"]):
+                raise ProtocolError("invalid_id", '"id" must be a non-empty string (<= 256 chars) or an integer')
+            rid = req["id"]
+            unknown = sorted(set(req) - FIELDS)
+            if unknown:
+                raise ProtocolError("unknown_field", f"unknown field(s): {', '.join(map(str, unknown))[:200]}")
+            if "ping" in req:
+                if req["ping"] is not True or len(req) != 2:
+                    raise ProtocolError("invalid_request", 'a ping is exactly {"id": ..., "ping": true}')
+                self.emit({"id": rid, "event": "pong"})
+                return
+            if "cancel" in req:
+                if req["cancel"] is not True or len(req) != 2:
+                    raise ProtocolError("invalid_request", 'a cancel is exactly {"id": ..., "cancel": true}')
+                with self.live_lock:
+                    target = self.live.get(rid)
+                if target is None:
+                    raise ProtocolError("not_found", f"no queued or running request with id {rid!r}")
+                target.cancel.set()
+                return
+            r = self.parse_generation(req)
+            with self.live_lock:
+                if rid in self.live:
+                    raise ProtocolError("duplicate_id", f"a request with id {rid!r} is already queued or running")
+                self.live[rid] = r
+            self.queue.put(r)
+        except ProtocolError as e:
+            self.error(rid, e.code, e.message)
+        except Exception as e:  # never let one line kill the reader
+            self.error(rid, "internal_error", f"{type(e).__name__}: {e}")
+
+    def parse_generation(self, req: dict) -> GenerationRequest:
+        has_p, has_m = "prompt" in req, "messages" in req
+        if has_p == has_m:
+            raise ProtocolError("invalid_request", 'give exactly one of "prompt" or "messages"')
+        if has_p:
+            p = req["prompt"]
+            if not isinstance(p, str):
+                raise ProtocolError("invalid_type", '"prompt" must be a string')
+            if not p.strip():
+                raise ProtocolError("empty_prompt", '"prompt" is empty')
+            messages = [{"role": "user", "content": p}]
+        else:
+            messages = parse_messages(req["messages"])
+        check_prompt_chars(sum(len(x["content"]) for x in messages), self.max_context)
+        return GenerationRequest(
+            id=req["id"],
+            messages=messages,
+            prompt_ids=None,
+            max_tokens=number(req, "max_tokens", 256, 1, self.max_context, integer=True),
+            sampling=parse_sampling(req, 0.0),
+            mode=parse_mode(req.get("mode"), self.modes, self.default_mode),
+            stop=parse_stop(req.get("stop")),
+        )
+
+    # --- generation -------------------------------------------------------------
+    def run(self, stream: BinaryIO) -> int:
+        reader = threading.Thread(target=self.read_lines, args=(stream,), daemon=True)
+        reader.start()
+        while True:
+            r = self.queue.get()
+            if r is _EOF:
+                return 0
+            try:
+                self.generate(r)
+            except Exception as e:  # one failed request must not end the server
+                self.error(r.id, "generation_failed", f"{type(e).__name__}: {e}")
+            finally:
+                with self.live_lock:
+                    self.live.pop(r.id, None)
+
+    def generate(self, r: GenerationRequest) -> None:
+        if r.cancel.is_set():
+            self.emit({"id": r.id, "event": "done", "text": "", "finish_reason": "cancelled", "stats": {}})
+            return
+        ids = encode_prompt(self.tokenizer, r.messages, use_chat_template=True)
+        try:
+            max_tokens = cap_max_tokens(r.max_tokens, len(ids), self.max_context)
+        except ProtocolError as e:
+            self.error(r.id, e.code, e.message)
+            return
+        gen = self.session.stream_ids(ids, max_tokens=max_tokens, sampling=r.sampling, mode=r.mode,
+                                      stop=r.stop, cancel=r.cancel)
+        while True:
+            try:
+                delta = next(gen)
+            except StopIteration as s:
+                reply = s.value
+                break
+            self.emit({"id": r.id, "event": "token", "text": delta})
+        self.emit({"id": r.id, "event": "done", "text": reply.text, "finish_reason": reply.finish_reason,
+                   "stats": reply.stats.to_dict() if reply.stats else {}})
+
+
+def serve_stdio(model, tokenizer, default_mode: str, max_context: int, modes: List[str]) -> int:
+    out = sys.stdout.buffer
+    # Anything else that prints (warnings, progress) goes to stderr, never into the protocol.
+    sys.stdout = sys.stderr
+    server = StdioServer(model, tokenizer, default_mode, max_context, out, modes)
+    return server.run(sys.stdin.buffer)

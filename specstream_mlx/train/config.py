@@ -1,0 +1,81 @@
+"""Training settings and results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+
+class TrainError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainConfig:
+    """Training settings; defaults follow the paper where it gives them.
+
+    Args:
+        mode: "lossless" (frozen base) or "shared" (LoRA shared by main and streams).
+        num_streams: γ. Default 4.
+        stream_layers: N_s. Default 4.
+        lora_rank: LoRA rank. Default 32.
+        iters / epochs: length of training (iters wins; default 1 epoch).
+        batch_size: sequences per step. Default 8.
+        max_seq_len: longer sequences are truncated (and counted). Default 512.
+        learning_rate: peak learning rate, decayed linearly to 0. Default 5e-4.
+        alpha_main / alpha_stream: α0 and αj. Defaults 1.0 and 0.1 (α0 = 0 in lossless).
+        distill: lossless only: add KL to the frozen main distribution at t+j. Default True.
+        stream_positions: completion positions per sequence that host streams. Default 64.
+        segment: stream positions per segment of the stream pass. Default 32.
+    """
+
+    mode: str = "lossless"
+    num_streams: int = 4
+    stream_layers: int = 4
+    lora_rank: int = 32
+    lora_scale: float = 2.0
+    lora_targets: Optional[List[str]] = None
+    iters: Optional[int] = None
+    epochs: Optional[float] = None
+    batch_size: int = 8
+    max_seq_len: int = 512
+    learning_rate: float = 5e-4
+    warmup: int = 0
+    alpha_main: float = 1.0
+    alpha_stream: float = 0.1
+    distill: bool = True
+    distill_weight: float = 1.0
+    stream_positions: int = 64
+    segment: int = 32
+    seed: int = 0
+    steps_per_report: int = 10
+    steps_per_eval: int = 200
+    save_every: int = 100
+    val_batches: int = 8
+    pruning_threshold: float = 0.0
+    compile: bool = True
+    # Shared mode only: train every base weight (from-scratch demo models) instead of a LoRA.
+    full: bool = False
+    # False: a next-token-only baseline (no streams, no stream losses, no stream files).
+    streams: bool = True
+
+    def __post_init__(self):
+        if self.mode not in ("lossless", "shared"):
+            raise ValueError(f"mode must be lossless or shared, got {self.mode!r}")
+        if self.full and self.mode != "shared":
+            raise ValueError("full training of the base is only meaningful in shared mode")
+        if not self.streams and self.mode != "shared":
+            raise ValueError("a no-streams baseline trains the base: use shared mode")
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    steps: int
+    interrupted: bool = False
+    history: List[dict] = field(default_factory=list)
+    val: Optional[dict] = None
+    tokens_per_second: float = 0.0
+    peak_memory_gb: float = 0.0
+    trainable_parameters: int = 0

@@ -1,0 +1,191 @@
+"""The training objective: the inference pass, teacher-forced.
+
+1. **Main pass**: every layer over the whole sequence, causally, through the
+   one decoder block. It yields the stream-insertion input ``M`` (layer
+   N-Ns), each MSA layer's main keys and values (recorded on a
+   :class:`KVTape`), and the final main hidden states.
+2. **Stream pass**, per segment of stream positions (segment attention, so
+   memory grows linearly with the number of positions): ``S[t, j] = M[t] +
+   P[j]`` through the MSA layers, again the one decoder block, with the tape
+   as the cached prefix: each stream row attends to the main keys at
+   positions <= t and to streams (t, 1..j) of its own position, at RoPE
+   position t + j: the same rule, mask and positions as inference.
+
+Losses (paper eq. 5): ``α0·CE(main) + Σ_j αj·CE(stream j)``; in lossless mode
+α0 = 0, the base is frozen and only stream-row LoRA, the stream embeddings and
+the pruning adapter train, and stream (t, j) is also pulled towards the frozen
+main stream's own distribution at t + j (self-distillation). The pruning
+adapter learns next-token prediction of its early-exit logits.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..method.streams import LoRAAdapter, StreamConfig, StreamParams, default_targets, lora_key, make_layer_loras, new_streams
+from .config import TrainConfig
+
+
+class Trainable(nn.Module):
+    """Everything that trains: streams (P, stream LoRA, pruning) and, in shared
+    mode, a LoRA on every layer of the base that main and streams share."""
+
+    def __init__(self, model, cfg: TrainConfig):
+        super().__init__()
+        targets = tuple(cfg.lora_targets) if cfg.lora_targets else default_targets(model.model_type)
+        scfg = StreamConfig(
+            num_streams=cfg.num_streams, stream_layers=cfg.stream_layers, mode=cfg.mode,
+            lora_rank=cfg.lora_rank if cfg.mode == "lossless" else 0, lora_scale=cfg.lora_scale,
+            lora_targets=targets, pruning_threshold=cfg.pruning_threshold,
+        )
+        self.streams = new_streams(model, scfg, seed=cfg.seed)
+        self.base_lora = {}
+        if cfg.full:
+            model.unfreeze()
+            self.base = model  # every base weight trains, shared by main and streams
+        elif cfg.mode == "shared" and cfg.lora_rank > 0:
+            mx.random.seed(cfg.seed + 1)
+            self.base_lora = make_layer_loras(model, range(len(model.layers)), targets, cfg.lora_rank, cfg.lora_scale)
+
+
+class KVTape:
+    """The cache the one decoder block writes to during training.
+
+    Empty, it records the keys and values of the main pass; filled, it is the
+    cached prefix of the stream pass (which writes no rows to it)."""
+
+    def __init__(self, keys: Optional[mx.array] = None, values: Optional[mx.array] = None):
+        self.keys, self.values = keys, values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        elif keys.shape[2]:
+            raise ValueError("a KV tape is written once")
+        return self.keys, self.values
+
+    def frozen(self) -> "KVTape":
+        return KVTape(mx.stop_gradient(self.keys), mx.stop_gradient(self.values))
+
+
+def _adapter(loras: Optional[dict]):
+    return LoRAAdapter(loras) if loras else None
+
+
+def main_pass(model, tokens: mx.array, base_lora: dict, s0: int):
+    """All layers over (B, L) tokens causally: (M at layer s0, the MSA layers' KV tapes, final hidden)."""
+    B, L = tokens.shape
+    positions = mx.broadcast_to(mx.arange(L, dtype=mx.int32)[None], (B, L))
+    h = model.model.embed_tokens(tokens)
+    tapes = [KVTape() for _ in range(s0, len(model.layers))]
+    h_s0 = None
+    for i, layer in enumerate(model.layers):
+        if i == s0:
+            h_s0 = h
+        tape = tapes[i - s0] if i >= s0 else None
+        h = layer(h, "causal", tape, positions, _adapter(base_lora.get(lora_key(i))))
+    return h_s0, tapes, h
+
+
+def stream_block_mask(n_pos: int, gamma: int) -> np.ndarray:
+    """(R, R), R = n_pos·γ: stream (t, j) sees streams (t, 1..j) of its own position."""
+    return np.kron(np.eye(n_pos, dtype=bool), np.tril(np.ones((gamma, gamma), dtype=bool)))
+
+
+def stream_pass(model, streams: StreamParams, h_s0, tapes: List[KVTape], spos: mx.array,
+                lora_for_layer: Callable[[int], Optional[dict]]):
+    """Stream hidden states (B, S, γ, h) for stream positions ``spos`` (B, S)."""
+    B, S = spos.shape
+    L = h_s0.shape[1]
+    gamma = streams.num_streams
+    s0 = streams.first_layer
+    M = mx.take_along_axis(h_s0, spos[..., None], axis=1)  # (B, S, h)
+    x = (M[:, :, None, :] + streams.embeddings[None, None]).reshape(B, S * gamma, -1)
+    js = mx.arange(1, gamma + 1, dtype=mx.int32)
+    positions = (spos[:, :, None] + js).reshape(B, S * gamma)
+    host = mx.repeat(spos, gamma, axis=1)  # (B, R): the position each stream row hangs from
+    main_part = mx.arange(L)[None, None, :] <= host[:, :, None]  # (B, R, L)
+    own = mx.broadcast_to(mx.array(stream_block_mask(S, gamma))[None], (B, S * gamma, S * gamma))
+    mask = mx.concatenate([main_part, own], axis=-1)[:, None]  # (B, 1, R, L + R)
+    for i in range(s0, len(model.layers)):
+        # Every row here is a stream row: the LoRA applies to all of them.
+        x = model.layers[i](x, mask, tapes[i - s0], positions, _adapter(lora_for_layer(i)), cached_rows=0)
+    return x.reshape(B, S, gamma, -1)
+
+
+def compute_loss(model, trainable: Trainable, cfg: TrainConfig, tokens, loss_mask, spos, sweight, lengths):
+    """(loss, metrics) of one batch; see the module docstring."""
+    streams = trainable.streams
+    gamma = streams.num_streams
+    s0 = streams.first_layer
+    B, L = tokens.shape
+    lossless = cfg.mode == "lossless"
+    h_s0, tapes, h_final = main_pass(model, tokens, trainable.base_lora, s0)
+    if lossless:
+        h_s0, h_final = mx.stop_gradient(h_s0), mx.stop_gradient(h_final)
+        tapes = [t.frozen() for t in tapes]
+    total = mx.array(0.0)
+    metrics = {}
+    lm = loss_mask[:, :-1]
+    n_main = mx.maximum(lm.sum(), 1.0)
+    if not lossless:
+        logits = model.lm_logits(h_final[:, :-1])
+        ce = nn.losses.cross_entropy(logits, tokens[:, 1:]) * lm
+        main_loss = ce.sum() / n_main
+        total = total + cfg.alpha_main * main_loss
+        metrics["main_ce"] = main_loss
+        metrics["main_acc"] = ((mx.argmax(logits, axis=-1) == tokens[:, 1:]) * lm).sum() / n_main
+
+    if not cfg.streams:
+        metrics["loss"] = total
+        return total, metrics
+    if lossless:
+        lora_for_layer = streams.layer_lora
+    else:
+        lora_for_layer = lambda i: trainable.base_lora.get(lora_key(i))  # noqa: E731
+    js = mx.arange(1, gamma + 1, dtype=mx.int32)
+    ce_sum = mx.zeros((gamma,))
+    kl_sum = mx.zeros((gamma,))
+    acc_sum = mx.zeros((gamma,))
+    count = mx.zeros((gamma,))
+    S = spos.shape[1]
+    for s in range(0, S, cfg.segment):
+        sp, w = spos[:, s : s + cfg.segment], sweight[:, s : s + cfg.segment]
+        hs = stream_pass(model, streams, h_s0, tapes, sp, lora_for_layer)
+        logits = model.lm_logits(hs)  # (B, seg, γ, V)
+        tgt_pos = sp[..., None] + 1 + js  # stream (t, j) predicts token t+1+j
+        valid = (tgt_pos < lengths[:, None, None]).astype(mx.float32) * w[..., None]
+        seg = sp.shape[1]
+        tgt = mx.take_along_axis(tokens, mx.clip(tgt_pos, 0, L - 1).reshape(B, -1), axis=1).reshape(B, seg, gamma)
+        ce = nn.losses.cross_entropy(logits, tgt) * valid
+        ce_sum = ce_sum + ce.sum(axis=(0, 1))
+        acc_sum = acc_sum + ((mx.argmax(logits, axis=-1) == tgt) * valid).sum(axis=(0, 1))
+        count = count + valid.sum(axis=(0, 1))
+        if lossless and cfg.distill:
+            # The frozen main stream at t+j predicts the same token t+1+j.
+            teach_pos = mx.clip(sp[..., None] + js, 0, L - 1).reshape(B, -1)
+            th = mx.take_along_axis(h_final, teach_pos[..., None], axis=1).reshape(B, seg, gamma, -1)
+            t_logp = mx.stop_gradient(nn.log_softmax(model.lm_logits(th).astype(mx.float32), axis=-1))
+            s_logp = nn.log_softmax(logits.astype(mx.float32), axis=-1)
+            kl = (mx.exp(t_logp) * (t_logp - s_logp)).sum(axis=-1) * valid
+            kl_sum = kl_sum + kl.sum(axis=(0, 1))
+    n = mx.maximum(count, 1.0)
+    stream_ce = ce_sum / n
+    stream_loss = stream_ce + (cfg.distill_weight * kl_sum / n if lossless and cfg.distill else 0.0)
+    total = total + cfg.alpha_stream * stream_loss.sum()
+    metrics["stream_ce"] = stream_ce
+    metrics["stream_acc"] = acc_sum / n
+    if lossless and cfg.distill:
+        metrics["stream_kl"] = kl_sum / n
+
+    # Pruning adapter: early-exit next-token prediction at the insertion layer.
+    ee = model.lm_logits(streams.pruning(mx.stop_gradient(h_s0[:, :-1])))
+    prune_ce = (nn.losses.cross_entropy(ee, tokens[:, 1:]) * lm).sum() / n_main
+    total = total + cfg.alpha_stream * prune_ce
+    metrics["prune_ce"] = prune_ce
+    metrics["loss"] = total
+    return total, metrics

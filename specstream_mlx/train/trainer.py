@@ -1,0 +1,246 @@
+"""Training speculative streams (lossless and shared modes), in MLX.
+
+The objective lives in :mod:`.objective`, checkpoints and the output
+directory in :mod:`.checkpoint`; this module runs the loop: data, optimizer,
+compiled steps, validation, progress, interruption and resumption.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..io.loading import load_model_dir, resolve_model_path
+from .checkpoint import load_checkpoint, save_checkpoint, write_model_dir
+from .config import TrainConfig, TrainError, TrainResult
+from .data import Batch, Dataset, iterate_batches, load_dataset, make_batch
+from .objective import Trainable, compute_loss
+
+
+def _batch_arrays(b: Batch):
+    return (mx.array(b.tokens), mx.array(b.loss_mask), mx.array(b.stream_pos),
+            mx.array(b.stream_weight), mx.array(b.lengths))
+
+
+def _to_py(metrics: dict) -> dict:
+    out = {}
+    for k, v in metrics.items():
+        a = np.array(v)
+        out[k] = a.tolist() if a.ndim else float(a)
+    return out
+
+
+def evaluate(model, trainable, cfg, ds: Dataset, seq_len: int, max_batches: int) -> dict:
+    """Mean metrics over up to ``max_batches`` batches of ``ds`` (fixed stream positions)."""
+    agg, n = None, 0
+    for i in range(0, len(ds), cfg.batch_size):
+        if n >= max_batches:
+            break
+        exs = ds.examples[i : i + cfg.batch_size]
+        b = make_batch(exs, seq_len, cfg.stream_positions, None)
+        _, m = compute_loss(model, trainable, cfg, *_batch_arrays(b))
+        m = _to_py(m)
+        agg = m if agg is None else {k: (np.add(agg[k], m[k])).tolist() for k in agg}
+        n += 1
+    return {k: (np.array(v) / n).tolist() for k, v in agg.items()} if agg else {}
+
+
+@dataclass
+class TrainData:
+    """The datasets of a run and the shape of its batches."""
+
+    train: Dataset
+    valid: Optional[Dataset]
+    seq_len: int
+    steps_per_epoch: int
+    total_steps: int
+
+
+def _load_data(data_dir: str, tokenizer, cfg: TrainConfig, log) -> TrainData:
+    train_ds, valid_ds, _ = load_dataset(Path(data_dir), tokenizer, cfg.max_seq_len)
+    for ds in (train_ds, valid_ds):
+        if ds is not None and ds.truncated:
+            log(f"[train] {ds.name}: {ds.truncated} sequences longer than --max-seq-len {cfg.max_seq_len} "
+                "were truncated")
+    if valid_ds is None or not len(valid_ds):
+        log("[train] no valid.jsonl examples: validation is skipped")
+        valid_ds = None
+    longest = max(len(e.tokens) for e in train_ds.examples)
+    seq_len = min(cfg.max_seq_len, int(math.ceil(longest / 16) * 16))
+    steps_per_epoch = math.ceil(len(train_ds) / cfg.batch_size)
+    total = cfg.iters if cfg.iters else max(1, int(round((cfg.epochs or 1.0) * steps_per_epoch)))
+    return TrainData(train_ds, valid_ds, seq_len, steps_per_epoch, total)
+
+
+def _optimizer(cfg: TrainConfig, total: int) -> optim.Optimizer:
+    schedule = optim.linear_schedule(cfg.learning_rate, 0.0, total)
+    if cfg.warmup:
+        warm = optim.linear_schedule(1e-8, cfg.learning_rate, cfg.warmup)
+        schedule = optim.join_schedules([warm, schedule], [cfg.warmup])
+    return optim.AdamW(learning_rate=schedule, weight_decay=0.0)
+
+
+def _step_function(model, trainable: Trainable, optimizer, cfg: TrainConfig):
+    """One optimizer step on a batch's arrays, compiled over the trainable and optimizer state."""
+    loss_and_grad = nn.value_and_grad(trainable, lambda *a: compute_loss(model, trainable, cfg, *a))
+
+    def raw_step(*arrays):
+        (loss, metrics), grads = loss_and_grad(*arrays)
+        optimizer.update(trainable, grads)
+        return loss, metrics
+
+    state = [trainable.state, optimizer.state]
+    fn = mx.compile(raw_step, inputs=state, outputs=state) if cfg.compile else raw_step
+    return fn, state
+
+
+def _progress_text(loss: float, m: dict, tok_per_s: float) -> str:
+    return (f"loss {loss:.3f} ce " + "/".join(f"{c:.2f}" for c in m.get("stream_ce", []))
+            + " acc " + "/".join(f"{a:.2f}" for a in m.get("stream_acc", [])) + f" {tok_per_s:,.0f} tok/s")
+
+
+class _Run:
+    """The state of one training run while its loop executes."""
+
+    def __init__(self, model, trainable, optimizer, cfg: TrainConfig, data: TrainData, ckpt: Path, log, bar):
+        self.model, self.trainable, self.optimizer = model, trainable, optimizer
+        self.cfg, self.data, self.ckpt, self.log, self.bar = cfg, data, ckpt, log, bar
+        self.step_fn, self.state = _step_function(model, trainable, optimizer, cfg)
+        self.history = []
+        self.step = 0  # last completed step
+        self.tokens_seen = 0
+        self.t_start = time.perf_counter()
+
+    def one_step(self, step: int, batch: Batch) -> None:
+        """Run ``batch`` as step ``step`` (1-based): update, report, validate, checkpoint."""
+        cfg, data = self.cfg, self.data
+        loss, metrics = self.step_fn(*_batch_arrays(batch))
+        mx.eval(loss, metrics, self.state)
+        lv = float(loss.item())
+        if not math.isfinite(lv):
+            where = f"; the last good checkpoint is {self.ckpt}" if self.ckpt.exists() else ""
+            raise TrainError(f"loss became {lv} at step {step}; stopping{where}. Try a lower --learning-rate.")
+        self.tokens_seen += int(batch.lengths.sum())
+        tps = self.tokens_seen / (time.perf_counter() - self.t_start)
+        if step % cfg.steps_per_report == 0 or step == data.total_steps:
+            m = _to_py(metrics)
+            self.history.append({"step": step, "loss": lv, "stream_acc": m.get("stream_acc", []),
+                                 "stream_ce": m.get("stream_ce", []), "main_acc": m.get("main_acc"),
+                                 "tokens_per_second": tps})
+            if self.bar:
+                self.bar.set_postfix_str(_progress_text(lv, m, tps))
+        if self.bar:
+            self.bar.update(1)
+        if data.valid is not None and step % cfg.steps_per_eval == 0 and step < data.total_steps:
+            v = evaluate(self.model, self.trainable, cfg, data.valid, data.seq_len, cfg.val_batches)
+            self.log(f"[train] step {step}: valid loss {v['loss']:.3f}, stream top-1 "
+                     + " ".join(f"{a:.3f}" for a in v.get("stream_acc", [])))
+        if step % cfg.save_every == 0 and step < data.total_steps:
+            save_checkpoint(self.ckpt, self.trainable, self.optimizer, step, cfg)
+
+    def loop(self, step: int) -> None:
+        """Train from ``step`` to the end; ``self.step`` is the last completed step."""
+        cfg, data = self.cfg, self.data
+        self.step = step
+        epoch, skip = divmod(step, data.steps_per_epoch)
+        while step < data.total_steps:
+            batches = iterate_batches(data.train, cfg.batch_size, data.seq_len, cfg.stream_positions, cfg.seed, epoch)
+            for bi, batch in enumerate(batches):
+                if bi < skip:
+                    continue
+                if step >= data.total_steps:
+                    break
+                self.one_step(step + 1, batch)
+                step = self.step = step + 1
+            epoch += 1
+            skip = 0
+
+
+def _finish(run: _Run, result: TrainResult, base_dir: Path, out: Path, data_dir: str, n_train: int) -> None:
+    """Final validation, the model directory and the training log."""
+    cfg, data = run.cfg, run.data
+    if data.valid is not None:
+        result.val = evaluate(run.model, run.trainable, cfg, data.valid, data.seq_len, cfg.val_batches)
+        run.log(f"[train] final valid loss {result.val['loss']:.3f}, stream top-1 "
+                + " ".join(f"{a:.3f}" for a in result.val.get("stream_acc", [])))
+    # The data directory is recorded by name only: model directories carry no machine paths.
+    extra = {"steps": result.steps, "train_tokens_per_second": result.tokens_per_second,
+             "valid": result.val, "data": Path(data_dir).name}
+    write_model_dir(base_dir, out, run.model, run.trainable, cfg, extra)
+    (out / "training_log.json").write_text(json.dumps(
+        {"config": asdict(cfg), "history": result.history, "valid": result.val,
+         "tokens_per_second": result.tokens_per_second, "peak_memory_gb": result.peak_memory_gb,
+         "trainable_parameters": n_train}, indent=2))
+    shutil.rmtree(run.ckpt, ignore_errors=True)
+    run.log(f"[train] wrote {out} ({n_train:,} trainable parameters, {result.tokens_per_second:,.0f} tok/s, "
+            f"peak {result.peak_memory_gb:.2f} GB)")
+
+
+def train(
+    model_path: str,
+    data_dir: str,
+    out_dir: str,
+    cfg: TrainConfig,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+) -> TrainResult:
+    """Train streams on ``model_path`` with ``data_dir``; writes a model directory at ``out_dir``."""
+    base_dir = resolve_model_path(model_path)
+    loaded = load_model_dir(str(base_dir), warn=False)
+    model = loaded.model
+    if not cfg.streams:
+        cfg.stream_layers = min(cfg.stream_layers, len(model.layers))  # unused by a baseline
+    if cfg.stream_layers > len(model.layers):
+        raise TrainError(f"--stream-layers {cfg.stream_layers} exceeds the model's {len(model.layers)} layers")
+    model.freeze()
+    data = _load_data(data_dir, loaded.tokenizer, cfg, log)
+    log(f"[train] {cfg.mode} mode, {len(data.train)} train sequences ({data.train.num_tokens:,} tokens), "
+        f"{data.total_steps} steps of {cfg.batch_size} x {data.seq_len}, γ={cfg.num_streams}, Ns={cfg.stream_layers}")
+    trainable = Trainable(model, cfg)
+    n_train = sum(v.size for _, v in tree_flatten(trainable.trainable_parameters()))
+    optimizer = _optimizer(cfg, data.total_steps)
+    out = Path(out_dir)
+    ckpt = out / "checkpoint"
+    step = 0
+    if resume:
+        if not (ckpt / "state.json").exists():
+            raise TrainError(f"--resume: no checkpoint at {ckpt}")
+        step = load_checkpoint(ckpt, trainable, optimizer)
+        log(f"[train] resumed from {ckpt} at step {step}")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=data.total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+    run = _Run(model, trainable, optimizer, cfg, data, ckpt, log, bar)
+    result = TrainResult(out, step, trainable_parameters=n_train)
+    mx.reset_peak_memory()
+    try:
+        run.loop(step)
+    except KeyboardInterrupt:
+        result.interrupted = True
+        save_checkpoint(ckpt, trainable, optimizer, run.step, cfg)
+        log(f"\n[train] interrupted at step {run.step}; checkpoint saved to {ckpt} (continue with --resume)")
+    finally:
+        if bar:
+            bar.close()
+    result.steps = run.step
+    result.history = run.history
+    result.tokens_per_second = run.tokens_seen / max(time.perf_counter() - run.t_start, 1e-9)
+    result.peak_memory_gb = mx.get_peak_memory() / 1e9
+    if not result.interrupted:
+        _finish(run, result, base_dir, out, data_dir, n_train)
+    return result
