@@ -7,7 +7,7 @@ UNAME  := $(shell uname -s)
 # The system OpenBLAS, preloaded for tests on Linux (the CLI preloads it itself).
 OPENBLAS = $(firstword $(wildcard /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0))
 
-.PHONY: install demo demo-models bench test bench-plain clean openblas
+.PHONY: install demo demo-models bench test lint bench-plain clean openblas
 
 install: $(STAMP)
 
@@ -39,14 +39,18 @@ demo: install
 test: install
 	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q
 
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 # Rebuild the bundled demo models from scratch (about 75 minutes on a 2-core CPU; needs
 # the dev extras, PyTorch included, which `make install` installs).
 demo-models: install
 	LD_PRELOAD="$(OPENBLAS)" $(PY) -m specstream_mlx.demo.build sql chat
 
 bench: install
-	$(VENV)/bin/specstream-mlx bench --model demo-sql --json bench-demo-sql.json
-	$(VENV)/bin/specstream-mlx bench --model demo-chat --json bench-demo-chat.json
+	$(VENV)/bin/specstream-mlx bench --model demo-sql --json bench/bench-demo-sql.json
+	$(VENV)/bin/specstream-mlx bench --model demo-chat --json bench/bench-demo-chat.json
 
 bench-plain: install
 	$(PY) examples/bench_plain.py

@@ -9,8 +9,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional
@@ -19,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..io.files import TOKENIZER_FILES, atomic_directory, copy_tokenizer_files
+from ..io.files import atomic_directory, copy_tokenizer_files
 from ..method.streams import StreamConfig, new_streams, save_streams
 from ..models import UnsupportedModelError, build_model
 
@@ -224,8 +222,10 @@ def convert(
             streams = streams_from_hf(model, config[CONFIG_KEY], stream_tensors, str(src))
         except (ValueError, TypeError, KeyError) as e:
             raise ConvertError(str(e)) from e
-        log(f"[convert] imported {streams.num_streams} speculative streams "
-            f"({'trained' if streams.config.trained else 'untrained'})")
+        log(
+            f"[convert] imported {streams.num_streams} speculative streams "
+            f"({'trained' if streams.config.trained else 'untrained'})"
+        )
         if opts.num_streams:
             log("[convert] --num-streams ignored: the checkpoint has its own streams")
     elif stream_tensors:
@@ -234,8 +234,10 @@ def convert(
         if not 1 <= opts.stream_layers <= len(model.layers):
             raise ConvertError(f"--stream-layers must be in 1..{len(model.layers)}, got {opts.stream_layers}")
         streams = new_streams(model, StreamConfig(num_streams=opts.num_streams, stream_layers=opts.stream_layers))
-        log(f"[convert] attached {opts.num_streams} untrained streams in the top {opts.stream_layers} layers "
-            f"({streams.extra_parameters():,} extra parameters); train them with `specstream-mlx train`")
+        log(
+            f"[convert] attached {opts.num_streams} untrained streams in the top {opts.stream_layers} layers "
+            f"({streams.extra_parameters():,} extra parameters); train them with `specstream-mlx train`"
+        )
     _write_atomically(dst, model, out_config, src, opts.force, streams)
     log(f"[convert] wrote {dst}")
     return dst

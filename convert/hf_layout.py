@@ -30,7 +30,7 @@ from typing import Dict, Tuple
 
 import mlx.core as mx
 
-from ..method.streams import StreamConfig, StreamParams, find_linear, lora_key
+from ..method.streams import StreamConfig, StreamParams, lora_key
 
 PREFIX = "speculative_streaming."
 CONFIG_KEY = "speculative_streaming"
@@ -44,7 +44,7 @@ def streams_to_hf(model, streams: StreamParams) -> Tuple[Dict[str, mx.array], di
     """(tensors, config object) of ``streams`` in the HF layout."""
     out = {PREFIX + "stream_embeddings": streams.embeddings}
     for key, mods in (streams.lora or {}).items():
-        i = int(key[len("layer"):])
+        i = int(key[len("layer") :])
         layer = model.layers[i]
         for name, lora in mods.items():
             base = f"{PREFIX}lora.layers.{i}.{_module_path(layer, name)}"
@@ -58,7 +58,7 @@ def streams_to_hf(model, streams: StreamParams) -> Tuple[Dict[str, mx.array], di
 def split_stream_weights(weights: Dict[str, mx.array]):
     """(base weights, stream weights) of a checkpoint's tensors."""
     base = {k: v for k, v in weights.items() if not k.startswith(PREFIX)}
-    streams = {k[len(PREFIX):]: v for k, v in weights.items() if k.startswith(PREFIX)}
+    streams = {k[len(PREFIX) :]: v for k, v in weights.items() if k.startswith(PREFIX)}
     return base, streams
 
 
@@ -66,13 +66,15 @@ def streams_from_hf(model, cfg_obj: dict, tensors: Dict[str, mx.array], where: s
     """Build :class:`StreamParams` from HF-layout tensors (names without the prefix)."""
     cfg = StreamConfig.from_json(cfg_obj)
     sp = StreamParams(model, cfg)
-    mapped = {"embeddings": tensors.pop("stream_embeddings", None),
-              "pruning.down": _t(tensors.pop("pruning.down.weight", None)),
-              "pruning.up": _t(tensors.pop("pruning.up.weight", None))}
+    mapped = {
+        "embeddings": tensors.pop("stream_embeddings", None),
+        "pruning.down": _t(tensors.pop("pruning.down.weight", None)),
+        "pruning.up": _t(tensors.pop("pruning.up.weight", None)),
+    }
     for k in list(tensors):
         if not k.startswith("lora.layers."):
             continue
-        rest = k[len("lora.layers."):]
+        rest = k[len("lora.layers.") :]
         i, _, tail = rest.partition(".")
         module, _, which = tail.rpartition(".lora_")
         name = module.split(".")[-1]
@@ -108,7 +110,7 @@ def fuse_peft_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tuple[
         raise ValueError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
     r = cfg["r"]
     alpha = cfg.get("lora_alpha", r)
-    scale = alpha / (r ** 0.5) if cfg.get("use_rslora") else alpha / r
+    scale = alpha / (r**0.5) if cfg.get("use_rslora") else alpha / r
     try:
         ad = mx.load(str(w_path))
     except Exception as e:  # corrupt file
@@ -124,7 +126,7 @@ def fuse_peft_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tuple[
         target = k.split(".lora_A.")[0]
         for prefix in ("base_model.model.", "base_model."):
             if target.startswith(prefix):
-                target = target[len(prefix):]
+                target = target[len(prefix) :]
                 break
         wk = target + ".weight"
         if wk not in weights:

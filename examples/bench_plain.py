@@ -24,11 +24,22 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 SIZES = {
-    "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2),
-    "medium": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4),
+    "small": dict(
+        hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "medium": dict(
+        hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
+    ),
     # Qwen2.5-0.5B's shape with a 32k vocabulary (ours is random anyway).
-    "qwen0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                     num_attention_heads=14, num_key_value_heads=2, vocab_size=32000),
+    "qwen0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=32000,
+    ),
 }
 
 
@@ -36,8 +47,15 @@ def build_dir(size: str, out: Path) -> Path:
     from specstream_mlx.demo.byte_tokenizer import VOCAB_SIZE, save_byte_tokenizer
     from specstream_mlx.models import build_model
 
-    cfg = dict(model_type="llama", vocab_size=VOCAB_SIZE, rms_norm_eps=1e-5, tie_word_embeddings=True,
-               bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    cfg = dict(
+        model_type="llama",
+        vocab_size=VOCAB_SIZE,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
     cfg.update(SIZES[size])
     mx.random.seed(0)
     model = build_model(cfg)
@@ -105,11 +123,19 @@ def main():
             b.append(t)
     info = runtime_info()
     res = {
-        "size": args.size, "max_tokens": args.max_tokens, "rounds": args.rounds,
-        "ours_tps_median": statistics.median(a), "mlx_lm_tps_median": statistics.median(b),
+        "size": args.size,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "ours_tps_median": statistics.median(a),
+        "mlx_lm_tps_median": statistics.median(b),
         "ratio": statistics.median(a) / statistics.median(b),
-        "ours_tps": a, "mlx_lm_tps": b, "generated": [n1, n2],
-        "blas": info["blas"], "device": info["device"], "mlx": info["mlx"], "mlx_lm": info["mlx_lm"],
+        "ours_tps": a,
+        "mlx_lm_tps": b,
+        "generated": [n1, n2],
+        "blas": info["blas"],
+        "device": info["device"],
+        "mlx": info["mlx"],
+        "mlx_lm": info["mlx_lm"],
     }
     print(json.dumps(res, indent=2))
     if args.json:

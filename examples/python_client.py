@@ -79,8 +79,11 @@ def main() -> int:
             sys.stdout.flush()
         elif ev["event"] == "done":
             s = ev["stats"]
-            print(f"\n[{ev['finish_reason']}] {s.get('generated_tokens')} tokens, "
-                  f"{s.get('tokens_per_second', 0):.1f} tok/s, τ {s.get('tokens_per_pass', 0):.2f}", file=sys.stderr)
+            print(
+                f"\n[{ev['finish_reason']}] {s.get('generated_tokens')} tokens, "
+                f"{s.get('tokens_per_second', 0):.1f} tok/s, τ {s.get('tokens_per_pass', 0):.2f}",
+                file=sys.stderr,
+            )
         else:
             print(f"\nerror {ev['code']}: {ev['message']}", file=sys.stderr)
     return client.close()

@@ -12,28 +12,25 @@ same prompt.
 With ``--tau-model demo-sql`` (repeatable) it also measures, on that model's
 held-out bench prompts, the tokens per pass τ of greedy ``ss`` with each
 budget, and prints the speedup that τ would give at this shape's step costs:
-τ(b) / cost(b) (issue 5, "two regimes").
+τ(b) / cost(b): small models are overhead-bound, larger ones compute- or memory-bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def tau_by_budget(name: str, budgets, n_prompts: int = 16, max_tokens: int = 64) -> dict:
     """Greedy ss tokens per pass (EOS included) of a bundled model, per dynamic-tree budget."""
-    from specstream_mlx.bench import load_bench_prompts
-    from specstream_mlx.runtime.generation import encode_prompt, stream_generate
     from specstream_mlx import load
-from specstream_mlx.io.loading import resolve_model_path
-    from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.bench import load_bench_prompts
+    from specstream_mlx.io.loading import resolve_model_path
     from specstream_mlx.method.tree import TreeSpec
+    from specstream_mlx.runtime.generation import encode_prompt, stream_generate
+    from specstream_mlx.runtime.sampling import SamplingParams
 
     model, tok = load(name, warn=False)
     path = resolve_model_path(name)
@@ -43,9 +40,16 @@ from specstream_mlx.io.loading import resolve_model_path
         decided = passes = 0
         for r in rows:
             ids = encode_prompt(tok, r["prompt"])
-            for resp in stream_generate(model, tok, ids, max_tokens=max_tokens, sampling=SamplingParams(),
-                                        mode="ss", tree=TreeSpec("dynamic", budget=b, depth=model.streams.num_streams),
-                                        use_chat_template=False):
+            for resp in stream_generate(
+                model,
+                tok,
+                ids,
+                max_tokens=max_tokens,
+                sampling=SamplingParams(),
+                mode="ss",
+                tree=TreeSpec("dynamic", budget=b, depth=model.streams.num_streams),
+                use_chat_template=False,
+            ):
                 last = resp
             decided += last.stats.tokens_per_pass * last.stats.forward_passes
             passes += last.stats.forward_passes
@@ -64,15 +68,15 @@ def main():
     budgets = tuple(int(b) for b in args.budgets.split(","))
 
     import mlx.core as mx
-
     from bench_plain import build_dir
-    from specstream_mlx.runtime.autotune import measure_step_costs
-    from specstream_mlx.runtime.generation import generate
+
     from specstream_mlx import load
-    from specstream_mlx.platform_info import runtime_info
-    from specstream_mlx.runtime.sampling import SamplingParams
     from specstream_mlx.method.streams import StreamConfig, new_streams
     from specstream_mlx.method.tree import TreeSpec
+    from specstream_mlx.platform_info import runtime_info
+    from specstream_mlx.runtime.autotune import measure_step_costs
+    from specstream_mlx.runtime.generation import generate
+    from specstream_mlx.runtime.sampling import SamplingParams
 
     with tempfile.TemporaryDirectory() as d:
         path = build_dir(args.size, Path(d) / "m")
@@ -89,17 +93,27 @@ def main():
         r = generate(model, tok, prompt, max_tokens=48, sampling=SamplingParams(), mode=mode, **kw)
         mem[mode] = r.stats.peak_memory_gb
     print(f"peak memory: ar {mem['ar']:.3f} GB, ss {mem['ss']:.3f} GB, ratio {mem['ss'] / mem['ar']:.3f}")
-    res = {"size": args.size, "step_cost_by_budget": costs, "peak_memory_gb": mem,
-           "default_tree": "dynamic:12", "runtime": runtime_info(), "projection": {}}
+    res = {
+        "size": args.size,
+        "step_cost_by_budget": costs,
+        "peak_memory_gb": mem,
+        "default_tree": "dynamic:12",
+        "runtime": runtime_info(),
+        "projection": {},
+    }
     del model, streams
     for name in args.tau_model:
         taus = tau_by_budget(name, budgets)
         proj = {b: taus[b] / costs[b] for b in budgets}
         res["projection"][name] = {"tau": taus, "speedup": proj}
         best = max(proj, key=proj.get)
-        print(f"{name}: τ by budget " + json.dumps({b: round(t, 2) for b, t in taus.items()})
-              + f"; projected speedup at {args.size} step costs " + json.dumps({b: round(v, 2) for b, v in proj.items()})
-              + f"; best b={best}: {proj[best]:.2f}x")
+        print(
+            f"{name}: τ by budget "
+            + json.dumps({b: round(t, 2) for b, t in taus.items()})
+            + f"; projected speedup at {args.size} step costs "
+            + json.dumps({b: round(v, 2) for b, v in proj.items()})
+            + f"; best b={best}: {proj[best]:.2f}x"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
 

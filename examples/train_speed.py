@@ -18,9 +18,19 @@ import os
 import subprocess
 import sys
 
-CONFIG = dict(model_type="llama", vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
-              tie_word_embeddings=True, max_position_embeddings=1024)
+CONFIG = dict(
+    model_type="llama",
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+)
 
 MLX = r"""
 import json, sys, time
@@ -73,9 +83,19 @@ def main() -> int:
         out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True)
         res[name] = float(out.stdout.strip().splitlines()[-1])
     info = runtime_info()
-    print(json.dumps({"tokens_per_second": {k: round(v) for k, v in res.items()},
-                      "torch_over_mlx": round(res["torch"] / res["mlx"], 2), "batch": a.batch, "seq": a.seq,
-                      "mlx_blas": lib or "reference", "cpu": info["cpu"], "cores": info["cores"]}))
+    print(
+        json.dumps(
+            {
+                "tokens_per_second": {k: round(v) for k, v in res.items()},
+                "torch_over_mlx": round(res["torch"] / res["mlx"], 2),
+                "batch": a.batch,
+                "seq": a.seq,
+                "mlx_blas": lib or "reference",
+                "cpu": info["cpu"],
+                "cores": info["cores"],
+            }
+        )
+    )
     return 0
 
 

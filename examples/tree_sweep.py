@@ -13,13 +13,13 @@ import os
 import sys
 import time
 
-from specstream_mlx.bench import load_bench_prompts
-from specstream_mlx.runtime.generation import encode_prompt, stream_generate
 from specstream_mlx import load
+from specstream_mlx.bench import load_bench_prompts
 from specstream_mlx.io.loading import resolve_model_path
-from specstream_mlx.platform_info import blas_in_use
-from specstream_mlx.runtime.sampling import SamplingParams
 from specstream_mlx.method.tree import TreeSpec
+from specstream_mlx.platform_info import blas_in_use
+from specstream_mlx.runtime.generation import encode_prompt, stream_generate
+from specstream_mlx.runtime.sampling import SamplingParams
 
 
 def main() -> int:
@@ -35,8 +35,9 @@ def main() -> int:
         for i in ids:
             kw = {} if tree is None else {"tree": tree}
             first = None
-            for r in stream_generate(model, tok, i, max_tokens=64, sampling=SamplingParams(), mode=mode,
-                                     use_chat_template=False, **kw):
+            for r in stream_generate(
+                model, tok, i, max_tokens=64, sampling=SamplingParams(), mode=mode, use_chat_template=False, **kw
+            ):
                 if first is None:
                     first = time.perf_counter()
                     continue

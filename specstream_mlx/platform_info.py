@@ -39,9 +39,7 @@ def find_openblas() -> Optional[str]:
         if os.path.exists(path):
             return path
     try:
-        out = subprocess.run(
-            ["ldconfig", "-p"], capture_output=True, text=True, timeout=5
-        ).stdout
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=5).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     for line in out.splitlines():

@@ -1,4 +1,5 @@
 import os
+
 import pytest
 
 # transformers prints progress bars and advisories we do not need in tests.
@@ -10,9 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
     """Factory: variant -> (torch model, HF dir, converted float32 MLX dir); cached."""
-    from tests.helpers.hf_reference import make_hf_model
-
     from specstream_mlx.convert import ConvertOptions, convert
+    from tests.helpers.hf_reference import make_hf_model
 
     made = {}
 

@@ -69,7 +69,6 @@ def test_sample_verify_on_a_tree_matches_target_two_tokens():
     p_root = np.array([0.5, 0.3, 0.2])
     p_child = {t: rng.dirichlet(np.ones(V)) for t in range(V)}
     q = np.array([[0.2, 0.2, 0.6], [0.6, 0.3, 0.1]])
-    widths = (2, 1)
     counts = np.zeros((V, V))
     n = 20000
     b = tree_buffers([-1, 0, 0, 1, 2])
@@ -114,8 +113,9 @@ def test_device_accepted_node_agrees_with_greedy_verify():
         tree = dynamic_tree(int(rng.integers(V)), top, probs, int(rng.integers(1, 14)))
         b = tree_buffers(tree.parents)
         # Targets that often follow the tree: each node wants one of its children's tokens.
-        argmax = np.array([tree.tokens[rng.choice(c)] if c and rng.random() < 0.8 else int(rng.integers(V))
-                           for c in b.children])
+        argmax = np.array(
+            [tree.tokens[rng.choice(c)] if c and rng.random() < 0.8 else int(rng.integers(V)) for c in b.children]
+        )
         host = greedy_verify(tree.tokens, b.children, argmax)
         dev = int(greedy_accepted_node(tree.tokens, b, mx.array(argmax)).item())
         assert dev == host.path[-1], (trial, tree, argmax)
@@ -131,17 +131,29 @@ N_TOKENS = 3
 
 
 def tiny_vocab_model():
-    from specstream_mlx.models import build_model
     from specstream_mlx.method.streams import StreamConfig, new_streams
+    from specstream_mlx.models import build_model
 
-    cfg = dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-               num_attention_heads=2, num_key_value_heads=1, vocab_size=V, tie_word_embeddings=False)
+    cfg = dict(
+        model_type="llama",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=V,
+        tie_word_embeddings=False,
+    )
     mx.random.seed(0)
     model = build_model(cfg)
-    model.update(tree_unflatten([
-        (k, mx.random.normal(v.shape) * (0.6 if v.ndim > 1 else 0.1) + (1.0 if "norm" in k else 0.0))
-        for k, v in tree_flatten(model.parameters())
-    ]))
+    model.update(
+        tree_unflatten(
+            [
+                (k, mx.random.normal(v.shape) * (0.6 if v.ndim > 1 else 0.1) + (1.0 if "norm" in k else 0.0))
+                for k, v in tree_flatten(model.parameters())
+            ]
+        )
+    )
     streams = new_streams(model, StreamConfig(num_streams=2, stream_layers=1, lora_rank=0))
     # Stream drafts that are good but not perfect: the main model's head, slightly perturbed.
     streams.embeddings = mx.random.normal(streams.embeddings.shape) * 0.3
@@ -169,9 +181,9 @@ def test_ss_sampling_matches_ar_distribution(top_p):
     """10,000 seeded ss generations of 3 tokens against the exact ar distribution."""
     from scipy.stats import chisquare
 
+    from specstream_mlx.method.tree import TreeSpec
     from specstream_mlx.runtime.sampling import SamplingParams
     from specstream_mlx.runtime.speculative import ss_steps
-    from specstream_mlx.method.tree import TreeSpec
 
     model, streams = tiny_vocab_model()
     prompt = [4]  # one token: no separate prefill pass, so the test stays fast

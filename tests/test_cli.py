@@ -43,8 +43,14 @@ def test_generate_json(tiny_model_dir):
     for key in ("text", "tokens", "prompt_tokens", "mode", "stats"):
         assert key in out
     s = out["stats"]
-    for key in ("generated_tokens", "forward_passes", "tokens_per_pass", "tokens_per_second",
-                "prompt_seconds", "peak_memory_gb"):
+    for key in (
+        "generated_tokens",
+        "forward_passes",
+        "tokens_per_pass",
+        "tokens_per_second",
+        "prompt_seconds",
+        "peak_memory_gb",
+    ):
         assert key in s
     assert out["mode"] == "ar"
     assert s["generated_tokens"] == len(out["tokens"]) <= 12
@@ -56,8 +62,9 @@ def test_generate_json(tiny_model_dir):
 def test_generate_streams_text_and_matches_api(tiny_model_dir):
     from specstream_mlx import SamplingParams, generate, load
 
-    r = run("generate", "--model", str(tiny_model_dir), "--prompt", "abc", "--max-tokens", "10",
-            "--ignore-chat-template")
+    r = run(
+        "generate", "--model", str(tiny_model_dir), "--prompt", "abc", "--max-tokens", "10", "--ignore-chat-template"
+    )
     assert r.returncode == 0, r.stderr
     model, tok = load(str(tiny_model_dir))
     res = generate(model, tok, "abc", max_tokens=10, sampling=SamplingParams(), use_chat_template=False)
@@ -66,19 +73,36 @@ def test_generate_streams_text_and_matches_api(tiny_model_dir):
 
 
 def test_generate_seeded_sampling_is_reproducible(tiny_model_dir):
-    args = ("generate", "--model", str(tiny_model_dir), "--prompt", "x", "--max-tokens", "16",
-            "--temp", "1.0", "--top-p", "0.9", "--top-k", "50", "--json")
+    args = (
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "x",
+        "--max-tokens",
+        "16",
+        "--temp",
+        "1.0",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "50",
+        "--json",
+    )
     a = json.loads(run(*args, "--seed", "3").stdout)["tokens"]
     b = json.loads(run(*args, "--seed", "3").stdout)["tokens"]
     c = json.loads(run(*args, "--seed", "4").stdout)["tokens"]
     assert a == b and a != c
 
 
-@pytest.mark.parametrize("args,needle", [
-    (("--model", "/nonexistent/model", "--prompt", "x"), "no such model directory"),
-    (("--prompt", "x", "--mode", "zz"), "unknown --mode"),
-    (("--prompt", "x", "--temp", "-1"), "temperature"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (("--model", "/nonexistent/model", "--prompt", "x"), "no such model directory"),
+        (("--prompt", "x", "--mode", "zz"), "unknown --mode"),
+        (("--prompt", "x", "--temp", "-1"), "temperature"),
+    ],
+)
 def test_generate_errors_are_one_line(tiny_model_dir, args, needle):
     args = list(args)
     if "--model" not in args:
@@ -109,8 +133,17 @@ def test_generation_stops_at_eos(tiny_model_dir):
 @pytest.fixture(scope="module")
 def streams_model_dir(tmp_path_factory, tiny_model_dir):
     dst = tmp_path_factory.mktemp("withstreams") / "m"
-    r = run("convert", "--hf-path", str(tiny_model_dir), "--mlx-path", str(dst),
-            "--num-streams", "3", "--stream-layers", "2")
+    r = run(
+        "convert",
+        "--hf-path",
+        str(tiny_model_dir),
+        "--mlx-path",
+        str(dst),
+        "--num-streams",
+        "3",
+        "--stream-layers",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     assert "untrained streams" in r.stderr
     return dst
@@ -122,11 +155,21 @@ def test_convert_attaches_streams(streams_model_dir):
     assert (streams_model_dir / "streams.safetensors").exists()
 
 
-@pytest.mark.parametrize("mode,tree", [("ss", "dynamic:8"), ("ss", "cartesian:2x2x1"), ("ss", "auto"), ("lookup", "auto")])
+@pytest.mark.parametrize(
+    "mode,tree", [("ss", "dynamic:8"), ("ss", "cartesian:2x2x1"), ("ss", "auto"), ("lookup", "auto")]
+)
 def test_generate_ss_equals_ar(streams_model_dir, mode, tree, tmp_path):
     env = dict(os.environ, SPECSTREAM_CACHE_DIR=str(tmp_path))
-    base = ("generate", "--model", str(streams_model_dir), "--prompt", "the cat sat on the mat, the cat",
-            "--max-tokens", "30", "--json")
+    base = (
+        "generate",
+        "--model",
+        str(streams_model_dir),
+        "--prompt",
+        "the cat sat on the mat, the cat",
+        "--max-tokens",
+        "30",
+        "--json",
+    )
     ar = json.loads(run(*base, "--mode", "ar", env=env).stdout)
     r = run(*base, "--mode", mode, "--tree", tree, env=env)
     assert r.returncode == 0, r.stderr

@@ -1,19 +1,17 @@
 """Converter: formats, quantization, mlx-lm interop, and clear failures."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 
+from specstream_mlx.convert import ConvertOptions, convert
 from specstream_mlx.demo.byte_tokenizer import save_byte_tokenizer
-from specstream_mlx.convert import ConvertError, ConvertOptions, convert
 from specstream_mlx.io.loading import load_model
 
 CLI = [sys.executable, "-m", "specstream_mlx"]
@@ -40,8 +38,11 @@ def test_sharded_checkpoint_with_index(tmp_path, hf_models):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_conversion_runs_and_stays_close(tmp_path, hf_models, bits):
     _, src, ref_dir = hf_models("llama-q")
-    dst = convert(str(src), str(tmp_path / f"q{bits}"),
-                  ConvertOptions(dtype="float32", quantize=True, q_bits=bits, q_group_size=32))
+    dst = convert(
+        str(src),
+        str(tmp_path / f"q{bits}"),
+        ConvertOptions(dtype="float32", quantize=True, q_bits=bits, q_group_size=32),
+    )
     cfg = json.loads((dst / "config.json").read_text())
     assert cfg["quantization"] == {"group_size": 32, "bits": bits}
     qmodel, _ = load_model(dst)
@@ -68,9 +69,8 @@ def test_output_loads_in_mlx_lm_and_matches(tmp_path, hf_models):
 
 def test_mlx_lm_quantized_directory_loads(tmp_path, hf_models):
     """A directory written by mlx_lm.convert (4-bit) loads into our classes."""
-    from mlx_lm import convert as mlx_convert
-
     import mlx_lm
+    from mlx_lm import convert as mlx_convert
 
     _, src, _ = hf_models("llama-q")
     d = tmp_path / "hfsrc"
@@ -86,9 +86,14 @@ def test_mlx_lm_quantized_directory_loads(tmp_path, hf_models):
 
 # --- failures: one-line errors that name the file, exit code 1 -------------
 
+
 def _run_convert(src, dst, *extra):
-    return subprocess.run([*CLI, "convert", "--hf-path", str(src), "--mlx-path", str(dst), *extra],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [*CLI, "convert", "--hf-path", str(src), "--mlx-path", str(dst), *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_missing_path(tmp_path):
@@ -184,8 +189,10 @@ def test_peft_adapter_is_fused_on_import(tmp_path, hf_models):
     ref = copy.deepcopy(tm)
     sd = ref.state_dict()
     for i in range(3):
-        for mod, (out_d, in_d) in {"self_attn.q_proj": sd[f"model.layers.{i}.self_attn.q_proj.weight"].shape,
-                                   "mlp.down_proj": sd[f"model.layers.{i}.mlp.down_proj.weight"].shape}.items():
+        for mod, (out_d, in_d) in {
+            "self_attn.q_proj": sd[f"model.layers.{i}.self_attn.q_proj.weight"].shape,
+            "mlp.down_proj": sd[f"model.layers.{i}.mlp.down_proj.weight"].shape,
+        }.items():
             A = rng.randn(r, in_d).astype(np.float32) * 0.1
             B = rng.randn(out_d, r).astype(np.float32) * 0.1
             name = f"base_model.model.model.layers.{i}.{mod}"
@@ -196,8 +203,9 @@ def test_peft_adapter_is_fused_on_import(tmp_path, hf_models):
     ad = tmp_path / "adapter"
     ad.mkdir()
     mx.save_safetensors(str(ad / "adapter_model.safetensors"), tensors)
-    (ad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha,
-                                                        "target_modules": ["q_proj", "down_proj"]}))
+    (ad / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": ["q_proj", "down_proj"]})
+    )
     r_ = _run_convert(src, tmp_path / "fused", "--adapter", str(ad), "--dtype", "float32")
     assert r_.returncode == 0, r_.stderr
     assert "fused 6 LoRA" in r_.stderr

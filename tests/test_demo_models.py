@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from specstream_mlx.runtime.generation import generate
 from specstream_mlx import load
 from specstream_mlx.io.loading import bundled_models_dir
 from specstream_mlx.method.tree import TreeSpec
+from specstream_mlx.runtime.generation import generate
 
 NAMES = ["demo-sql", "demo-sql-baseline", "demo-sql-draft", "demo-chat", "demo-chat-draft"]
 

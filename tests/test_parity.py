@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.hf_reference import VARIANTS
-from specstream_mlx.runtime.steps import ar_steps
 from specstream_mlx.io.loading import load_model
 from specstream_mlx.runtime.sampling import SamplingParams
+from specstream_mlx.runtime.steps import ar_steps
+from tests.helpers.hf_reference import VARIANTS
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -32,9 +32,9 @@ def test_greedy_tokens_match_transformers(hf_models, variant):
     for length in (5, 23):
         prompt = rng.randint(3, 151, size=length).tolist()
         with torch.no_grad():
-            ref = tm.generate(
-                torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0
-            )[0, length:].tolist()
+            ref = tm.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0)[
+                0, length:
+            ].tolist()
         steps = ar_steps(model, mx.array(prompt), SamplingParams())
         ours = [next(steps).tokens[0] for _ in range(32)]
         assert ours == ref, f"{variant}: greedy tokens differ from transformers"

@@ -19,8 +19,23 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 @pytest.fixture(scope="module")
 def ss_model(tmp_path_factory, tiny_model_dir):
     dst = tmp_path_factory.mktemp("serve") / "m"
-    r = subprocess.run([*CLI, "convert", "--hf-path", str(tiny_model_dir), "--mlx-path", str(dst),
-                        "--num-streams", "3", "--stream-layers", "2"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            *CLI,
+            "convert",
+            "--hf-path",
+            str(tiny_model_dir),
+            "--mlx-path",
+            str(dst),
+            "--num-streams",
+            "3",
+            "--stream-layers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     return dst
 
@@ -38,13 +53,29 @@ def bad_lines(rng: random.Random):
     for i in range(120):  # invalid UTF-8
         out.append((b'{"id": 1, "prompt": "' + bytes([rng.choice([0x80, 0xC3, 0xFF, 0xFE, 0xED])]) + b'"}', True))
     wrong_types = [
-        {"prompt": 5}, {"prompt": None}, {"prompt": ["a"]}, {"messages": "hi"}, {"messages": [1]},
-        {"messages": [{"role": "robot", "content": "x"}]}, {"messages": [{"role": "user", "content": 3}]},
-        {"prompt": "x", "max_tokens": "10"}, {"prompt": "x", "max_tokens": -1}, {"prompt": "x", "max_tokens": 1.5},
-        {"prompt": "x", "temperature": "hot"}, {"prompt": "x", "temperature": -1}, {"prompt": "x", "top_p": 0},
-        {"prompt": "x", "mode": "warp"}, {"prompt": "x", "mode": 3}, {"prompt": "x", "stop": 5},
-        {"prompt": "x", "stop": [1]}, {"prompt": "x", "seed": "s"}, {"prompt": "x", "messages": []}, {},
-        {"ping": "yes"}, {"cancel": 1}, {"ping": True, "prompt": "x"},
+        {"prompt": 5},
+        {"prompt": None},
+        {"prompt": ["a"]},
+        {"messages": "hi"},
+        {"messages": [1]},
+        {"messages": [{"role": "robot", "content": "x"}]},
+        {"messages": [{"role": "user", "content": 3}]},
+        {"prompt": "x", "max_tokens": "10"},
+        {"prompt": "x", "max_tokens": -1},
+        {"prompt": "x", "max_tokens": 1.5},
+        {"prompt": "x", "temperature": "hot"},
+        {"prompt": "x", "temperature": -1},
+        {"prompt": "x", "top_p": 0},
+        {"prompt": "x", "mode": "warp"},
+        {"prompt": "x", "mode": 3},
+        {"prompt": "x", "stop": 5},
+        {"prompt": "x", "stop": [1]},
+        {"prompt": "x", "seed": "s"},
+        {"prompt": "x", "messages": []},
+        {},
+        {"ping": "yes"},
+        {"cancel": 1},
+        {"ping": True, "prompt": "x"},
     ]
     for i in range(300):
         req = dict(rng.choice(wrong_types))
@@ -53,12 +84,32 @@ def bad_lines(rng: random.Random):
     for i in range(120):  # unknown fields
         out.append((json.dumps({"id": f"u{i}", "prompt": "x", f"field{i}": 1}).encode(), True))
     for i in range(120):  # missing or invalid ids
-        body = rng.choice([{"prompt": "x"}, {"id": None, "prompt": "x"}, {"id": True, "prompt": "x"},
-                           {"id": "", "prompt": "x"}, {"id": [1], "prompt": "x"}, {"id": {"a": 1}, "prompt": "x"}])
+        body = rng.choice(
+            [
+                {"prompt": "x"},
+                {"id": None, "prompt": "x"},
+                {"id": True, "prompt": "x"},
+                {"id": "", "prompt": "x"},
+                {"id": [1], "prompt": "x"},
+                {"id": {"a": 1}, "prompt": "x"},
+            ]
+        )
         out.append((json.dumps(body).encode(), True))
     for i in range(80):  # empty prompts
-        out.append((json.dumps(rng.choice([{"id": f"e{i}", "prompt": ""}, {"id": f"e{i}", "prompt": "   "},
-                                           {"id": f"e{i}", "messages": [{"role": "user", "content": ""}]}])).encode(), True))
+        out.append(
+            (
+                json.dumps(
+                    rng.choice(
+                        [
+                            {"id": f"e{i}", "prompt": ""},
+                            {"id": f"e{i}", "prompt": "   "},
+                            {"id": f"e{i}", "messages": [{"role": "user", "content": ""}]},
+                        ]
+                    )
+                ).encode(),
+                True,
+            )
+        )
     for i in range(60):  # non-object JSON
         out.append((rng.choice([b"[]", b"null", b"42", b'"str"', b"true", b"[1,2]"]), True))
     for i in range(40):  # prompts over the context (256 tokens)
@@ -80,8 +131,12 @@ def test_stdio_survives_a_thousand_bad_lines(ss_model):
     lines = bad_lines(rng)
     expected_errors = sum(1 for _, e in lines if e)
     assert expected_errors >= 1000
-    proc = subprocess.Popen([*CLI, "serve", "--stdio", "--model", str(ss_model), "--max-context", "256"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--stdio", "--model", str(ss_model), "--max-context", "256"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     out_lines = []
     reader = threading.Thread(target=lambda: out_lines.extend(proc.stdout.readlines()))
     reader.start()
@@ -100,16 +155,32 @@ def test_stdio_survives_a_thousand_bad_lines(ss_model):
     errors = [e for e in events if e["event"] == "error"]
     assert len(errors) == expected_errors
     codes = {e["code"] for e in errors}
-    assert {"invalid_json", "invalid_utf8", "invalid_type", "unknown_field", "missing_id", "empty_prompt",
-            "prompt_too_long", "line_too_long", "invalid_request", "not_found"} <= codes, codes
+    assert {
+        "invalid_json",
+        "invalid_utf8",
+        "invalid_type",
+        "unknown_field",
+        "missing_id",
+        "empty_prompt",
+        "prompt_too_long",
+        "line_too_long",
+        "invalid_request",
+        "not_found",
+    } <= codes, codes
     done = [e for e in events if e["event"] == "done" and e["id"] == "ok"]
-    assert len(done) == 1 and done[0]["finish_reason"] in ("length", "stop") and done[0]["stats"]["generated_tokens"] >= 1
+    assert (
+        len(done) == 1 and done[0]["finish_reason"] in ("length", "stop") and done[0]["stats"]["generated_tokens"] >= 1
+    )
     assert any(e["event"] == "pong" and e["id"] == "p" for e in events)
 
 
 def test_python_client_protocol_and_cancel(ss_model):
-    sys.path.insert(0, str(EXAMPLES))
-    from python_client import SpecStreamClient
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("python_client", EXAMPLES / "python_client.py")
+    client_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(client_mod)
+    SpecStreamClient = client_mod.SpecStreamClient
 
     client = SpecStreamClient(str(ss_model), executable=CLI)
     events = list(client.generate("hi there", max_tokens=6, mode="ar"))
@@ -134,8 +205,13 @@ def test_python_client_protocol_and_cancel(ss_model):
 
 def test_chat_through_a_pipe(ss_model):
     script = "hello\n/stats\n/mode ar\nagain\n/temp 0.5\n/mode warp\n/reset\nbye\n/quit\n"
-    r = subprocess.run([*CLI, "chat", "--model", str(ss_model), "--max-tokens", "8"], input=script,
-                       capture_output=True, text=True, timeout=180)
+    r = subprocess.run(
+        [*CLI, "chat", "--model", str(ss_model), "--max-tokens", "8"],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr
     assert "\x1b[" not in r.stdout  # no colours on a pipe
     assert "[mode ar]" in r.stdout and "[temperature 0.5]" in r.stdout and "[conversation reset]" in r.stdout
@@ -160,8 +236,11 @@ def _free_port():
 @pytest.fixture(scope="module")
 def http_server(ss_model):
     port = _free_port()
-    proc = subprocess.Popen([*CLI, "serve", "--http", "--model", str(ss_model), "--port", str(port),
-                             "--max-context", "256"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--http", "--model", str(ss_model), "--port", str(port), "--max-context", "256"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     base = f"http://127.0.0.1:{port}"
     import urllib.request
 
@@ -185,12 +264,16 @@ def test_http_with_openai_client(http_server):
     base, model_id = http_server
     client = OpenAI(base_url=base + "/v1", api_key="none")
     assert [m.id for m in client.models.list().data] == [model_id]
-    r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=8, temperature=0)
+    r = client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+    )
     text = r.choices[0].message.content
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
-    chunks = list(client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=8, temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == "length"
     c = client.completions.create(model=model_id, prompt="abc", max_tokens=5, temperature=0)
@@ -221,8 +304,14 @@ def test_http_errors_are_4xx_json_and_server_keeps_serving(http_server):
             return err.code, json.loads(err.read())
         return 200, None
 
-    for bad in (b"{not json", b"[]", b'{"messages": 3}', b'{"messages": [{"role": "user"}]}',
-                b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', b"\xff\xfe"):
+    for bad in (
+        b"{not json",
+        b"[]",
+        b'{"messages": 3}',
+        b'{"messages": [{"role": "user"}]}',
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}',
+        b"\xff\xfe",
+    ):
         status, body = post(bad)
         assert 400 <= status < 500 and "error" in body and body["error"]["message"]
     status, body = post(b'{"prompt": "' + b"a" * (2 << 20) + b'"}', "/v1/completions")
@@ -236,10 +325,26 @@ def test_http_errors_are_4xx_json_and_server_keeps_serving(http_server):
 
 def test_bench_writes_json_markdown_and_chart(ss_model, tmp_path):
     out = tmp_path / "b.json"
-    r = subprocess.run([*CLI, "bench", "--model", str(ss_model), "--prompts", "2", "--max-tokens", "8",
-                        "--json", str(out), "--draft", ""],
-                       capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, SPECSTREAM_CACHE_DIR=str(tmp_path)))
+    r = subprocess.run(
+        [
+            *CLI,
+            "bench",
+            "--model",
+            str(ss_model),
+            "--prompts",
+            "2",
+            "--max-tokens",
+            "8",
+            "--json",
+            str(out),
+            "--draft",
+            "",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, SPECSTREAM_CACHE_DIR=str(tmp_path)),
+    )
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     for k in ("cpu", "cores", "os", "mlx", "device", "blas"):
@@ -247,8 +352,16 @@ def test_bench_writes_json_markdown_and_chart(ss_model, tmp_path):
     methods = {x["method"]: x for x in res["results"]}
     assert {"ar", "mlx_lm", "lookup", "ss", "ar@0.7", "ss@0.7"} <= set(methods)
     for x in res["results"]:
-        for k in ("method", "temperature", "tokens_per_second_median", "speedup_vs_ar", "tokens_per_pass",
-                  "ttft_ms", "peak_memory_gb", "matches_ar"):
+        for k in (
+            "method",
+            "temperature",
+            "tokens_per_second_median",
+            "speedup_vs_ar",
+            "tokens_per_pass",
+            "ttft_ms",
+            "peak_memory_gb",
+            "matches_ar",
+        ):
             assert k in x
     # Greedy lossless methods reproduce ar exactly; sampling rows have no such check.
     assert methods["ss"]["matches_ar"] is True and methods["lookup"]["matches_ar"] is True

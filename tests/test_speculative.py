@@ -5,16 +5,16 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from tests.helpers.hf_reference import ARCHITECTURES
-from specstream_mlx.runtime.cache import make_cache
 from specstream_mlx.convert import ConvertOptions, convert
-from specstream_mlx.runtime.steps import ar_steps
 from specstream_mlx.io.loading import load_model
-from specstream_mlx.runtime.sampling import SamplingParams
-from specstream_mlx.runtime.lookup import lookup_draft, lookup_steps
-from specstream_mlx.runtime.speculative import ss_steps
 from specstream_mlx.method.streams import StreamConfig, new_streams
 from specstream_mlx.method.tree import TreeSpec
+from specstream_mlx.runtime.cache import make_cache
+from specstream_mlx.runtime.lookup import lookup_draft, lookup_steps
+from specstream_mlx.runtime.sampling import SamplingParams
+from specstream_mlx.runtime.speculative import ss_steps
+from specstream_mlx.runtime.steps import ar_steps
+from tests.helpers.hf_reference import ARCHITECTURES
 
 GREEDY = SamplingParams()
 TREES = [TreeSpec("dynamic", budget=10, depth=3), TreeSpec("cartesian", (3, 2, 1))]
@@ -35,9 +35,9 @@ def take(steps, n):
 def pretend_trained(streams, seed=1):
     """Non-zero LoRA and embeddings, as after training: must not touch main rows."""
     mx.random.seed(seed)
-    streams.update(tree_unflatten([
-        (k, mx.random.normal(v.shape) * 0.05) for k, v in tree_flatten(streams.parameters())
-    ]))
+    streams.update(
+        tree_unflatten([(k, mx.random.normal(v.shape) * 0.05) for k, v in tree_flatten(streams.parameters())])
+    )
     return streams
 
 
@@ -49,8 +49,10 @@ def check_exact(model, streams, vocab, n_prompts=6, n_tokens=24, seed=0, lengths
         ref, _ = take(ar_steps(model, prompt, GREEDY, prefill_chunk=chunk), n_tokens)
         spec = TREES[i % len(TREES)]
         thr = 0.02 if i % 3 == 2 else 0.0
-        got, _ = take(ss_steps(model, prompt, GREEDY, streams=streams, tree=spec,
-                               pruning_threshold=thr, prefill_chunk=chunk), n_tokens)
+        got, _ = take(
+            ss_steps(model, prompt, GREEDY, streams=streams, tree=spec, pruning_threshold=thr, prefill_chunk=chunk),
+            n_tokens,
+        )
         assert got == ref, f"ss != ar (prompt {i}, len {L}, tree {spec.describe()}, prune {thr})"
         got, _ = take(lookup_steps(model, prompt, GREEDY, prefill_chunk=chunk), n_tokens)
         assert got == ref, f"lookup != ar (prompt {i}, len {L})"
@@ -74,8 +76,9 @@ def test_ss_greedy_equals_ar_trained_like(hf_models, arch):
 
 def test_ss_greedy_equals_ar_quantized(hf_models, tmp_path):
     _, src, _ = hf_models("llama-q")
-    dst = convert(str(src), str(tmp_path / "q4"),
-                  ConvertOptions(dtype="float32", quantize=True, q_bits=4, q_group_size=32))
+    dst = convert(
+        str(src), str(tmp_path / "q4"), ConvertOptions(dtype="float32", quantize=True, q_bits=4, q_group_size=32)
+    )
     model, _ = load_model(dst)
     streams = pretend_trained(new_streams(model, StreamConfig(num_streams=3, stream_layers=2, lora_rank=4)))
     check_exact(model, streams, 151, seed=7)
@@ -114,8 +117,7 @@ def test_perfect_streams_accept_everything(hf_models, monkeypatch):
         return logits
 
     monkeypatch.setattr(spec_mod, "stream_logits", oracle_logits)
-    steps = ss_steps(model, prompt, GREEDY, cache=cache, streams=streams,
-                     tree=TreeSpec("cartesian", (1,) * gamma))
+    steps = ss_steps(model, prompt, GREEDY, cache=cache, streams=streams, tree=TreeSpec("cartesian", (1,) * gamma))
     got, passes = take(steps, n)
     assert got == ref[:n]
     # 1 token from the prompt pass, then gamma+1 per pass.

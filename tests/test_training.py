@@ -1,20 +1,18 @@
 """Training streams: data handling, frozen base, and that training works."""
 
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from specstream_mlx.train.data import DataError, load_dataset
-from specstream_mlx.demo.datagen import write_phrase_corpus
-from specstream_mlx.runtime.generation import generate
 from specstream_mlx import load
-from specstream_mlx.runtime.sampling import SamplingParams
-from specstream_mlx.train import TrainConfig, TrainError, train
+from specstream_mlx.demo.datagen import write_phrase_corpus
 from specstream_mlx.method.tree import TreeSpec
+from specstream_mlx.runtime.generation import generate
+from specstream_mlx.train import TrainConfig, TrainError, train
+from specstream_mlx.train.data import DataError, load_dataset
 from tests.helpers.tiny_models import make_tiny_model_dir
 
 TREE = TreeSpec("dynamic", budget=8, depth=3)
@@ -53,8 +51,18 @@ def test_shared_training_raises_accuracy_and_tokens_per_pass(tmp_path, corpus, b
     m0, tok = load(str(untrained), warn=False)
     tau0 = _tau(m0, tok, prompts)
 
-    cfg = TrainConfig(mode="shared", num_streams=3, stream_layers=2, lora_rank=16, iters=120, batch_size=8,
-                      learning_rate=3e-3, stream_positions=32, steps_per_report=10, steps_per_eval=1000)
+    cfg = TrainConfig(
+        mode="shared",
+        num_streams=3,
+        stream_layers=2,
+        lora_rank=16,
+        iters=120,
+        batch_size=8,
+        learning_rate=3e-3,
+        stream_positions=32,
+        steps_per_report=10,
+        steps_per_eval=1000,
+    )
     res = train(str(base_dir), str(data), str(tmp_path / "out"), cfg, progress=False, log=lambda s: None)
     acc0 = res.history[0]["stream_acc"]
     acc1 = res.val["stream_acc"]
@@ -71,8 +79,16 @@ def test_shared_training_raises_accuracy_and_tokens_per_pass(tmp_path, corpus, b
 
 def test_lossless_training_keeps_the_base_bit_identical(tmp_path, corpus, base_dir):
     data, _ = corpus
-    cfg = TrainConfig(mode="lossless", num_streams=2, stream_layers=2, lora_rank=4, iters=6, batch_size=4,
-                      stream_positions=8, learning_rate=1e-2)
+    cfg = TrainConfig(
+        mode="lossless",
+        num_streams=2,
+        stream_layers=2,
+        lora_rank=4,
+        iters=6,
+        batch_size=4,
+        stream_positions=8,
+        learning_rate=1e-2,
+    )
     train(str(base_dir), str(data), str(tmp_path / "ll"), cfg, progress=False, log=lambda s: None)
     base, tok = load(str(base_dir), warn=False)
     trained, _ = load(str(tmp_path / "ll"))
@@ -80,9 +96,9 @@ def test_lossless_training_keeps_the_base_bit_identical(tmp_path, corpus, base_d
     b = dict(tree_flatten(trained.base.parameters()))
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
     # Main-stream logits before and after training: bit for bit.
-    from specstream_mlx.runtime.cache import make_cache
     from specstream_mlx.method.msa import ss_forward
     from specstream_mlx.method.tree import Tree
+    from specstream_mlx.runtime.cache import make_cache
 
     ids = mx.array([[5, 9, 40, 77, 12]])
     assert mx.array_equal(base(ids), trained(ids)).item()
@@ -106,11 +122,11 @@ def test_training_forward_matches_inference_forward(base_dir):
     """Teacher-forced stream states equal the inference pass's (same masks and positions)."""
     from mlx.utils import tree_unflatten
 
-    from specstream_mlx.runtime.cache import make_cache
     from specstream_mlx.method.msa import ss_forward
     from specstream_mlx.method.streams import lora_key
-    from specstream_mlx.train.objective import Trainable, main_pass, stream_pass
     from specstream_mlx.method.tree import Tree
+    from specstream_mlx.runtime.cache import make_cache
+    from specstream_mlx.train.objective import Trainable, main_pass, stream_pass
 
     model = load(str(base_dir), warn=False)[0].base
     tr = Trainable(model, TrainConfig(num_streams=3, stream_layers=2, lora_rank=4))
@@ -132,8 +148,16 @@ def test_resume_after_interrupt(tmp_path, corpus, base_dir, monkeypatch):
     import specstream_mlx.train.trainer as T
 
     data, _ = corpus
-    cfg = TrainConfig(mode="lossless", num_streams=2, stream_layers=1, lora_rank=2, iters=6, batch_size=4,
-                      stream_positions=4, save_every=2)
+    cfg = TrainConfig(
+        mode="lossless",
+        num_streams=2,
+        stream_layers=1,
+        lora_rank=2,
+        iters=6,
+        batch_size=4,
+        stream_positions=4,
+        save_every=2,
+    )
     real = T.iterate_batches
 
     def interrupting(*a, **k):
@@ -163,8 +187,16 @@ def test_nan_loss_stops_cleanly(tmp_path, corpus, base_dir, monkeypatch):
         return loss * mx.array(float("nan")), m
 
     monkeypatch.setattr(T, "compute_loss", poisoned)
-    cfg = TrainConfig(mode="lossless", num_streams=2, stream_layers=1, lora_rank=2, iters=3, batch_size=4,
-                      stream_positions=4, compile=False)
+    cfg = TrainConfig(
+        mode="lossless",
+        num_streams=2,
+        stream_layers=1,
+        lora_rank=2,
+        iters=3,
+        batch_size=4,
+        stream_positions=4,
+        compile=False,
+    )
     with pytest.raises(TrainError, match="nan"):
         train(str(base_dir), str(data), str(tmp_path / "n"), cfg, progress=False, log=lambda s: None)
     assert not (tmp_path / "n" / "specstream.json").exists()
@@ -186,13 +218,16 @@ def test_data_errors_name_file_and_line(tmp_path, base_dir):
     (d / "train.jsonl").write_text("\n")
     with pytest.raises(DataError, match="no usable examples"):
         load_dataset(d, tok, 64)
-    (d / "train.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b" * 100}) + "\n"
-                                   + json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                                              {"role": "assistant", "content": "yo"}]}) + "\n")
+    (d / "train.jsonl").write_text(
+        json.dumps({"prompt": "a", "completion": "b" * 100})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+        + "\n"
+    )
     train_ds, valid, test = load_dataset(d, tok, 64)
     assert train_ds.truncated == 1 and valid is None and test is None
     ex = train_ds.examples[1]
-    assert tok.decode(ex.tokens[ex.completion_start:]).startswith("yo")
+    assert tok.decode(ex.tokens[ex.completion_start :]).startswith("yo")
 
 
 def test_train_cli_reports_bad_data(tmp_path, base_dir):
@@ -202,9 +237,25 @@ def test_train_cli_reports_bad_data(tmp_path, base_dir):
     d = tmp_path / "d"
     d.mkdir()
     (d / "train.jsonl").write_text('{"text": "fine"}\n{"prompt": 1, "completion": "x"}\n')
-    r = subprocess.run([sys.executable, "-m", "specstream_mlx", "train", "--model", str(base_dir),
-                        "--data", str(d), "--out", str(tmp_path / "o"), "--iters", "1"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specstream_mlx",
+            "train",
+            "--model",
+            str(base_dir),
+            "--data",
+            str(d),
+            "--out",
+            str(tmp_path / "o"),
+            "--iters",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and "train.jsonl:2" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -214,8 +265,16 @@ def test_train_export_convert_roundtrip(tmp_path, corpus, base_dir):
     from specstream_mlx.convert.export import export_hf
 
     data, table = corpus
-    cfg = TrainConfig(mode="lossless", num_streams=3, stream_layers=2, lora_rank=4, iters=8, batch_size=4,
-                      stream_positions=8, learning_rate=5e-3)
+    cfg = TrainConfig(
+        mode="lossless",
+        num_streams=3,
+        stream_layers=2,
+        lora_rank=4,
+        iters=8,
+        batch_size=4,
+        stream_positions=8,
+        learning_rate=5e-3,
+    )
     train(str(base_dir), str(data), str(tmp_path / "t"), cfg, progress=False, log=lambda s: None)
     hf = export_hf(str(tmp_path / "t"), str(tmp_path / "hf"))
     cfg_json = json.loads((hf / "config.json").read_text())
@@ -227,17 +286,30 @@ def test_train_export_convert_roundtrip(tmp_path, corpus, base_dir):
         assert mx.array_equal(v, dict(tree_flatten(b.streams.parameters()))[k]).item(), k
     for p in sorted(table)[:2]:
         for mode in ("ss", "ar"):
-            ra = generate(a, tok, p, max_tokens=24, mode=mode, tree=TREE) if mode == "ss" else generate(a, tok, p, max_tokens=24)
-            rb = generate(b, tok, p, max_tokens=24, mode=mode, tree=TREE) if mode == "ss" else generate(b, tok, p, max_tokens=24)
+            ra = (
+                generate(a, tok, p, max_tokens=24, mode=mode, tree=TREE)
+                if mode == "ss"
+                else generate(a, tok, p, max_tokens=24)
+            )
+            rb = (
+                generate(b, tok, p, max_tokens=24, mode=mode, tree=TREE)
+                if mode == "ss"
+                else generate(b, tok, p, max_tokens=24)
+            )
             assert ra.tokens == rb.tokens and ra.stats.forward_passes == rb.stats.forward_passes
 
 
 def test_sharegpt_records_become_chat_jsonl(tmp_path, base_dir):
     from specstream_mlx.train.sharegpt import to_messages, write_sharegpt_jsonl
 
-    rec = {"id": "x", "conversations": [
-        {"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."},
-        {"from": "human", "value": "More?"}]}
+    rec = {
+        "id": "x",
+        "conversations": [
+            {"from": "human", "value": "Hi?"},
+            {"from": "gpt", "value": "Hello."},
+            {"from": "human", "value": "More?"},
+        ],
+    }
     assert to_messages(rec) == [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
     assert to_messages({"conversations": [{"from": "gpt", "value": "orphan"}]}) is None
     counts = write_sharegpt_jsonl(tmp_path / "sg", records=[rec] * 60, valid_fraction=0.1)

@@ -5,7 +5,14 @@ import pytest
 
 from specstream_mlx.method.msa import msa_tree_part
 from specstream_mlx.method.tree import (
-    Tree, TreeSpec, cartesian_tree, dynamic_tree, restrict, subtree_keep, tree_buffers,
+    Tree,
+    TreeSpec,
+    cartesian_tree,
+    dynamic_tree,
+    leaf_paths,
+    restrict,
+    subtree_keep,
+    tree_buffers,
 )
 
 
@@ -17,7 +24,7 @@ def test_buffers_of_a_small_tree():
     b = tree_buffers(parents)
     assert b.depths.tolist() == [0, 1, 1, 2, 2, 2]
     assert b.children == ((1, 2), (3, 4), (5,), (), (), ())
-    assert b.paths == ((0, 1, 3), (0, 1, 4), (0, 2, 5))
+    assert leaf_paths(b) == ((0, 1, 3), (0, 1, 4), (0, 2, 5))
     assert b.ancestor_mask[4].tolist() == [True, True, False, False, True, False]
     assert b.ancestor_mask[5].tolist() == [True, False, True, False, False, True]
     # Ancestor mask is reflexive and lower-triangular for a BFS-ordered tree.
@@ -39,7 +46,7 @@ def test_invalid_trees_are_refused():
 def test_cartesian_tree_sizes():
     cands = [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
     t = cartesian_tree(0, cands, (3, 2, 1))
-    assert len(t) == 1 + 3 + 6 + 6 == TreeSpec("cartesian", (3, 2, 1)).max_nodes
+    assert len(t) == 1 + 3 + 6 + 6
     b = tree_buffers(t.parents)
     assert b.depths.tolist().count(3) == 6
     # Every depth-2 node carries one of stream 2's first two candidates.
@@ -52,7 +59,7 @@ def test_dynamic_tree_keeps_highest_cumulative_paths():
     t = dynamic_tree(0, tokens, probs, budget=3)
     # Scores: 1:.6, 1->4:.54, 2:.3, 2->4:.27, 3:.1 ...  -> top 3 = {1, 1->4, 2}
     b = tree_buffers(t.parents)
-    paths = {tuple(t.tokens[i] for i in p) for p in b.paths}
+    paths = {tuple(t.tokens[i] for i in p) for p in leaf_paths(b)}
     assert paths == {(0, 1, 4), (0, 2)}
     assert len(t) == 4
     # Exhaustive check against brute force on random inputs.
@@ -106,7 +113,15 @@ def test_msa_mask_layout():
 
 @pytest.mark.parametrize("text,nodes", [("cartesian:3x2x1", 16), ("topk:2,3", 15), ("chain:4", 5), ("dynamic:12", 13)])
 def test_tree_spec_parse(text, nodes):
-    assert TreeSpec.parse(text).max_nodes == nodes
+    """The parsed spec drafts trees of the expected size."""
+    spec = TreeSpec.parse(text)
+    top = np.arange(100, 140).reshape(4, 10)
+    probs = np.tile(np.linspace(0.5, 0.01, 10), (4, 1))
+    if spec.kind == "cartesian":
+        t = cartesian_tree(0, top, spec.widths)
+    else:
+        t = dynamic_tree(0, top[: spec.max_depth], probs[: spec.max_depth], spec.budget)
+    assert len(t) == nodes
 
 
 def test_tree_spec_parse_error():

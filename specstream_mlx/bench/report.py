@@ -12,7 +12,8 @@ def markdown_table(res: dict) -> str:
         f"({m['device']}), BLAS: {m['blas']}; {res['settings']['prompts']} prompts × "
         f"{res['settings']['max_tokens']} tokens × {res['settings'].get('rounds', 1)} rounds",
         "",
-        "| method | temp | tok/s (median) | range | speedup vs ar | τ (tokens/pass) | TTFT ms | peak GB | equals ar | exact match |",
+        "| method | temp | tok/s (median) | range | speedup vs ar | τ (tokens/pass) | TTFT ms | peak GB "
+        "| equals ar | exact match |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in res["results"]:
@@ -22,7 +23,8 @@ def markdown_table(res: dict) -> str:
         lines.append(
             f"| {r['method']} | {r['temperature']:g} | {r['tokens_per_second_median']:.1f} | "
             f"{r['tokens_per_second_min']:.1f}–{r['tokens_per_second_max']:.1f} | {sp} | "
-            f"{r['tokens_per_pass']:.2f} | {r['ttft_ms']:.0f} | {r['peak_memory_gb']:.2f} | {eq} | {em} |")
+            f"{r['tokens_per_pass']:.2f} | {r['ttft_ms']:.0f} | {r['peak_memory_gb']:.2f} | {eq} | {em} |"
+        )
     return "\n".join(lines) + "\n"
 
 

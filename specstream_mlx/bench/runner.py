@@ -82,12 +82,20 @@ def load_bench_prompts(model_dir: Path, n: int) -> List[dict]:
     """The first ``n`` held-out prompts shipped with a model (generic ones if none)."""
     f = model_dir / "bench_prompts.jsonl"
     if not f.exists():
-        return [{"prompt": p} for p in (
-            "Explain speculative decoding in one paragraph.", "Write a haiku about the sea.",
-            "What is the capital of France?", "List three uses of a paperclip.",
-            "Summarize the plot of Hamlet.", "How do I boil an egg?", "Tell me a joke.",
-            "What is machine learning?")][:n]
-    rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+        return [
+            {"prompt": p}
+            for p in (
+                "Explain speculative decoding in one paragraph.",
+                "Write a haiku about the sea.",
+                "What is the capital of France?",
+                "List three uses of a paperclip.",
+                "Summarize the plot of Hamlet.",
+                "How do I boil an egg?",
+                "Tell me a joke.",
+                "What is machine learning?",
+            )
+        ][:n]
+    rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
     return rows[:n]
 
 
@@ -111,8 +119,16 @@ class BenchSetup:
 
 def _ours(model, tok, setup: BenchSetup, mode: str, sampling: SamplingParams, tree=None) -> Callable[[int], Run]:
     def run(i: int) -> Run:
-        gen = stream_generate(model, tok, setup.ids[i], max_tokens=setup.max_tokens, sampling=sampling(i),
-                              mode=mode, use_chat_template=False, tree=tree)
+        gen = stream_generate(
+            model,
+            tok,
+            setup.ids[i],
+            max_tokens=setup.max_tokens,
+            sampling=sampling(i),
+            mode=mode,
+            use_chat_template=False,
+            tree=tree,
+        )
         return _timed(gen, lambda r: r.tokens, lambda r: 1)
 
     return run
@@ -125,10 +141,14 @@ def _mlx_lm(theirs, ttok, setup: BenchSetup, draft_model=None, num_draft_tokens:
     kw = dict(draft_model=draft_model, num_draft_tokens=num_draft_tokens) if draft_model is not None else {}
 
     def run(i: int) -> Run:
-        gen = mlx_lm.stream_generate(theirs, ttok, setup.ids[i], max_tokens=setup.max_tokens,
-                                     sampler=make_sampler(0.0), **kw)
-        return _timed(gen, lambda r: [] if r.token in ttok.eos_token_ids else [r.token],
-                      lambda r: 0 if getattr(r, "from_draft", False) else 1)
+        gen = mlx_lm.stream_generate(
+            theirs, ttok, setup.ids[i], max_tokens=setup.max_tokens, sampler=make_sampler(0.0), **kw
+        )
+        return _timed(
+            gen,
+            lambda r: [] if r.token in ttok.eos_token_ids else [r.token],
+            lambda r: 0 if getattr(r, "from_draft", False) else 1,
+        )
 
     return run
 
@@ -141,8 +161,9 @@ def _draft_path(path: Path, draft: Optional[str]) -> Optional[Path]:
     return resolve_model_path(draft) if draft else None
 
 
-def _methods(path: Path, setup: BenchSetup, tree: str, draft_path: Optional[Path], baseline: Optional[str],
-             num_draft_tokens: int) -> Dict[str, Callable[[int], Run]]:
+def _methods(
+    path: Path, setup: BenchSetup, tree: str, draft_path: Optional[Path], baseline: Optional[str], num_draft_tokens: int
+) -> Dict[str, Callable[[int], Run]]:
     """Every method of the run, in table order, as prompt index -> timed run."""
     import mlx_lm
 
@@ -220,27 +241,47 @@ def _summarize(runs: Dict[str, List[Run]], setup: BenchSetup, eos_ids) -> List[M
         exact = None
         if "completion" in prompts[0] and name in ("ss", "ar", "baseline-ar"):
             # Runs are ordered round by round: run k decoded prompt k mod len(prompts).
-            exact = sum(r.text.strip() == prompts[k % len(prompts)]["completion"].strip()
-                        for k, r in enumerate(rs)) / len(rs)
+            exact = sum(
+                r.text.strip() == prompts[k % len(prompts)]["completion"].strip() for k, r in enumerate(rs)
+            ) / len(rs)
         total = sum(len(strip(r.tokens)) for r in rs)
         # τ counts every token a pass decided, the EOS that ends a reply included.
         decided = sum(len(strip(r.tokens)) + (len(strip(r.tokens)) < len(r.tokens) or r.eos) for r in rs)
         passes = sum(r.passes for r in rs)
-        results.append(MethodResult(
-            method=name, temperature=temp, tokens_per_second_median=med, tokens_per_second_min=min(tps),
-            tokens_per_second_max=max(tps), speedup_vs_ar=(med / ref if ref else None),
-            tokens_per_pass=decided / passes if passes else 0.0,
-            ttft_ms=1000 * statistics.median(r.ttft for r in rs),
-            peak_memory_gb=max(r.peak_gb for r in rs), matches_ar=matches, exact_match=exact,
-            generated_tokens=total,
-            note=("baseline model (next-token only)" if name == "baseline-ar" else ""),
-        ))
+        results.append(
+            MethodResult(
+                method=name,
+                temperature=temp,
+                tokens_per_second_median=med,
+                tokens_per_second_min=min(tps),
+                tokens_per_second_max=max(tps),
+                speedup_vs_ar=(med / ref if ref else None),
+                tokens_per_pass=decided / passes if passes else 0.0,
+                ttft_ms=1000 * statistics.median(r.ttft for r in rs),
+                peak_memory_gb=max(r.peak_gb for r in rs),
+                matches_ar=matches,
+                exact_match=exact,
+                generated_tokens=total,
+                note=("baseline model (next-token only)" if name == "baseline-ar" else ""),
+            )
+        )
     return results
 
 
-def run_bench(model: str, draft: Optional[str] = None, baseline: Optional[str] = None, n_prompts: int = 16,
-              max_tokens: int = 64, temperature: float = 0.7, tree: str = "auto", num_draft_tokens: int = 3,
-              seed: int = 0, progress: bool = True, log=print, rounds: int = 3) -> dict:
+def run_bench(
+    model: str,
+    draft: Optional[str] = None,
+    baseline: Optional[str] = None,
+    n_prompts: int = 16,
+    max_tokens: int = 64,
+    temperature: float = 0.7,
+    tree: str = "auto",
+    num_draft_tokens: int = 3,
+    seed: int = 0,
+    progress: bool = True,
+    log=print,
+    rounds: int = 3,
+) -> dict:
     """Decode the model's held-out prompts with every method; returns the JSON-ready result."""
     path = resolve_model_path(model)
     _, tok = load(str(path), warn=False)
@@ -258,7 +299,14 @@ def run_bench(model: str, draft: Optional[str] = None, baseline: Optional[str] =
         "model": str(path.name),
         "draft_model": draft_path.name if draft_path else None,
         "baseline_model": Path(baseline).name if baseline else None,
-        "settings": {"prompts": len(prompts), "rounds": rounds, "max_tokens": max_tokens, "temperature": temperature,
-                     "tree": tree, "num_draft_tokens": num_draft_tokens, "seed": seed},
+        "settings": {
+            "prompts": len(prompts),
+            "rounds": rounds,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "tree": tree,
+            "num_draft_tokens": num_draft_tokens,
+            "seed": seed,
+        },
         "results": [asdict(r) for r in results],
     }

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from enum import Enum
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -65,7 +65,10 @@ def _version_callback(value: bool):
 @app.callback()
 def _root(
     version: bool = typer.Option(
-        False, "--version", callback=_version_callback, is_eager=True,
+        False,
+        "--version",
+        callback=_version_callback,
+        is_eager=True,
         help="Print versions, the MLX device and the BLAS in use, then exit.",
     ),
 ):
@@ -108,8 +111,14 @@ def convert(
     from ..convert import convert as _convert
 
     opts = ConvertOptions(
-        dtype=dtype.value if dtype else None, quantize=quantize, q_bits=q_bits,
-        q_group_size=q_group_size, force=force, num_streams=num_streams, stream_layers=stream_layers, adapter=adapter,
+        dtype=dtype.value if dtype else None,
+        quantize=quantize,
+        q_bits=q_bits,
+        q_group_size=q_group_size,
+        force=force,
+        num_streams=num_streams,
+        stream_layers=stream_layers,
+        adapter=adapter,
     )
     try:
         _convert(hf_path, mlx_path, opts, log=lambda s: typer.echo(s, err=True))
@@ -128,9 +137,18 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: all)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
-    mode: Optional[str] = typer.Option(None, "--mode", help="ss (speculative streaming), ar (plain) or lookup (prompt lookup). Default: ss when the model has streams, else ar."),
-    tree: str = typer.Option("auto", "--tree", help="Draft tree: auto, dynamic:BUDGET, cartesian:3x2x1, topk:K,DEPTH, chain:N."),
-    prune_threshold: Optional[float] = typer.Option(None, "--prune-threshold", help="Tree-pruning threshold (default: the model's)."),
+    mode: Optional[str] = typer.Option(
+        None,
+        "--mode",
+        help="ss (speculative streaming), ar (plain) or lookup (prompt lookup). "
+        "Default: ss when the model has streams, else ar.",
+    ),
+    tree: str = typer.Option(
+        "auto", "--tree", help="Draft tree: auto, dynamic:BUDGET, cartesian:3x2x1, topk:K,DEPTH, chain:N."
+    ),
+    prune_threshold: Optional[float] = typer.Option(
+        None, "--prune-threshold", help="Tree-pruning threshold (default: the model's)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Use the prompt as raw text."),
 ):
@@ -151,8 +169,15 @@ def generate(
     text, tokens, last = [], [], None
     try:
         for r in stream_generate(
-            m, tok, prompt, max_tokens=max_tokens, sampling=sampling, mode=mode,
-            use_chat_template=not ignore_chat_template, tree=tree_spec, pruning_threshold=prune_threshold,
+            m,
+            tok,
+            prompt,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            mode=mode,
+            use_chat_template=not ignore_chat_template,
+            tree=tree_spec,
+            pruning_threshold=prune_threshold,
             log=ss_log,
         ):
             text.append(r.text)
@@ -166,7 +191,7 @@ def generate(
     except KeyboardInterrupt:
         if not as_json:
             sys.stdout.write("\n")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     if as_json:
         from ..runtime.generation import encode_prompt
 
@@ -184,7 +209,7 @@ def generate(
         s = last.stats
         typer.echo(
             f"[{s.mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
-            f"{s.tokens_per_pass:.2f} tokens/pass, prompt {s.prompt_seconds*1000:.0f} ms, "
+            f"{s.tokens_per_pass:.2f} tokens/pass, prompt {s.prompt_seconds * 1000:.0f} ms, "
             f"peak {s.peak_memory_gb:.2f} GB" + (f", tree {s.tree}" if s.tree else ""),
             err=True,
         )
@@ -211,7 +236,9 @@ def export(
 @app.command()
 def chat(
     model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory or bundled name."),
-    mode: Optional[str] = typer.Option(None, "--mode", help="ss, ar or lookup (default: ss when the model has streams)."),
+    mode: Optional[str] = typer.Option(
+        None, "--mode", help="ss, ar or lookup (default: ss when the model has streams)."
+    ),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Most tokens per reply."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
@@ -232,7 +259,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP bind address."),
     port: int = typer.Option(8080, "--port", help="HTTP port."),
     mode: Optional[str] = typer.Option(None, "--mode", help="Default decoding mode (ss when the model has streams)."),
-    max_context: Optional[int] = typer.Option(None, "--max-context", help="Prompt + reply token limit (default: the model's)."),
+    max_context: Optional[int] = typer.Option(
+        None, "--max-context", help="Prompt + reply token limit (default: the model's)."
+    ),
 ):
     """Serve a model to other programs: --stdio (JSON lines) or --http (OpenAI API)."""
     if stdio == http:
@@ -251,14 +280,26 @@ def serve(
 @app.command()
 def bench(
     model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory or bundled name."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for mlx_lm speculative decoding (default: MODEL-draft if present; '' for none)."),
-    baseline: Optional[str] = typer.Option(None, "--baseline", help="Next-token-only baseline model to compare exact match with (default: MODEL-baseline if present)."),
+    draft: Optional[str] = typer.Option(
+        None,
+        "--draft",
+        help="Draft model for mlx_lm speculative decoding (default: MODEL-draft if present; '' for none).",
+    ),
+    baseline: Optional[str] = typer.Option(
+        None,
+        "--baseline",
+        help="Next-token-only baseline model to compare exact match with (default: MODEL-baseline if present).",
+    ),
     prompts: int = typer.Option(16, "--prompts", help="Held-out prompts to decode."),
-    rounds: int = typer.Option(3, "--rounds", help="Times each prompt is decoded per method (timings are medians over all)."),
+    rounds: int = typer.Option(
+        3, "--rounds", help="Times each prompt is decoded per method (timings are medians over all)."
+    ),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens per prompt."),
     temp: float = typer.Option(0.7, "--temp", help="Temperature of the sampling rows."),
     tree: str = typer.Option("auto", "--tree", help="Draft tree for ss."),
-    json_out: Optional[str] = typer.Option(None, "--json", help="Write the JSON result here (default: bench-MODEL.json)."),
+    json_out: Optional[str] = typer.Option(
+        None, "--json", help="Write the JSON result here (default: bench-MODEL.json)."
+    ),
     seed: int = typer.Option(0, "--seed"),
 ):
     """Benchmark ar, mlx_lm, mlx_lm with a draft model, lookup and ss on the same prompts."""
@@ -272,8 +313,18 @@ def bench(
     if baseline is None:
         cand = path.parent / f"{path.name}-baseline"
         baseline = str(cand) if cand.is_dir() else None
-    res = run_bench(str(path), draft=draft, baseline=baseline or None, n_prompts=prompts, max_tokens=max_tokens,
-                    temperature=temp, tree=tree, seed=seed, rounds=rounds, log=lambda s: typer.echo(s, err=True))
+    res = run_bench(
+        str(path),
+        draft=draft,
+        baseline=baseline or None,
+        n_prompts=prompts,
+        max_tokens=max_tokens,
+        temperature=temp,
+        tree=tree,
+        seed=seed,
+        rounds=rounds,
+        log=lambda s: typer.echo(s, err=True),
+    )
     out = Path(json_out or f"bench-{path.name}.json")
     out.write_text(json.dumps(res, indent=2))
     md = markdown_table(res)
@@ -281,7 +332,9 @@ def bench(
     png = out.with_suffix(".png")
     charted = write_chart(res, png)
     typer.echo(md)
-    typer.echo(f"wrote {out}, {out.with_suffix('.md')}" + (f", {png}" if charted else " (no matplotlib: no chart)"), err=True)
+    typer.echo(
+        f"wrote {out}, {out.with_suffix('.md')}" + (f", {png}" if charted else " (no matplotlib: no chart)"), err=True
+    )
 
 
 @app.command("prepare-sharegpt")
@@ -311,7 +364,9 @@ class TrainMode(str, Enum):
 def train(
     model: str = typer.Option(..., "--model", "-m", help="Base model directory (or bundled name)."),
     data: str = typer.Option(..., "--data", help="Directory with train.jsonl / valid.jsonl."),
-    mode: TrainMode = typer.Option(TrainMode.lossless, "--mode", help="lossless (frozen base) or shared (LoRA shared by main and streams)."),
+    mode: TrainMode = typer.Option(
+        TrainMode.lossless, "--mode", help="lossless (frozen base) or shared (LoRA shared by main and streams)."
+    ),
     out: str = typer.Option(..., "--out", help="Output model directory."),
     num_streams: int = typer.Option(4, "--num-streams", help="Speculative streams γ."),
     stream_layers: int = typer.Option(4, "--stream-layers", help="Top layers with multi-stream attention."),
@@ -323,7 +378,9 @@ def train(
     learning_rate: float = typer.Option(5e-4, "--learning-rate", help="Peak learning rate (linear decay)."),
     alpha_stream: float = typer.Option(0.1, "--alpha-stream", help="Weight αj of each stream's loss."),
     no_distill: bool = typer.Option(False, "--no-distill", help="Lossless: train streams on data tokens only."),
-    stream_positions: int = typer.Option(64, "--stream-positions", help="Completion positions per sequence hosting streams."),
+    stream_positions: int = typer.Option(
+        64, "--stream-positions", help="Completion positions per sequence hosting streams."
+    ),
     save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps."),
     steps_per_eval: int = typer.Option(200, "--steps-per-eval", help="Validate every N steps."),
     seed: int = typer.Option(0, "--seed", help="Seed for initialisation and shuffling."),
@@ -337,10 +394,21 @@ def train(
 
     try:
         cfg = TrainConfig(
-            mode=mode.value, num_streams=num_streams, stream_layers=stream_layers, lora_rank=lora_rank,
-            iters=iters, epochs=epochs, batch_size=batch_size, max_seq_len=max_seq_len,
-            learning_rate=learning_rate, alpha_stream=alpha_stream, distill=not no_distill,
-            stream_positions=stream_positions, save_every=save_every, steps_per_eval=steps_per_eval, seed=seed,
+            mode=mode.value,
+            num_streams=num_streams,
+            stream_layers=stream_layers,
+            lora_rank=lora_rank,
+            iters=iters,
+            epochs=epochs,
+            batch_size=batch_size,
+            max_seq_len=max_seq_len,
+            learning_rate=learning_rate,
+            alpha_stream=alpha_stream,
+            distill=not no_distill,
+            stream_positions=stream_positions,
+            save_every=save_every,
+            steps_per_eval=steps_per_eval,
+            seed=seed,
         )
         res = _train(model, data, out, cfg, resume=resume, log=lambda s: typer.echo(s, err=True))
     except (DataError, TrainError, ModelLoadError, ValueError) as e:

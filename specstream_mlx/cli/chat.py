@@ -18,8 +18,18 @@ from ..runtime.session import ChatSession, Reply
 HELP = "commands: /reset  /stats  /mode ss|ar|lookup  /temp T  /quit"
 
 
-def run_chat(model, tokenizer, mode: str, temp: float, max_tokens: int, system: Optional[str] = None,
-             tree="auto", stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr) -> int:
+def run_chat(
+    model,
+    tokenizer,
+    mode: str,
+    temp: float,
+    max_tokens: int,
+    system: Optional[str] = None,
+    tree="auto",
+    stdin: TextIO = sys.stdin,
+    stdout: TextIO = sys.stdout,
+    stderr: TextIO = sys.stderr,
+) -> int:
     interactive = stdin.isatty() and stdout.isatty()
     dim = (lambda s: f"\033[2m{s}\033[0m") if interactive else (lambda s: s)
     session = ChatSession(model, tokenizer, system)
@@ -89,5 +99,7 @@ def run_chat(model, tokenizer, mode: str, temp: float, max_tokens: int, system: 
 
 def _stats_line(r: Reply) -> str:
     s = r.stats
-    return (f"[{s.mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
-            f"τ {s.tokens_per_pass:.2f}, reused {r.reused_tokens} cached tokens, {r.finish_reason}")
+    return (
+        f"[{s.mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
+        f"τ {s.tokens_per_pass:.2f}, reused {r.reused_tokens} cached tokens, {r.finish_reason}"
+    )

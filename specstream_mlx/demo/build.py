@@ -15,7 +15,7 @@ Base weights are pretrained with PyTorch (:mod:`.torch_pretrain`: its CPU
 kernels train these shapes ~5x faster than MLX's CPU backend), saved as Hugging
 Face checkpoints and imported with our converter; the streams and both SQL
 fine-tunes are trained in MLX by :mod:`.training`. Weights are stored in
-float16 to keep each model small; on the CPU they run in float32 (DESIGN §5).
+float16 to keep each model small; on the CPU they run in float32 (docs/DESIGN.md §2.11).
 Step counts are set so the whole build fits in about 80 minutes on a 2-core
 CPU; ``--scale`` multiplies every step count (``--scale 0.01`` is a smoke test).
 """
@@ -34,18 +34,19 @@ REPO = Path(__file__).resolve().parent.parent.parent
 RUNS = REPO / "runs"
 MODELS = REPO / "models"
 
-SQL_BASE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2)
-CHAT_BASE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4,
-                 num_key_value_heads=2)
+SQL_BASE = dict(
+    hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+)
+CHAT_BASE = dict(
+    hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2
+)
 SQL_FINETUNE_STEPS = 300
 SQL_FINETUNE_LR = 5e-4
 SQL_ALPHA_STREAM = 0.1
 CHAT_PRETRAIN_STEPS = 1200
 CHAT_STREAM_STEPS = 150
 REUSE = False  # --reuse: keep finished PyTorch pretraining runs in runs/
-DRAFT = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1)
+DRAFT = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
 
 
 def log(msg: str) -> None:
@@ -60,11 +61,21 @@ def init_model_dir(out: Path, tokenizer_dir: Path, shape: dict, seed: int) -> Pa
     from ..models import build_model
 
     tok_cfg = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    vocab = len(tok_cfg["model"]["vocab"]) + len([t for t in tok_cfg.get("added_tokens", [])
-                                                  if t["content"] not in tok_cfg["model"]["vocab"]])
-    cfg = dict(model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=10000.0,
-               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="float16",
-               max_position_embeddings=1024, **shape)
+    vocab = len(tok_cfg["model"]["vocab"]) + len(
+        [t for t in tok_cfg.get("added_tokens", []) if t["content"] not in tok_cfg["model"]["vocab"]]
+    )
+    cfg = dict(
+        model_type="llama",
+        vocab_size=vocab,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float16",
+        max_position_embeddings=1024,
+        **shape,
+    )
     mx.random.seed(seed)
     model = build_model(cfg)
     # GPT-2-style init: N(0, 0.02), output projections scaled by depth.
@@ -120,8 +131,11 @@ def _finalize(src: Path, name: str) -> Path:
 
     for f in dst.glob("model*.safetensors"):
         w = mx.load(str(f))
-        mx.save_safetensors(str(f), {k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v
-                                     for k, v in w.items()}, metadata={"format": "mlx"})
+        mx.save_safetensors(
+            str(f),
+            {k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in w.items()},
+            metadata={"format": "mlx"},
+        )
     cfg_path = dst / "config.json"
     cfg = json.loads(cfg_path.read_text())
     for key in ("torch_dtype", "dtype"):
@@ -168,15 +182,28 @@ def _pretrain_hf(init: Path, data: Path, name: str, steps: int, **kw) -> Path:
     if REUSE and done.exists() and json.loads(done.read_text())["summary"]["steps"] == steps:
         log(f"reusing {hf} (--reuse)")
     else:
-        cmd = [sys.executable, "-m", "specstream_mlx.demo.torch_pretrain", "--init", str(init), "--data", str(data),
-               "--out", str(hf), "--steps", str(steps)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "specstream_mlx.demo.torch_pretrain",
+            "--init",
+            str(init),
+            "--data",
+            str(data),
+            "--out",
+            str(hf),
+            "--steps",
+            str(steps),
+        ]
         for k, v in kw.items():
             cmd += [f"--{k.replace('_', '-')}", str(v)]
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
         subprocess.run(cmd, env=env, check=True)
     summary = json.loads(done.read_text())["summary"]
-    log(f"pretrained {hf.name} in {time.time() - t:.0f} s: valid completion accuracy "
-        f"{summary.get('valid_completion_acc', float('nan')):.3f}")
+    log(
+        f"pretrained {hf.name} in {time.time() - t:.0f} s: valid completion accuracy "
+        f"{summary.get('valid_completion_acc', float('nan')):.3f}"
+    )
     out = RUNS / name
     convert(str(hf), str(out), ConvertOptions(dtype="float32", force=True), log=log)
     shutil.copy2(done, out / "pretrain_log.json")  # provenance travels with the weights
@@ -190,8 +217,8 @@ def exact_match(model_dir: Path, test_file: Path, max_tokens: int = 96) -> dict:
     this plain-decoding score is also the score of ``ss``."""
     from tqdm import tqdm
 
-    from ..runtime.generation import generate
     from ..runtime.engine import load
+    from ..runtime.generation import generate
 
     model, tok = load(str(model_dir), warn=False)
     rows = [json.loads(line) for line in open(test_file) if line.strip()]
@@ -215,18 +242,46 @@ def build_sql(scale: float = 1.0, seed: int = 0) -> None:
     # fine-tunes that differ only in the objective: shared-mode streams
     # (demo-sql) versus next-token only (demo-sql-baseline).
     init = init_model_dir(RUNS / "sql-init", tok, SQL_BASE, seed)
-    base = _pretrain_hf(init, data, "sql-base", int(3000 * scale), batch_size=16, max_seq_len=256,
-                        learning_rate=1e-3, warmup=100, seed=seed)
-    common = dict(mode="shared", full=True, iters=int(SQL_FINETUNE_STEPS * scale), batch_size=16,
-                  max_seq_len=256, learning_rate=SQL_FINETUNE_LR, warmup=20, seed=seed, steps_per_eval=100,
-                  save_every=100, stream_positions=16)
+    base = _pretrain_hf(
+        init,
+        data,
+        "sql-base",
+        int(3000 * scale),
+        batch_size=16,
+        max_seq_len=256,
+        learning_rate=1e-3,
+        warmup=100,
+        seed=seed,
+    )
+    common = dict(
+        mode="shared",
+        full=True,
+        iters=int(SQL_FINETUNE_STEPS * scale),
+        batch_size=16,
+        max_seq_len=256,
+        learning_rate=SQL_FINETUNE_LR,
+        warmup=20,
+        seed=seed,
+        steps_per_eval=100,
+        save_every=100,
+        stream_positions=16,
+    )
     _train(base, data, RUNS / "demo-sql", num_streams=4, stream_layers=2, alpha_stream=SQL_ALPHA_STREAM, **common)
     write_bench_prompts(_finalize(RUNS / "demo-sql", "demo-sql"), data)
     _train(base, data, RUNS / "demo-sql-baseline", streams=False, **common)
     _finalize(RUNS / "demo-sql-baseline", "demo-sql-baseline")
     dinit = init_model_dir(RUNS / "sql-draft-init", tok, DRAFT, seed + 1)
-    draft = _pretrain_hf(dinit, data, "sql-draft", int(2000 * scale), batch_size=16, max_seq_len=256,
-                         learning_rate=2e-3, warmup=100, seed=seed)
+    draft = _pretrain_hf(
+        dinit,
+        data,
+        "sql-draft",
+        int(2000 * scale),
+        batch_size=16,
+        max_seq_len=256,
+        learning_rate=2e-3,
+        warmup=100,
+        seed=seed,
+    )
     _finalize(draft, "demo-sql-draft")
     # The paper's claim, checked: the speculative objective does not hurt quality.
     em = [exact_match(MODELS / name, data / "test.jsonl") for name in ("demo-sql", "demo-sql-baseline")]
@@ -235,27 +290,59 @@ def build_sql(scale: float = 1.0, seed: int = 0) -> None:
 
 
 def build_chat(scale: float = 1.0, seed: int = 0) -> None:
-    from .byte_tokenizer import train_bpe_tokenizer
     from ..train.sharegpt import write_sharegpt_jsonl
+    from .byte_tokenizer import train_bpe_tokenizer
 
     data = RUNS / "data" / "chat"
-    counts = write_sharegpt_jsonl(data, max_examples=30000, valid_fraction=0.01, seed=seed, max_turns=2,
-                                  max_chars=1200)
+    counts = write_sharegpt_jsonl(data, max_examples=30000, valid_fraction=0.01, seed=seed, max_turns=2, max_chars=1200)
     log(f"chat corpus: {counts}")
     tok = RUNS / "tok-chat"
     train_bpe_tokenizer(_texts(data), 4096, tok)
     init = init_model_dir(RUNS / "chat-init", tok, CHAT_BASE, seed)
-    base = _pretrain_hf(init, data, "chat-base", int(CHAT_PRETRAIN_STEPS * scale), batch_size=16,
-                        max_seq_len=256, learning_rate=1e-3, warmup=200, seed=seed)
+    base = _pretrain_hf(
+        init,
+        data,
+        "chat-base",
+        int(CHAT_PRETRAIN_STEPS * scale),
+        batch_size=16,
+        max_seq_len=256,
+        learning_rate=1e-3,
+        warmup=200,
+        seed=seed,
+    )
     # Lossless streams on the frozen base (self-distillation to its own outputs).
-    _train(base, data, RUNS / "demo-chat", mode="lossless", num_streams=4, stream_layers=2,
-           lora_rank=16, iters=int(CHAT_STREAM_STEPS * scale), batch_size=16, max_seq_len=256,
-           learning_rate=1e-3, warmup=20, seed=seed, stream_positions=32, alpha_stream=1.0,
-           steps_per_eval=100, save_every=100)
+    _train(
+        base,
+        data,
+        RUNS / "demo-chat",
+        mode="lossless",
+        num_streams=4,
+        stream_layers=2,
+        lora_rank=16,
+        iters=int(CHAT_STREAM_STEPS * scale),
+        batch_size=16,
+        max_seq_len=256,
+        learning_rate=1e-3,
+        warmup=20,
+        seed=seed,
+        stream_positions=32,
+        alpha_stream=1.0,
+        steps_per_eval=100,
+        save_every=100,
+    )
     write_bench_prompts(_finalize(RUNS / "demo-chat", "demo-chat"), data)
     dinit = init_model_dir(RUNS / "chat-draft-init", tok, DRAFT, seed + 1)
-    draft = _pretrain_hf(dinit, data, "chat-draft", int(CHAT_PRETRAIN_STEPS * scale) // 2, batch_size=16,
-                         max_seq_len=256, learning_rate=2e-3, warmup=200, seed=seed)
+    draft = _pretrain_hf(
+        dinit,
+        data,
+        "chat-draft",
+        int(CHAT_PRETRAIN_STEPS * scale) // 2,
+        batch_size=16,
+        max_seq_len=256,
+        learning_rate=2e-3,
+        warmup=200,
+        seed=seed,
+    )
     _finalize(draft, "demo-chat-draft")
 
 
@@ -267,8 +354,11 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", type=Path, default=RUNS, help="working directory for data and checkpoints")
     ap.add_argument("--models", type=Path, default=MODELS, help="where the finished models go")
-    ap.add_argument("--reuse", action="store_true",
-                    help="reuse finished PyTorch pretraining checkpoints in --runs (same step count)")
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="reuse finished PyTorch pretraining checkpoints in --runs (same step count)",
+    )
     args = ap.parse_args(argv)
     REUSE = args.reuse
     RUNS, MODELS = args.runs.resolve(), args.models.resolve()

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-WORDS = ("alpha beta gamma delta omega red green blue cyan stone river cloud north south "
-         "east west quick slow bright dark lemon pepper tiger eagle").split()
+WORDS = (
+    "alpha beta gamma delta omega red green blue cyan stone river cloud north south "
+    "east west quick slow bright dark lemon pepper tiger eagle"
+).split()
 
 
 def phrase_table(n_keys: int, words_per_phrase: int, seed: int):
@@ -21,8 +23,9 @@ def phrase_table(n_keys: int, words_per_phrase: int, seed: int):
     return {f"k{i:02d}": " ".join(rng.choice(WORDS, words_per_phrase)) for i in range(n_keys)}
 
 
-def write_phrase_corpus(out_dir: Path, n_keys: int = 12, words_per_phrase: int = 6,
-                        n_train: int = 400, n_valid: int = 48, seed: int = 0) -> dict:
+def write_phrase_corpus(
+    out_dir: Path, n_keys: int = 12, words_per_phrase: int = 6, n_train: int = 400, n_valid: int = 48, seed: int = 0
+) -> dict:
     """train/valid/test.jsonl of {"prompt": key, "completion": phrase}; returns the table."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -39,27 +42,86 @@ def write_phrase_corpus(out_dir: Path, n_keys: int = 12, words_per_phrase: int =
 # --- structured queries in the style of sql-create-context --------------------
 
 _TABLES = {
-    "employees": [("name", "TEXT"), ("department", "TEXT"), ("salary", "INTEGER"), ("age", "INTEGER"), ("city", "TEXT")],
-    "products": [("product_name", "TEXT"), ("category", "TEXT"), ("price", "INTEGER"), ("stock", "INTEGER"), ("supplier", "TEXT")],
-    "students": [("student_name", "TEXT"), ("major", "TEXT"), ("gpa", "REAL"), ("year", "INTEGER"), ("hometown", "TEXT")],
-    "flights": [("flight_number", "TEXT"), ("origin", "TEXT"), ("destination", "TEXT"), ("distance", "INTEGER"), ("price", "INTEGER")],
-    "matches": [("home_team", "TEXT"), ("away_team", "TEXT"), ("venue", "TEXT"), ("attendance", "INTEGER"), ("score", "INTEGER")],
-    "books": [("title", "TEXT"), ("author", "TEXT"), ("genre", "TEXT"), ("pages", "INTEGER"), ("published_year", "INTEGER")],
-    "stations": [("station_name", "TEXT"), ("line", "TEXT"), ("district", "TEXT"), ("passengers", "INTEGER"), ("platforms", "INTEGER")],
-    "elections": [("candidate", "TEXT"), ("party", "TEXT"), ("district", "TEXT"), ("votes", "INTEGER"), ("year", "INTEGER")],
+    "employees": [
+        ("name", "TEXT"),
+        ("department", "TEXT"),
+        ("salary", "INTEGER"),
+        ("age", "INTEGER"),
+        ("city", "TEXT"),
+    ],
+    "products": [
+        ("product_name", "TEXT"),
+        ("category", "TEXT"),
+        ("price", "INTEGER"),
+        ("stock", "INTEGER"),
+        ("supplier", "TEXT"),
+    ],
+    "students": [
+        ("student_name", "TEXT"),
+        ("major", "TEXT"),
+        ("gpa", "REAL"),
+        ("year", "INTEGER"),
+        ("hometown", "TEXT"),
+    ],
+    "flights": [
+        ("flight_number", "TEXT"),
+        ("origin", "TEXT"),
+        ("destination", "TEXT"),
+        ("distance", "INTEGER"),
+        ("price", "INTEGER"),
+    ],
+    "matches": [
+        ("home_team", "TEXT"),
+        ("away_team", "TEXT"),
+        ("venue", "TEXT"),
+        ("attendance", "INTEGER"),
+        ("score", "INTEGER"),
+    ],
+    "books": [
+        ("title", "TEXT"),
+        ("author", "TEXT"),
+        ("genre", "TEXT"),
+        ("pages", "INTEGER"),
+        ("published_year", "INTEGER"),
+    ],
+    "stations": [
+        ("station_name", "TEXT"),
+        ("line", "TEXT"),
+        ("district", "TEXT"),
+        ("passengers", "INTEGER"),
+        ("platforms", "INTEGER"),
+    ],
+    "elections": [
+        ("candidate", "TEXT"),
+        ("party", "TEXT"),
+        ("district", "TEXT"),
+        ("votes", "INTEGER"),
+        ("year", "INTEGER"),
+    ],
 }
 _VALUES = {
-    "name": ["Alice", "Bob", "Carmen", "Deepak", "Elena", "Farid"], "department": ["Sales", "Research", "Finance", "Legal"],
-    "city": ["Paris", "Lagos", "Osaka", "Lima", "Oslo"], "product_name": ["Lamp", "Chair", "Kettle", "Drill"],
-    "category": ["Kitchen", "Garden", "Office", "Tools"], "supplier": ["Acme", "Globex", "Initech"],
-    "student_name": ["Ana", "Ben", "Chen", "Dara"], "major": ["Physics", "History", "Biology", "Music"],
-    "hometown": ["Austin", "Boston", "Denver"], "flight_number": ["BA117", "LH400", "AF22", "QF1"],
-    "origin": ["London", "Frankfurt", "Sydney", "Tokyo"], "destination": ["New York", "Paris", "Rome", "Dubai"],
-    "home_team": ["Lions", "Tigers", "Bears", "Wolves"], "away_team": ["Eagles", "Sharks", "Hawks"],
-    "venue": ["Central Park", "Riverside", "Old Stadium"], "title": ["Dune", "Emma", "Ulysses", "Beloved"],
-    "author": ["Austen", "Herbert", "Joyce", "Morrison"], "genre": ["Fiction", "Poetry", "Drama", "Science"],
-    "station_name": ["Kings Cross", "Alexanderplatz", "Shibuya"], "line": ["Red", "Blue", "Green", "Circle"],
-    "district": ["North", "South", "East", "West"], "candidate": ["Smith", "Garcia", "Nguyen", "Okafor"],
+    "name": ["Alice", "Bob", "Carmen", "Deepak", "Elena", "Farid"],
+    "department": ["Sales", "Research", "Finance", "Legal"],
+    "city": ["Paris", "Lagos", "Osaka", "Lima", "Oslo"],
+    "product_name": ["Lamp", "Chair", "Kettle", "Drill"],
+    "category": ["Kitchen", "Garden", "Office", "Tools"],
+    "supplier": ["Acme", "Globex", "Initech"],
+    "student_name": ["Ana", "Ben", "Chen", "Dara"],
+    "major": ["Physics", "History", "Biology", "Music"],
+    "hometown": ["Austin", "Boston", "Denver"],
+    "flight_number": ["BA117", "LH400", "AF22", "QF1"],
+    "origin": ["London", "Frankfurt", "Sydney", "Tokyo"],
+    "destination": ["New York", "Paris", "Rome", "Dubai"],
+    "home_team": ["Lions", "Tigers", "Bears", "Wolves"],
+    "away_team": ["Eagles", "Sharks", "Hawks"],
+    "venue": ["Central Park", "Riverside", "Old Stadium"],
+    "title": ["Dune", "Emma", "Ulysses", "Beloved"],
+    "author": ["Austen", "Herbert", "Joyce", "Morrison"],
+    "genre": ["Fiction", "Poetry", "Drama", "Science"],
+    "station_name": ["Kings Cross", "Alexanderplatz", "Shibuya"],
+    "line": ["Red", "Blue", "Green", "Circle"],
+    "district": ["North", "South", "East", "West"],
+    "candidate": ["Smith", "Garcia", "Nguyen", "Okafor"],
     "party": ["Labour", "Green", "Liberal", "Unity"],
 }
 _AGG = [("average", "AVG"), ("maximum", "MAX"), ("minimum", "MIN"), ("total", "SUM")]

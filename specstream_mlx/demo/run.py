@@ -22,14 +22,23 @@ def write_random_hf_checkpoint(out: Path, seed: int = 0) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from .byte_tokenizer import VOCAB_SIZE, save_byte_tokenizer
     from ..models import build_model
+    from .byte_tokenizer import VOCAB_SIZE, save_byte_tokenizer
 
     cfg = dict(
-        model_type="llama", hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, vocab_size=VOCAB_SIZE,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, torch_dtype="float16",
+        model_type="llama",
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=VOCAB_SIZE,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float16",
     )
     mx.random.seed(seed)
     model = build_model(cfg)
@@ -47,8 +56,12 @@ def write_random_hf_checkpoint(out: Path, seed: int = 0) -> None:
 # greedy output degenerates into newlines, so it samples (ss sampling is lossless).
 DEMOS = [
     ("demo-chat", "What is the best way to learn a new language?", ["--temp", "0.7", "--seed", "0"]),
-    ("demo-sql", "CREATE TABLE employees (name TEXT, department TEXT, salary INTEGER, age INTEGER)\n"
-                 "-- What is the average salary of employees with department Sales?", []),
+    (
+        "demo-sql",
+        "CREATE TABLE employees (name TEXT, department TEXT, salary INTEGER, age INTEGER)\n"
+        "-- What is the average salary of employees with department Sales?",
+        [],
+    ),
 ]
 
 
@@ -61,8 +74,10 @@ def bundled_demo(cli) -> bool:
     for name, prompt, extra in DEMOS:
         for mode in ("ar", "ss"):
             print(f"\n[demo] specstream-mlx generate --model {name} --mode {mode} --max-tokens 64 {' '.join(extra)}")
-            subprocess.run([*cli, "generate", "--model", name, "--prompt", prompt, "--max-tokens", "64",
-                            "--mode", mode, *extra], check=True)
+            subprocess.run(
+                [*cli, "generate", "--model", name, "--prompt", prompt, "--max-tokens", "64", "--mode", mode, *extra],
+                check=True,
+            )
     print("\n[demo] chat with: .venv/bin/specstream-mlx chat        (or --model demo-sql)")
     return True
 
@@ -73,8 +88,10 @@ def main() -> int:
     subprocess.run([*cli, "--version"], check=True)
     if bundled_demo(cli):
         return 0
-    print("\n[demo] the bundled demo models are missing (make demo-models builds them); "
-          "showing the conversion pipeline on a random model instead")
+    print(
+        "\n[demo] the bundled demo models are missing (make demo-models builds them); "
+        "showing the conversion pipeline on a random model instead"
+    )
     if not (src / "config.json").exists():
         print(f"\n[demo] writing a random 8-layer d=512 Llama checkpoint to {src}")
         write_random_hf_checkpoint(src)
@@ -82,8 +99,18 @@ def main() -> int:
     subprocess.run([*cli, "convert", "--hf-path", str(src), "--mlx-path", str(dst), "--force"], check=True)
     print("\n[demo] specstream-mlx generate --mode ar (random weights: expect gibberish)")
     subprocess.run(
-        [*cli, "generate", "--model", str(dst), "--prompt", "Speculative streaming is",
-         "--max-tokens", "64", "--mode", "ar"],
+        [
+            *cli,
+            "generate",
+            "--model",
+            str(dst),
+            "--prompt",
+            "Speculative streaming is",
+            "--max-tokens",
+            "64",
+            "--mode",
+            "ar",
+        ],
         check=True,
     )
     return 0

@@ -29,6 +29,52 @@ import numpy as np
 from ..train.data import iterate_batches, load_dataset
 
 
+def _loss_acc(model, x, m):
+    """Masked next-token cross-entropy and accuracy of an HF causal LM on ids ``x``."""
+    import torch
+
+    logits = model(input_ids=x).logits[:, :-1]
+    tgt = x[:, 1:]
+    mm = m[:, :-1]
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
+    ce = (ce * mm.reshape(-1)).sum() / mm.sum().clamp(min=1)
+    acc = ((logits.argmax(-1) == tgt).float() * mm).sum() / mm.sum().clamp(min=1)
+    return ce, acc
+
+
+def _validate(model, valid_ds, batch_size: int, seq_len: int, seed: int, loss_acc) -> dict:
+    """Completion cross-entropy and next-token accuracy on up to 16 valid batches."""
+    import torch
+
+    model.eval()
+    ces, accs = [], []
+    with torch.no_grad():
+        for i, batch in enumerate(iterate_batches(valid_ds, batch_size, seq_len, 1, seed, 0)):
+            if i >= 16:
+                break
+            # Validation always scores the completion only (what the task is judged on).
+            x = torch.from_numpy(batch.tokens.astype(np.int64))
+            ce, acc = loss_acc(x, torch.from_numpy(batch.loss_mask))
+            ces.append(float(ce))
+            accs.append(float(acc))
+    return {"valid_completion_ce": float(np.mean(ces)), "valid_completion_acc": float(np.mean(accs))}
+
+
+def _save(model, init_dir: Path, out_dir: Path, log_obj: dict) -> None:
+    """An HF checkpoint with the tokenizer files of ``init_dir``, written beside and renamed into place."""
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    for f in init_dir.iterdir():
+        if f.is_file() and f.name not in ("config.json",) and not f.name.endswith(".safetensors"):
+            shutil.copy2(f, tmp / f.name)
+    (tmp / "pretrain_log.json").write_text(json.dumps(log_obj, indent=2))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+
+
 def pretrain(
     init_dir: Path,
     data_dir: Path,
@@ -86,13 +132,7 @@ def pretrain(
         return x, torch.from_numpy(m)
 
     def loss_acc(x, m):
-        logits = model(input_ids=x).logits[:, :-1]
-        tgt = x[:, 1:]
-        mm = m[:, :-1]
-        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
-        ce = (ce * mm.reshape(-1)).sum() / mm.sum().clamp(min=1)
-        acc = ((logits.argmax(-1) == tgt).float() * mm).sum() / mm.sum().clamp(min=1)
-        return ce, acc
+        return _loss_acc(model, x, m)
 
     step, tokens, t0 = 0, 0, time.perf_counter()
     bar = tqdm(total=steps, desc="pretrain", unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -120,36 +160,19 @@ def pretrain(
         epoch += 1
     bar.close()
     elapsed = time.perf_counter() - t0
-    summary = {"steps": step, "epochs": round(step * batch_size / len(train_ds), 2),
-               "tokens_per_second": tokens / elapsed, "seconds": elapsed, "parameters": n_params,
-               "train_loss": history[-1]["loss"] if history else None}
+    summary = {
+        "steps": step,
+        "epochs": round(step * batch_size / len(train_ds), 2),
+        "tokens_per_second": tokens / elapsed,
+        "seconds": elapsed,
+        "parameters": n_params,
+        "train_loss": history[-1]["loss"] if history else None,
+    }
     if valid_ds is not None and len(valid_ds):
-        model.eval()
-        with torch.no_grad():
-            ces, accs = [], []
-            for i, batch in enumerate(iterate_batches(valid_ds, batch_size, seq_len, 1, seed, 0)):
-                if i >= 16:
-                    break
-                # Validation always scores the completion only (what the task is judged on).
-                x = torch.from_numpy(batch.tokens.astype(np.int64))
-                ce, acc = loss_acc(x, torch.from_numpy(batch.loss_mask))
-                ces.append(float(ce))
-                accs.append(float(acc))
-        summary["valid_completion_ce"] = float(np.mean(ces))
-        summary["valid_completion_acc"] = float(np.mean(accs))
+        summary.update(_validate(model, valid_ds, batch_size, seq_len, seed, loss_acc))
     log(f"[pretrain] done in {elapsed:.0f} s: {json.dumps(summary)}")
 
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
-    for f in init_dir.iterdir():
-        if f.is_file() and f.name not in ("config.json",) and not f.name.endswith(".safetensors"):
-            shutil.copy2(f, tmp / f.name)
-    (tmp / "pretrain_log.json").write_text(json.dumps({"summary": summary, "history": history}, indent=2))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    _save(model, init_dir, out_dir, {"summary": summary, "history": history})
     return summary
 
 
@@ -167,9 +190,19 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
-    pretrain(a.init, a.data, a.out, steps=a.steps, batch_size=a.batch_size, max_seq_len=a.max_seq_len,
-             learning_rate=a.learning_rate, warmup=a.warmup, all_tokens=not a.completion_only, seed=a.seed,
-             threads=a.threads)
+    pretrain(
+        a.init,
+        a.data,
+        a.out,
+        steps=a.steps,
+        batch_size=a.batch_size,
+        max_seq_len=a.max_seq_len,
+        learning_rate=a.learning_rate,
+        warmup=a.warmup,
+        all_tokens=not a.completion_only,
+        seed=a.seed,
+        threads=a.threads,
+    )
     return 0
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import glob
 import json
 import os
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
@@ -96,7 +96,7 @@ def load_weights(path: Path) -> Dict[str, mx.array]:
 
 
 def compute_dtype_for_device() -> Optional[mx.Dtype]:
-    """float32 on the CPU backend (no half-precision BLAS on x86; DESIGN §5),
+    """float32 on the CPU backend (no half-precision BLAS on x86; docs/DESIGN.md §2.11),
     otherwise None: keep the stored dtype (the fast path on a GPU)."""
     if mx.default_device() == mx.cpu:
         return mx.float32
@@ -123,9 +123,7 @@ def apply_quantization(model: nn.Module, config: Dict[str, Any], weights: Dict[s
     nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=predicate)
 
 
-def load_model(
-    path: Path, dtype: Optional[mx.Dtype] = "auto", lazy: bool = False
-) -> Tuple[nn.Module, Dict[str, Any]]:
+def load_model(path: Path, dtype: Optional[mx.Dtype] = "auto", lazy: bool = False) -> Tuple[nn.Module, Dict[str, Any]]:
     """Build the model for ``config.json`` and load its weights strictly.
 
     Args:

@@ -7,7 +7,7 @@ streams ``S[t, j] = M[t] + P[j]``. The top Ns layers run multi-stream
 attention on ``[kept main rows | their streams]`` with one fused mask:
 
 * main row t sees the cached prefix and its kept ancestors (never a stream,
-  DESIGN §2.1, so main logits equal the model without streams);
+  docs/DESIGN.md §2.1, so main logits equal the model without streams);
 * stream (t, j) sees the prefix, t's kept ancestors and t, and streams
   (t, 1..j) of its own node.
 

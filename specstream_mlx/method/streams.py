@@ -1,4 +1,4 @@
-"""Speculative-stream parameters and their files (DESIGN §3).
+"""Speculative-stream parameters and their files (docs/FORMAT.md).
 
 A model with streams is an mlx-lm model directory plus:
 
@@ -16,7 +16,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -9,8 +9,8 @@ touches a model: tokens and probabilities go in, numpy buffers come out.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from dataclasses import dataclass
+from typing import List, Sequence
 
 import numpy as np
 
@@ -49,14 +49,12 @@ class TreeBuffers:
         ancestor_mask: (n, n) bool; ``[i, j]`` is True when j is i or an ancestor of i.
         parents: (n,) parent index, -1 for the root.
         children: per node, the indices of its children in order.
-        paths: root-to-leaf node lists, one per leaf.
     """
 
     depths: np.ndarray
     ancestor_mask: np.ndarray
     parents: np.ndarray
     children: tuple
-    paths: tuple
 
 
 def tree_buffers(parents: Sequence[int]) -> TreeBuffers:
@@ -72,14 +70,19 @@ def tree_buffers(parents: Sequence[int]) -> TreeBuffers:
             depths[i] = depths[p] + 1
             anc[i] |= anc[p]
             children[p].append(i)
-    leaves = [i for i in range(n) if not children[i]]
+    return TreeBuffers(depths, anc, par, tuple(tuple(c) for c in children))
+
+
+def leaf_paths(buffers: TreeBuffers) -> tuple:
+    """Root-to-leaf node index paths, one per leaf (in node order of the leaves)."""
+    par = buffers.parents
     paths = []
-    for leaf in leaves:
+    for leaf in (i for i, c in enumerate(buffers.children) if not c):
         path = [leaf]
         while par[path[-1]] >= 0:
             path.append(int(par[path[-1]]))
         paths.append(tuple(reversed(path)))
-    return TreeBuffers(depths, anc, par, tuple(tuple(c) for c in children), tuple(paths))
+    return tuple(paths)
 
 
 def subtree_keep(parents: Sequence[int], keep_node: Sequence[bool]) -> np.ndarray:
@@ -104,6 +107,7 @@ def restrict(tree: Tree, keep: np.ndarray) -> "tuple[Tree, np.ndarray]":
 
 # --- drafters --------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class TreeSpec:
     """Shape of the draft tree.
@@ -127,16 +131,6 @@ class TreeSpec:
     def max_depth(self) -> int:
         # A dynamic tree of b nodes is at most b deep.
         return len(self.widths) if self.kind == "cartesian" else min(self.depth, self.budget)
-
-    @property
-    def max_nodes(self) -> int:
-        if self.kind == "dynamic":
-            return 1 + self.budget
-        total, level = 1, 1
-        for w in self.widths:
-            level *= w
-            total += level
-        return total
 
     def describe(self) -> str:
         if self.kind == "cartesian":

@@ -17,8 +17,7 @@ def get_model_classes(config: Dict[str, Any]) -> Tuple[Type, Type]:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r}; supported: "
-            + ", ".join(SUPPORTED_MODEL_TYPES)
+            f"unsupported model_type {model_type!r}; supported: " + ", ".join(SUPPORTED_MODEL_TYPES)
         )
     module = importlib.import_module(f"{__name__}.{model_type}")
     return module.Model, module.ModelArgs

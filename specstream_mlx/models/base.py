@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 from functools import partial
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-
 
 # adapter(projection name, input, output) -> output with a delta added.
 Adapter = Callable[[str, mx.array, mx.array], mx.array]
@@ -80,9 +79,7 @@ class ModelArgs:
             self.rope_theta = rp.get("rope_theta", self.rope_theta)
             if rp.get("partial_rotary_factor") is not None:
                 self.partial_rotary_factor = rp["partial_rotary_factor"]
-            scaling = {
-                k: v for k, v in rp.items() if k not in ("rope_theta", "partial_rotary_factor")
-            }
+            scaling = {k: v for k, v in rp.items() if k not in ("rope_theta", "partial_rotary_factor")}
             if scaling.get("rope_type", scaling.get("type", "default")) != "default":
                 self.rope_scaling = scaling
         if self.partial_rotary_factor is None:
@@ -118,9 +115,7 @@ class RoPE(nn.Module):
             self.base = None
             self._freqs = _llama3_freqs(self.dims, args.rope_theta, scaling)
         else:
-            raise ValueError(
-                f"unsupported rope_scaling type {kind!r}; supported: linear, llama3"
-            )
+            raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
 
     def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
         """Rotate ``x`` of shape (B, L, H, D) at ``positions`` (B, L); returns (B, H, L, D)."""
@@ -276,9 +271,7 @@ class TransformerBlock(nn.Module):
         self.self_attn = Attention(args)
         self.mlp = MLP(args)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(
-            args.hidden_size, eps=args.rms_norm_eps
-        )
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(
         self,

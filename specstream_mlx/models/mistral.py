@@ -1,8 +1,11 @@
-"""Mistral: the Llama layout (sliding_window is not applied; see README): q/k/v/o projections, SwiGLU MLP, RMSNorm, RoPE."""
+"""Mistral: the Llama layout (q/k/v/o projections, SwiGLU MLP, RMSNorm, RoPE).
+
+``sliding_window`` is not applied (see the README)."""
 
 from dataclasses import dataclass
 
-from .base import Model, ModelArgs as _BaseArgs
+from .base import Model
+from .base import ModelArgs as _BaseArgs
 
 
 @dataclass

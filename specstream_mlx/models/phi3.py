@@ -2,7 +2,8 @@
 
 from dataclasses import dataclass
 
-from .base import Model, ModelArgs as _BaseArgs
+from .base import Model
+from .base import ModelArgs as _BaseArgs
 
 
 @dataclass

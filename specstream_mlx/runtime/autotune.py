@@ -46,10 +46,22 @@ COST_VERSION = 2
 
 def _model_key(model, streams) -> str:
     a = model.args
-    ident = [COST_VERSION, a.model_type, a.hidden_size, a.num_hidden_layers, a.intermediate_size, a.vocab_size,
-             a.num_attention_heads, a.num_key_value_heads, streams.num_streams,
-             streams.config.stream_layers, str(mx.default_device()), blas_in_use(),
-             str(model.model.norm.weight.dtype), "quantized" if "Quantized" in str(type(model.layers[0].mlp.down_proj)) else "float"]
+    ident = [
+        COST_VERSION,
+        a.model_type,
+        a.hidden_size,
+        a.num_hidden_layers,
+        a.intermediate_size,
+        a.vocab_size,
+        a.num_attention_heads,
+        a.num_key_value_heads,
+        streams.num_streams,
+        streams.config.stream_layers,
+        str(mx.default_device()),
+        blas_in_use(),
+        str(model.model.norm.weight.dtype),
+        "quantized" if "Quantized" in str(type(model.layers[0].mlp.down_proj)) else "float",
+    ]
     return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
 
 
@@ -61,7 +73,9 @@ def _synthetic_tree(budget: int, depth: int) -> Tree:
     return dynamic_tree(1, tokens, probs, budget)
 
 
-def measure_step_costs(model, streams, context: int = 128, reps: int = 7, budgets=CANDIDATE_BUDGETS) -> Dict[int, float]:
+def measure_step_costs(
+    model, streams, context: int = 128, reps: int = 7, budgets=CANDIDATE_BUDGETS
+) -> Dict[int, float]:
     """Cost of one ss pass with ``b`` draft nodes relative to one plain step."""
     GREEDY = SamplingParams()
 
@@ -97,7 +111,7 @@ def measure_step_costs(model, streams, context: int = 128, reps: int = 7, budget
     for b in budgets:
         tree = _synthetic_tree(b, depth)
 
-        def step(tree=tree):
+        def step(tree=tree, b=b):
             # What one greedy pass evaluates in its single sync (see ss_steps).
             out = ss_forward(model, streams, tree, context, cache, num_streams=min(depth, b))
             am = mx.argmax(out.main_logits, axis=-1)

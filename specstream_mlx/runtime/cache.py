@@ -80,14 +80,6 @@ class KVCache:
         self.offset = start + a
         self._last_len = a
 
-    @property
-    def state(self):
-        return self.keys, self.values, self.offset
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
-
 
 def make_cache(model) -> List[KVCache]:
     """One cache per decoder layer."""

@@ -127,5 +127,3 @@ def _expected_accepted(tree: Tree, top: np.ndarray, probs: np.ndarray) -> float:
         score[i] = score[p] * lookup[depth[i] - 1].get(tree.tokens[i], 0.0)
         total += score[i]
     return total
-
-

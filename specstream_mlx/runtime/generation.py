@@ -231,8 +231,9 @@ def generate(
     """Run :func:`stream_generate` (same arguments) to the end and collect the result."""
     text, tokens = [], []
     last = None
-    for r in stream_generate(model, tokenizer, prompt, max_tokens, sampling, mode, use_chat_template, cache,
-                             tree, pruning_threshold, log):
+    for r in stream_generate(
+        model, tokenizer, prompt, max_tokens, sampling, mode, use_chat_template, cache, tree, pruning_threshold, log
+    ):
         text.append(r.text)
         tokens.extend(r.tokens)
         last = r

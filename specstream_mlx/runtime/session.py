@@ -12,8 +12,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Dict, Generator, List, Optional, Sequence, Union
 
-from .cache import make_cache, trim_cache
 from ..method.tree import TreeSpec
+from .cache import make_cache, trim_cache
 from .generation import GenerationStats, encode_prompt, stream_generate
 from .sampling import SamplingParams
 
@@ -119,9 +119,17 @@ class ChatSession:
         feed = self._prepare(list(ids))
         reply.reused_tokens = len(ids) - len(feed)
         stops = StopStrings(stop)
-        gen = stream_generate(self.model, self.tokenizer, feed, max_tokens=max_tokens, sampling=sampling,
-                              mode=mode, use_chat_template=False, cache=self.cache,
-                              tree=tree if mode == "ss" else None)
+        gen = stream_generate(
+            self.model,
+            self.tokenizer,
+            feed,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            mode=mode,
+            use_chat_template=False,
+            cache=self.cache,
+            tree=tree if mode == "ss" else None,
+        )
         try:
             for r in gen:
                 self.seq.extend(r.step_tokens)

@@ -176,8 +176,13 @@ def ss_steps(
             res = verify_sampled(sm, out, plan.candidates, sampling, draft, rng)
         commit_ss(cache, sm.streams, out, res.verdict.path)
         tokens = [out.tree.tokens[i] for i in res.verdict.path[1:]] + [res.verdict.bonus]
-        info = StepInfo(accepted=res.verdict.accepted, nodes=len(out.kept) + out.pruned - 1,
-                        pruned=out.pruned, tree=spec.describe(), resync=res.resync)
+        info = StepInfo(
+            accepted=res.verdict.accepted,
+            nodes=len(out.kept) + out.pruned - 1,
+            pruned=out.pruned,
+            tree=spec.describe(),
+            resync=res.resync,
+        )
         if plan.auto is not None:
             auto = plan.auto
             if len(draft.tree) > 1:

@@ -60,8 +60,14 @@ class App:
             except queue.Empty:
                 continue
             try:
-                gen = self.session.stream_ids(req.prompt_ids, max_tokens=req.max_tokens, sampling=req.sampling,
-                                              mode=req.mode, stop=req.stop, cancel=req.cancel)
+                gen = self.session.stream_ids(
+                    req.prompt_ids,
+                    max_tokens=req.max_tokens,
+                    sampling=req.sampling,
+                    mode=req.mode,
+                    stop=req.stop,
+                    cancel=req.cancel,
+                )
                 while True:
                     try:
                         events.put(("delta", next(gen)))
@@ -76,8 +82,9 @@ class App:
             raise ProtocolError("invalid_request", "the request body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.model_id:
-            raise ProtocolError("model_not_found",
-                                f"the model '{model}' does not exist; this server serves '{self.model_id}'", 404)
+            raise ProtocolError(
+                "model_not_found", f"the model '{model}' does not exist; this server serves '{self.model_id}'", 404
+            )
         if body.get("n", 1) != 1:
             raise ProtocolError("invalid_value", "only n = 1 is supported")
         ids = self._prompt_ids(body, chat)
@@ -141,8 +148,13 @@ class ApiHandler(BaseHTTPRequestHandler):
         if self.path == "/health":
             return self._json(200, {"status": "ok", "model": app.model_id})
         if self.path == "/v1/models":
-            return self._json(200, {"object": "list", "data": [
-                {"id": app.model_id, "object": "model", "created": 0, "owned_by": "specstream-mlx"}]})
+            return self._json(
+                200,
+                {
+                    "object": "list",
+                    "data": [{"id": app.model_id, "object": "model", "created": 0, "owned_by": "specstream-mlx"}],
+                },
+            )
         self._error(ProtocolError("not_found", f"no route {self.path}", 404))
 
     def do_POST(self):
@@ -234,14 +246,27 @@ class ApiHandler(BaseHTTPRequestHandler):
             if first:
                 delta["role"] = "assistant"
             choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_id,
-                    "choices": [choice]}
-        return {"id": rid, "object": "text_completion", "created": created, "model": model_id,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model_id,
+                "choices": [choice],
+            }
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model_id,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        }
 
     def _final(self, chat: bool, rid: str, created: int, reply: Reply, n_prompt: int) -> Dict[str, Any]:
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": len(reply.tokens),
-                 "total_tokens": n_prompt + len(reply.tokens)}
+        usage = {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": len(reply.tokens),
+            "total_tokens": n_prompt + len(reply.tokens),
+        }
         stats = reply.stats.to_dict() if reply.stats else {}
         finish = _finish(reply.finish_reason)
         if chat:
@@ -250,8 +275,15 @@ class ApiHandler(BaseHTTPRequestHandler):
         else:
             choice = {"index": 0, "text": reply.text, "logprobs": None, "finish_reason": finish}
             obj = "text_completion"
-        return {"id": rid, "object": obj, "created": created, "model": self.app.model_id,
-                "choices": [choice], "usage": usage, "specstream": stats}
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": self.app.model_id,
+            "choices": [choice],
+            "usage": usage,
+            "specstream": stats,
+        }
 
 
 def make_handler(app: App) -> type:

@@ -29,8 +29,20 @@ from .protocol import (
     parse_stop,
 )
 
-FIELDS = {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "mode", "stop", "seed",
-          "cancel", "ping"}
+FIELDS = {
+    "id",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "mode",
+    "stop",
+    "seed",
+    "cancel",
+    "ping",
+}
 MAX_LINE_BYTES = 4 << 20
 _EOF = object()
 
@@ -179,8 +191,9 @@ class StdioServer:
         except ProtocolError as e:
             self.error(r.id, e.code, e.message)
             return
-        gen = self.session.stream_ids(ids, max_tokens=max_tokens, sampling=r.sampling, mode=r.mode,
-                                      stop=r.stop, cancel=r.cancel)
+        gen = self.session.stream_ids(
+            ids, max_tokens=max_tokens, sampling=r.sampling, mode=r.mode, stop=r.stop, cancel=r.cancel
+        )
         while True:
             try:
                 delta = next(gen)
@@ -188,8 +201,15 @@ class StdioServer:
                 reply = s.value
                 break
             self.emit({"id": r.id, "event": "token", "text": delta})
-        self.emit({"id": r.id, "event": "done", "text": reply.text, "finish_reason": reply.finish_reason,
-                   "stats": reply.stats.to_dict() if reply.stats else {}})
+        self.emit(
+            {
+                "id": r.id,
+                "event": "done",
+                "text": reply.text,
+                "finish_reason": reply.finish_reason,
+                "stats": reply.stats.to_dict() if reply.stats else {},
+            }
+        )
 
 
 def serve_stdio(model, tokenizer, default_mode: str, max_context: int, modes: List[str]) -> int:

@@ -60,8 +60,11 @@ def write_model_dir(base_dir: Path, out_dir: Path, model, trainable, cfg: TrainC
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=out_dir))
     for f in sorted(Path(base_dir).iterdir()):
-        if f.is_file() and (f.name == "config.json" or f.name in TOKENIZER_FILES or
-                            (cfg.mode == "lossless" and f.name.startswith("model") and f.suffix in (".safetensors", ".json"))):
+        if f.is_file() and (
+            f.name == "config.json"
+            or f.name in TOKENIZER_FILES
+            or (cfg.mode == "lossless" and f.name.startswith("model") and f.suffix in (".safetensors", ".json"))
+        ):
             shutil.copy2(f, tmp / f.name)
     if cfg.mode == "shared":
         fuse_base_lora(model, trainable.base_lora)

@@ -14,7 +14,7 @@ when the tokenizer has one. Completions end with EOS.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence
 
@@ -59,8 +59,13 @@ def encode_record(record: dict, tokenizer) -> Example:
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if "messages" in record:
         msgs = record["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str) for m in msgs
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+                for m in msgs
+            )
         ):
             raise DataError('"messages" must be a non-empty list of {"role", "content"} objects')
         if has_template:
@@ -156,7 +161,9 @@ class Batch:
     stream_weight: np.ndarray
 
 
-def make_batch(examples: Sequence[Example], seq_len: int, stream_positions: int, rng: Optional[np.random.Generator]) -> Batch:
+def make_batch(
+    examples: Sequence[Example], seq_len: int, stream_positions: int, rng: Optional[np.random.Generator]
+) -> Batch:
     B = len(examples)
     toks = np.zeros((B, seq_len), dtype=np.int32)
     lengths = np.zeros(B, dtype=np.int32)
@@ -172,13 +179,19 @@ def make_batch(examples: Sequence[Example], seq_len: int, stream_positions: int,
         # Prompt positions get no streams: candidates are completion positions only.
         cands = np.arange(start, n - 1)
         if len(cands) > stream_positions:
-            cands = np.sort(rng.choice(cands, stream_positions, replace=False)) if rng is not None else cands[:stream_positions]
+            cands = (
+                np.sort(rng.choice(cands, stream_positions, replace=False))
+                if rng is not None
+                else cands[:stream_positions]
+            )
         spos[b, : len(cands)] = cands
         sw[b, : len(cands)] = 1.0
     return Batch(toks, lengths, mask, spos, sw)
 
 
-def iterate_batches(ds: Dataset, batch_size: int, seq_len: int, stream_positions: int, seed: int, epoch: int) -> Iterator[Batch]:
+def iterate_batches(
+    ds: Dataset, batch_size: int, seq_len: int, stream_positions: int, seed: int, epoch: int
+) -> Iterator[Batch]:
     """One shuffled pass; the last partial batch is filled with repeats."""
     rng = np.random.default_rng((seed, epoch))
     order = rng.permutation(len(ds))

@@ -20,13 +20,21 @@ adapter learns next-token prediction of its early-exit logits.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..method.streams import LoRAAdapter, StreamConfig, StreamParams, default_targets, lora_key, make_layer_loras, new_streams
+from ..method.streams import (
+    LoRAAdapter,
+    StreamConfig,
+    StreamParams,
+    default_targets,
+    lora_key,
+    make_layer_loras,
+    new_streams,
+)
 from .config import TrainConfig
 
 
@@ -38,9 +46,13 @@ class Trainable(nn.Module):
         super().__init__()
         targets = tuple(cfg.lora_targets) if cfg.lora_targets else default_targets(model.model_type)
         scfg = StreamConfig(
-            num_streams=cfg.num_streams, stream_layers=cfg.stream_layers, mode=cfg.mode,
-            lora_rank=cfg.lora_rank if cfg.mode == "lossless" else 0, lora_scale=cfg.lora_scale,
-            lora_targets=targets, pruning_threshold=cfg.pruning_threshold,
+            num_streams=cfg.num_streams,
+            stream_layers=cfg.stream_layers,
+            mode=cfg.mode,
+            lora_rank=cfg.lora_rank if cfg.mode == "lossless" else 0,
+            lora_scale=cfg.lora_scale,
+            lora_targets=targets,
+            pruning_threshold=cfg.pruning_threshold,
         )
         self.streams = new_streams(model, scfg, seed=cfg.seed)
         self.base_lora = {}
@@ -96,8 +108,14 @@ def stream_block_mask(n_pos: int, gamma: int) -> np.ndarray:
     return np.kron(np.eye(n_pos, dtype=bool), np.tril(np.ones((gamma, gamma), dtype=bool)))
 
 
-def stream_pass(model, streams: StreamParams, h_s0, tapes: List[KVTape], spos: mx.array,
-                lora_for_layer: Callable[[int], Optional[dict]]):
+def stream_pass(
+    model,
+    streams: StreamParams,
+    h_s0,
+    tapes: List[KVTape],
+    spos: mx.array,
+    lora_for_layer: Callable[[int], Optional[dict]],
+):
     """Stream hidden states (B, S, γ, h) for stream positions ``spos`` (B, S)."""
     B, S = spos.shape
     L = h_s0.shape[1]

@@ -73,9 +73,15 @@ def load_sharegpt_records(limit: Optional[int] = None) -> list:
     return out
 
 
-def write_sharegpt_jsonl(out_dir: Path, max_examples: Optional[int] = None, valid_fraction: float = 0.02,
-                         seed: int = 0, max_turns: int = 4, max_chars: int = 4000,
-                         records: Optional[Iterable[dict]] = None) -> dict:
+def write_sharegpt_jsonl(
+    out_dir: Path,
+    max_examples: Optional[int] = None,
+    valid_fraction: float = 0.02,
+    seed: int = 0,
+    max_turns: int = 4,
+    max_chars: int = 4000,
+    records: Optional[Iterable[dict]] = None,
+) -> dict:
     """train/valid/test.jsonl from ShareGPT; returns counts per split."""
     recs = list(records) if records is not None else load_sharegpt_records()
     rng = np.random.default_rng(seed)

@@ -30,8 +30,13 @@ from .objective import Trainable, compute_loss
 
 
 def _batch_arrays(b: Batch):
-    return (mx.array(b.tokens), mx.array(b.loss_mask), mx.array(b.stream_pos),
-            mx.array(b.stream_weight), mx.array(b.lengths))
+    return (
+        mx.array(b.tokens),
+        mx.array(b.loss_mask),
+        mx.array(b.stream_pos),
+        mx.array(b.stream_weight),
+        mx.array(b.lengths),
+    )
 
 
 def _to_py(metrics: dict) -> dict:
@@ -72,8 +77,10 @@ def _load_data(data_dir: str, tokenizer, cfg: TrainConfig, log) -> TrainData:
     train_ds, valid_ds, _ = load_dataset(Path(data_dir), tokenizer, cfg.max_seq_len)
     for ds in (train_ds, valid_ds):
         if ds is not None and ds.truncated:
-            log(f"[train] {ds.name}: {ds.truncated} sequences longer than --max-seq-len {cfg.max_seq_len} "
-                "were truncated")
+            log(
+                f"[train] {ds.name}: {ds.truncated} sequences longer than --max-seq-len {cfg.max_seq_len} "
+                "were truncated"
+            )
     if valid_ds is None or not len(valid_ds):
         log("[train] no valid.jsonl examples: validation is skipped")
         valid_ds = None
@@ -107,8 +114,13 @@ def _step_function(model, trainable: Trainable, optimizer, cfg: TrainConfig):
 
 
 def _progress_text(loss: float, m: dict, tok_per_s: float) -> str:
-    return (f"loss {loss:.3f} ce " + "/".join(f"{c:.2f}" for c in m.get("stream_ce", []))
-            + " acc " + "/".join(f"{a:.2f}" for a in m.get("stream_acc", [])) + f" {tok_per_s:,.0f} tok/s")
+    return (
+        f"loss {loss:.3f} ce "
+        + "/".join(f"{c:.2f}" for c in m.get("stream_ce", []))
+        + " acc "
+        + "/".join(f"{a:.2f}" for a in m.get("stream_acc", []))
+        + f" {tok_per_s:,.0f} tok/s"
+    )
 
 
 class _Run:
@@ -136,17 +148,26 @@ class _Run:
         tps = self.tokens_seen / (time.perf_counter() - self.t_start)
         if step % cfg.steps_per_report == 0 or step == data.total_steps:
             m = _to_py(metrics)
-            self.history.append({"step": step, "loss": lv, "stream_acc": m.get("stream_acc", []),
-                                 "stream_ce": m.get("stream_ce", []), "main_acc": m.get("main_acc"),
-                                 "tokens_per_second": tps})
+            self.history.append(
+                {
+                    "step": step,
+                    "loss": lv,
+                    "stream_acc": m.get("stream_acc", []),
+                    "stream_ce": m.get("stream_ce", []),
+                    "main_acc": m.get("main_acc"),
+                    "tokens_per_second": tps,
+                }
+            )
             if self.bar:
                 self.bar.set_postfix_str(_progress_text(lv, m, tps))
         if self.bar:
             self.bar.update(1)
         if data.valid is not None and step % cfg.steps_per_eval == 0 and step < data.total_steps:
             v = evaluate(self.model, self.trainable, cfg, data.valid, data.seq_len, cfg.val_batches)
-            self.log(f"[train] step {step}: valid loss {v['loss']:.3f}, stream top-1 "
-                     + " ".join(f"{a:.3f}" for a in v.get("stream_acc", [])))
+            self.log(
+                f"[train] step {step}: valid loss {v['loss']:.3f}, stream top-1 "
+                + " ".join(f"{a:.3f}" for a in v.get("stream_acc", []))
+            )
         if step % cfg.save_every == 0 and step < data.total_steps:
             save_checkpoint(self.ckpt, self.trainable, self.optimizer, step, cfg)
 
@@ -173,19 +194,36 @@ def _finish(run: _Run, result: TrainResult, base_dir: Path, out: Path, data_dir:
     cfg, data = run.cfg, run.data
     if data.valid is not None:
         result.val = evaluate(run.model, run.trainable, cfg, data.valid, data.seq_len, cfg.val_batches)
-        run.log(f"[train] final valid loss {result.val['loss']:.3f}, stream top-1 "
-                + " ".join(f"{a:.3f}" for a in result.val.get("stream_acc", [])))
+        run.log(
+            f"[train] final valid loss {result.val['loss']:.3f}, stream top-1 "
+            + " ".join(f"{a:.3f}" for a in result.val.get("stream_acc", []))
+        )
     # The data directory is recorded by name only: model directories carry no machine paths.
-    extra = {"steps": result.steps, "train_tokens_per_second": result.tokens_per_second,
-             "valid": result.val, "data": Path(data_dir).name}
+    extra = {
+        "steps": result.steps,
+        "train_tokens_per_second": result.tokens_per_second,
+        "valid": result.val,
+        "data": Path(data_dir).name,
+    }
     write_model_dir(base_dir, out, run.model, run.trainable, cfg, extra)
-    (out / "training_log.json").write_text(json.dumps(
-        {"config": asdict(cfg), "history": result.history, "valid": result.val,
-         "tokens_per_second": result.tokens_per_second, "peak_memory_gb": result.peak_memory_gb,
-         "trainable_parameters": n_train}, indent=2))
+    (out / "training_log.json").write_text(
+        json.dumps(
+            {
+                "config": asdict(cfg),
+                "history": result.history,
+                "valid": result.val,
+                "tokens_per_second": result.tokens_per_second,
+                "peak_memory_gb": result.peak_memory_gb,
+                "trainable_parameters": n_train,
+            },
+            indent=2,
+        )
+    )
     shutil.rmtree(run.ckpt, ignore_errors=True)
-    run.log(f"[train] wrote {out} ({n_train:,} trainable parameters, {result.tokens_per_second:,.0f} tok/s, "
-            f"peak {result.peak_memory_gb:.2f} GB)")
+    run.log(
+        f"[train] wrote {out} ({n_train:,} trainable parameters, {result.tokens_per_second:,.0f} tok/s, "
+        f"peak {result.peak_memory_gb:.2f} GB)"
+    )
 
 
 def train(
@@ -207,8 +245,10 @@ def train(
         raise TrainError(f"--stream-layers {cfg.stream_layers} exceeds the model's {len(model.layers)} layers")
     model.freeze()
     data = _load_data(data_dir, loaded.tokenizer, cfg, log)
-    log(f"[train] {cfg.mode} mode, {len(data.train)} train sequences ({data.train.num_tokens:,} tokens), "
-        f"{data.total_steps} steps of {cfg.batch_size} x {data.seq_len}, γ={cfg.num_streams}, Ns={cfg.stream_layers}")
+    log(
+        f"[train] {cfg.mode} mode, {len(data.train)} train sequences ({data.train.num_tokens:,} tokens), "
+        f"{data.total_steps} steps of {cfg.batch_size} x {data.seq_len}, γ={cfg.num_streams}, Ns={cfg.stream_layers}"
+    )
     trainable = Trainable(model, cfg)
     n_train = sum(v.size for _, v in tree_flatten(trainable.trainable_parameters()))
     optimizer = _optimizer(cfg, data.total_steps)

@@ -29,12 +29,16 @@ VARIANTS: Dict[str, dict] = {
         tie_word_embeddings=True,
         rope_theta=500000.0,
         rope_scaling=dict(
-            rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-            high_freq_factor=4.0, original_max_position_embeddings=64,
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
         ),
     ),
     "llama-linear": dict(
-        model_type="llama", tie_word_embeddings=False,
+        model_type="llama",
+        tie_word_embeddings=False,
         rope_scaling=dict(rope_type="linear", factor=2.0),
     ),
     # Widths divisible by 32, the smallest group size MLX quantizes with.
