@@ -176,16 +176,39 @@ def exact_sequence_distribution(model, prompt, sampling):
     return dist
 
 
-@pytest.mark.parametrize("top_p", [1.0])
-def test_ss_sampling_matches_ar_distribution(top_p):
-    """10,000 seeded ss generations of 3 tokens against the exact ar distribution."""
+@pytest.mark.parametrize(
+    "top_p,pruning,eager",
+    [(1.0, 0.0, True), (0.8, 0.02, False)],
+    ids=["plain", "top_p-pruning-noneager"],
+)
+def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, monkeypatch):
+    """10,000 seeded ss generations of 3 tokens against the exact ar distribution.
+
+    The second case turns on everything that could break losslessness at once: nucleus
+    sampling (top-p 0.8), an early-exit pruning threshold that prunes greedy trees, and
+    the non-eager branch (stream logits computed after verification, as for any real
+    vocabulary)."""
     from scipy.stats import chisquare
 
+    import specstream_mlx.runtime.speculative as spec_mod
     from specstream_mlx.method.tree import TreeSpec
     from specstream_mlx.runtime.sampling import SamplingParams
     from specstream_mlx.runtime.speculative import ss_steps
 
+    if not eager:
+        monkeypatch.setattr(spec_mod, "EAGER_STREAM_LOGITS", 0)
     model, streams = tiny_vocab_model()
+    if pruning:
+        # The threshold is real: it prunes nodes of greedy trees of this model.
+        greedy = ss_steps(
+            model,
+            mx.array([4]),
+            SamplingParams(),
+            streams=streams,
+            tree=TreeSpec("cartesian", (3, 2)),
+            pruning_threshold=pruning,
+        )
+        assert sum(next(greedy).info.pruned for _ in range(6)) > 0
     prompt = [4]  # one token: no separate prefill pass, so the test stays fast
     sampling = SamplingParams(temperature=0.9, top_p=top_p)
     dist = exact_sequence_distribution(model, prompt, sampling)
@@ -194,7 +217,9 @@ def test_ss_sampling_matches_ar_distribution(top_p):
     accepted = 0
     for i in range(n):
         s = SamplingParams(temperature=0.9, top_p=top_p, seed=i)
-        steps = ss_steps(model, mx.array(prompt), s, streams=streams, tree=TreeSpec("cartesian", (2, 1)))
+        steps = ss_steps(
+            model, mx.array(prompt), s, streams=streams, tree=TreeSpec("cartesian", (2, 1)), pruning_threshold=pruning
+        )
         out = []
         while len(out) < N_TOKENS:
             step = next(steps)
@@ -205,8 +230,12 @@ def test_ss_sampling_matches_ar_distribution(top_p):
     assert accepted > 0.3 * n
     expected = dist.ravel() * n
     keep = expected > 5  # pool rare cells so the chi-square approximation holds
-    obs = np.append(counts.ravel()[keep], counts.ravel()[~keep].sum())
-    exp = np.append(expected[keep], expected[~keep].sum())
+    # Sequences outside the nucleus (probability exactly 0) must never appear.
+    assert counts.ravel()[dist.ravel() == 0].sum() == 0
+    obs, exp = counts.ravel()[keep], expected[keep]
+    if expected[~keep].sum() > 0:
+        obs = np.append(obs, counts.ravel()[~keep].sum())
+        exp = np.append(exp, expected[~keep].sum())
     exp *= obs.sum() / exp.sum()  # float32 probabilities sum to 1 within ~1e-7
     assert chisquare(obs, exp).pvalue > 1e-3
     tv = 0.5 * np.abs(counts.ravel() / n - dist.ravel()).sum()
