@@ -44,3 +44,68 @@ def test_fallback_backs_off_exponentially_and_resets_on_success():
     # A tree that pays off again clears the back-off.
     observe_many(auto, 2 * WARMUP_STEPS, accepted=1.0, scores=[0.9, 0.9])
     assert auto.choose() == 2 and auto.backoff == 0
+
+
+def test_deeper_budgets_are_judged_on_deep_candidates():
+    """Stream top-1 probabilities .85/.80/.78/.75: budget 4 is worth .85 + .85·.8 +
+    .85·.8·.78 + .85·.8·.78·.75 = 2.46 accepted tokens, whatever tree is in use."""
+    import numpy as np
+
+    from specstream_mlx.runtime.drafting import draft_tree
+    from specstream_mlx.runtime.sampling import SamplingParams
+
+    p1 = np.array([0.85, 0.80, 0.78, 0.75])
+    top = np.array([[10 + g, 20 + g] for g in range(4)])
+    ptop = np.stack([p1, 1 - p1], axis=1)
+    want = 0.85 + 0.85 * 0.8 + 0.85 * 0.8 * 0.78 + 0.85 * 0.8 * 0.78 * 0.75
+    auto = AutoTree({0: 1.0, 2: 1.2, 4: 1.5}, depth=4, budget=2)
+    rng = np.random.default_rng(0)
+    spec = auto.spec()  # the current tree: budget 2, so 2 streams deep
+    # A normal pass hosts only the 2 streams a 2-node tree can use: no evidence for budget 4.
+    shallow = draft_tree(1, top[:2], ptop[:2], None, spec, SamplingParams(), rng, score_budget=4)
+    auto.observe(shallow.predicted, 2, shallow.scores, shallow.candidate_depth)
+    assert auto.expected_accepted(4) is None and auto.expected_accepted(2) is not None
+    # An exploration pass hosts all 4 streams: budget 4 is credited its full value.
+    deep = draft_tree(1, top, ptop, None, spec, SamplingParams(), rng, score_budget=4)
+    assert deep.candidate_depth == 4 and len(deep.tree) == 3  # the tree itself is unchanged
+    auto.observe(deep.predicted, 2, deep.scores, deep.candidate_depth)
+    auto.actual = auto.predicted  # calibrated streams
+    assert abs(auto.expected_accepted(4) - want) < 1e-9, auto.expected_accepted(4)
+
+
+def test_every_few_passes_host_all_streams():
+    from specstream_mlx.runtime.autotune import EXPLORE_EVERY
+
+    auto = AutoTree({0: 1.0, 2: 1.2, 8: 2.0}, depth=4, budget=2)
+    depths = [auto.hosted_depth() for _ in range(3 * EXPLORE_EVERY)]
+    assert depths.count(4) == 3 and set(depths) == {2, 4}
+
+
+def test_greedy_and_sampled_decoding_keep_separate_tuners(monkeypatch):
+    import specstream_mlx.runtime.engine as engine
+    from specstream_mlx.runtime.sampling import SamplingParams
+
+    made = []
+
+    def fake(model, streams, log=None, sampled=False):
+        made.append(sampled)
+        return AutoTree({0: 1.0, 2: 1.2}, depth=4)
+
+    monkeypatch.setattr(engine, "auto_tree_for", fake)
+    sm = engine.SpeculativeModel(base=None, streams=None)
+    g1, s1 = sm.tuner(SamplingParams()), sm.tuner(SamplingParams(temperature=0.7))
+    assert g1 is not s1 and made == [False, True]
+    assert sm.tuner(SamplingParams()) is g1 and sm.tuner(SamplingParams(temperature=1.0)) is s1
+
+
+def test_step_costs_are_remeasured_when_stale_or_taken_under_load():
+    from specstream_mlx.runtime.autotune import LOADED, MAX_COST_AGE_S, _fresh
+
+    now = 1_000_000_000.0
+    entry = {"costs": {"0": 1.0, "2": 1.3}, "measured_at": now - 60, "load": 0.1}
+    assert _fresh(entry, now, load_now=0.1)
+    assert not _fresh({**entry, "measured_at": now - MAX_COST_AGE_S - 1}, now, 0.1)  # stale
+    loaded = {**entry, "load": LOADED + 0.5}
+    assert not _fresh(loaded, now, load_now=0.1)  # taken under load; quieter now
+    assert _fresh(loaded, now, load_now=LOADED + 0.5)  # still loaded: nothing better to measure
+    assert not _fresh({"0": 1.0, "2": 1.3}, now, 0.1)  # an older cache format

@@ -2,13 +2,21 @@
 
 Two measurements combine:
 
-* **Step cost** (once per model, device and BLAS; cached on disk): the time of
-  one ``ss`` pass over a tree of ``b`` draft nodes divided by one plain step,
-  for a few budgets ``b``.
+* **Step cost** (per model, device, BLAS, dtype and decoding kind; cached on
+  disk): the time of one ``ss`` pass over a tree of ``b`` draft nodes divided
+  by one pipelined plain step, for a few budgets ``b``. Greedy and sampled
+  passes are measured separately (they differ in syncs and host work). Costs
+  are re-measured when the cache entry is older than ``MAX_COST_AGE_S``, or was
+  taken while the machine was loaded (1-minute load average per core above
+  ``LOADED``, from ``os.getloadavg``) and the machine is quieter now.
 * **Acceptance** (online, every pass): for a dynamic tree the expected
   accepted length of budget ``b`` is the sum of the ``b`` highest path scores
   (products of stream probabilities); a running calibration factor (actual
-  accepted / predicted) corrects for over- or under-confident streams.
+  accepted / predicted) corrects for over- or under-confident streams. A pass
+  normally hosts only the streams its next tree can use, which would leave
+  deeper budgets judged on shallow candidate lists (and so always look worse);
+  every ``EXPLORE_EVERY``-th pass therefore hosts all γ streams, and a budget
+  is credited only from passes whose candidates were as deep as it allows.
 
 Expected tokens/s of budget b ∝ (1 + c·E_b) / cost(b); plain decoding scores
 1. When no budget beats plain decoding after a warm-up, decoding switches to
@@ -34,20 +42,24 @@ from ..method.tree import Tree, TreeSpec, dynamic_tree
 from ..platform_info import blas_in_use
 from .cache import make_cache
 from .drafting import stream_candidates
-from .sampling import SamplingParams
+from .sampling import SamplingParams, target_probs
 
 CANDIDATE_BUDGETS = (2, 4, 8, 12, 16, 24)
 CACHE_FILE = Path(os.environ.get("SPECSTREAM_CACHE_DIR", Path.home() / ".cache" / "specstream-mlx")) / "step_costs.json"
 WARMUP_STEPS = 6
 MAX_BACKOFF = 16
+EXPLORE_EVERY = 4
+MAX_COST_AGE_S = 30 * 24 * 3600
+LOADED = 0.5
 # Bump when the pass changes what it computes per sync: cached costs are then re-measured.
-COST_VERSION = 2
+COST_VERSION = 3
 
 
-def _model_key(model, streams) -> str:
+def _model_key(model, streams, sampled: bool = False) -> str:
     a = model.args
     ident = [
         COST_VERSION,
+        "sampled" if sampled else "greedy",
         a.model_type,
         a.hidden_size,
         a.num_hidden_layers,
@@ -73,25 +85,24 @@ def _synthetic_tree(budget: int, depth: int) -> Tree:
     return dynamic_tree(1, tokens, probs, budget)
 
 
-def measure_step_costs(
-    model, streams, context: int = 128, reps: int = 7, budgets=CANDIDATE_BUDGETS
-) -> Dict[int, float]:
-    """Cost of one ss pass with ``b`` draft nodes relative to one plain step."""
-    GREEDY = SamplingParams()
+def _load_per_core() -> float:
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:  # not available on this platform
+        return 0.0
 
-    def timed(fn):
-        fn()  # warm-up
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return float(np.min(ts))  # the least disturbed run: robust to other load
 
-    cache = make_cache(model)
-    model(mx.array([[1] * context]), cache=cache)
-    mx.eval([c.keys for c in cache])
+def _timed(fn, reps: int) -> float:
+    fn()  # warm-up
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.min(ts))  # the least disturbed run: robust to other load
 
+
+def _plain_step_seconds(model, cache, context: int, reps: int) -> float:
     def plain(n=8):
         # Pipelined like ar_steps: the next step is queued before the host reads a token.
         y = mx.argmax(model(mx.array([[5]]), cache=cache)[:, -1], axis=-1)
@@ -105,44 +116,82 @@ def measure_step_costs(
         for c in cache:
             c.trim(c.offset - context)
 
-    base = timed(plain) / 9
-    costs = {0: 1.0}
-    depth = streams.num_streams
-    for b in budgets:
-        tree = _synthetic_tree(b, depth)
+    return _timed(plain, reps) / 9
 
-        def step(tree=tree, b=b):
-            # What one greedy pass evaluates in its single sync (see ss_steps).
-            out = ss_forward(model, streams, tree, context, cache, num_streams=min(depth, b))
+
+def _pass_fn(model, streams, cache, context: int, b: int, sampled: bool):
+    """One pass of budget ``b`` as ss_steps runs it: forward, its syncs, commit, next tree."""
+    depth = streams.num_streams
+    tree = _synthetic_tree(b, depth)
+    kind = SamplingParams(temperature=1.0 if sampled else 0.0)
+    rng = np.random.default_rng(0)
+
+    def step():
+        out = ss_forward(model, streams, tree, context, cache, num_streams=min(depth, b))
+        if sampled:
+            # Target probabilities, host-side rejection sampling, then the accepted node's streams.
+            target = target_probs(out.main_logits, kind)
+            mx.eval(target)
+            np.array(target)
+            cand = stream_candidates(stream_logits(model, out, 0), 8, kind)
+            mx.eval(*cand)
+            top, ptop = np.array(cand[0]), np.array(cand[1])
+            rng.choice(top.shape[1], size=2)
+        else:
             am = mx.argmax(out.main_logits, axis=-1)
             node = greedy_accepted_node(out.tree.tokens, out.buffers, am)
-            cand = stream_candidates(stream_logits(model, out, node), 8, GREEDY)
+            cand = stream_candidates(stream_logits(model, out, node), 8, kind)
             mx.eval(am, node, *cand[:2])
-            # Host work of a pass: commit a short path, build the next tree.
-            for c in cache:
-                c.commit([0, len(tree) - 1] if len(tree) > 2 else [0])
-            dynamic_tree(1, np.array(cand[0]), np.array(cand[1]), b)
-            for c in cache:
-                c.trim(c.offset - context)
+            top, ptop = np.array(cand[0]), np.array(cand[1])
+        for c in cache:
+            c.commit([0, len(tree) - 1] if len(tree) > 2 else [0])
+        dynamic_tree(1, top, ptop, b)
+        for c in cache:
+            c.trim(c.offset - context)
 
-        costs[b] = timed(step) / base
+    return step
+
+
+def measure_step_costs(
+    model, streams, context: int = 128, reps: int = 7, budgets=CANDIDATE_BUDGETS, sampled: bool = False
+) -> Dict[int, float]:
+    """Cost of one ss pass with ``b`` draft nodes relative to one plain step."""
+    cache = make_cache(model)
+    model(mx.array([[1] * context]), cache=cache)
+    mx.eval([c.keys for c in cache])
+    base = _plain_step_seconds(model, cache, context, reps)
+    costs = {0: 1.0}
+    for b in budgets:
+        costs[b] = _timed(_pass_fn(model, streams, cache, context, b, sampled), reps) / base
     return costs
 
 
-def load_or_measure_costs(model, streams, log=None) -> Dict[int, float]:
-    key = _model_key(model, streams)
+def _fresh(entry, now: float, load_now: float) -> bool:
+    """A cached cost entry is usable: recent, and not taken under load the machine no longer has."""
+    if not isinstance(entry, dict) or "costs" not in entry:
+        return False
+    if now - entry.get("measured_at", 0) > MAX_COST_AGE_S:
+        return False
+    return not (entry.get("load", 0.0) > LOADED and load_now <= LOADED)
+
+
+def load_or_measure_costs(model, streams, log=None, sampled: bool = False) -> Dict[int, float]:
+    key = _model_key(model, streams, sampled)
     table = {}
     if CACHE_FILE.exists():
         try:
             table = json.loads(CACHE_FILE.read_text())
         except (OSError, json.JSONDecodeError):
             table = {}
-    if key in table:
-        return {int(k): v for k, v in table[key].items()}
+    now, load_now = time.time(), _load_per_core()
+    entry = table.get(key)
+    if _fresh(entry, now, load_now):
+        return {int(k): v for k, v in entry["costs"].items()}
     if log:
-        log("measuring draft-tree step costs on this machine (once per model)...")
-    costs = measure_step_costs(model, streams)
-    table[key] = costs
+        kind = "sampled" if sampled else "greedy"
+        log(f"measuring {kind} draft-tree step costs on this machine (cached per model)...")
+    costs = measure_step_costs(model, streams, sampled=sampled)
+    table[key] = {"costs": costs, "measured_at": now, "load": max(load_now, _load_per_core())}
     try:
         CACHE_FILE.parent.mkdir(parents=True, exist_ok=True)
         tmp = CACHE_FILE.with_suffix(".tmp")
@@ -153,13 +202,13 @@ def load_or_measure_costs(model, streams, log=None) -> Dict[int, float]:
     return costs
 
 
-def auto_tree_for(model, streams, log=None) -> "AutoTree":
+def auto_tree_for(model, streams, log=None, sampled: bool = False) -> "AutoTree":
     """A fresh :class:`AutoTree` with this machine's step costs for ``model``
     (measured once, then read from the on-disk cache). The caller keeps it
     (:class:`~specstream_mlx.runtime.engine.SpeculativeModel` does, per
     decoding kind) so acceptance statistics carry over between requests.
     Each generation starts with :meth:`AutoTree.new_request`."""
-    return AutoTree(load_or_measure_costs(model, streams, log), depth=streams.num_streams)
+    return AutoTree(load_or_measure_costs(model, streams, log, sampled), depth=streams.num_streams)
 
 
 @dataclass
@@ -172,14 +221,29 @@ class AutoTree:
     steps: float = 0
     predicted: float = 0.0
     actual: float = 0.0
+    # Per budget: summed expected accepted length, and the passes that could judge it.
     scores_sum: Dict[int, float] = field(default_factory=dict)
+    scores_n: Dict[int, float] = field(default_factory=dict)
     # After a fall-back, this many requests decode plainly before trees are
     # re-tried (doubling while re-tries keep failing, up to MAX_BACKOFF).
     backoff: int = 0
     skip: int = 0
+    passes: int = 0
 
     def spec(self) -> TreeSpec:
         return TreeSpec("dynamic", budget=self.budget, depth=self.depth)
+
+    def tree_depth(self, budget: int) -> int:
+        """The deepest level a dynamic tree of ``budget`` nodes can reach."""
+        return min(self.depth, budget)
+
+    def hosted_depth(self) -> int:
+        """Streams the next pass hosts: what the current tree can use, and all
+        γ on every EXPLORE_EVERY-th pass so deeper budgets get honest evidence."""
+        self.passes += 1
+        if self.passes % EXPLORE_EVERY == 0:
+            return self.depth
+        return self.tree_depth(self.budget)
 
     def new_request(self) -> bool:
         """Halve the evidence at each new generation: averages are unchanged,
@@ -191,6 +255,7 @@ class AutoTree:
         self.predicted /= 2
         self.actual /= 2
         self.scores_sum = {b: v / 2 for b, v in self.scores_sum.items()}
+        self.scores_n = {b: v / 2 for b, v in self.scores_n.items()}
         if self.skip > 0:
             self.skip -= 1
             return False
@@ -201,28 +266,48 @@ class AutoTree:
         self.backoff = min(max(1, 2 * self.backoff), MAX_BACKOFF)
         self.skip = self.backoff
 
-    def observe(self, predicted_at_budget: float, accepted: int, path_scores: Optional[List[float]]) -> None:
+    def observe(
+        self,
+        predicted_at_budget: float,
+        accepted: int,
+        path_scores: Optional[List[float]],
+        candidate_depth: Optional[int] = None,
+    ) -> None:
         """Record one pass: what the chosen tree predicted, what was accepted,
-        and the sorted path scores of the drafted candidates (for other budgets)."""
+        and the path scores of the drafted candidates, which were
+        ``candidate_depth`` streams deep (default all γ). Only budgets whose
+        trees are no deeper than that are credited."""
         self.steps += 1
         self.predicted += predicted_at_budget
         self.actual += accepted
-        if path_scores is not None:
-            s = np.cumsum(sorted(path_scores, reverse=True))
-            for b in self.costs:
-                if b > 0:
-                    self.scores_sum[b] = self.scores_sum.get(b, 0.0) + (float(s[min(b, len(s)) - 1]) if len(s) else 0.0)
+        if path_scores is None:
+            return
+        depth = self.depth if candidate_depth is None else candidate_depth
+        s = np.cumsum(sorted(path_scores, reverse=True))
+        for b in self.costs:
+            if b > 0 and self.tree_depth(b) <= depth:
+                self.scores_sum[b] = self.scores_sum.get(b, 0.0) + (float(s[min(b, len(s)) - 1]) if len(s) else 0.0)
+                self.scores_n[b] = self.scores_n.get(b, 0.0) + 1
+
+    def _calibration(self) -> float:
+        return self.actual / self.predicted if self.predicted > 0 else 0.0
+
+    def expected_accepted(self, budget: int) -> Optional[float]:
+        """Calibrated expected accepted tokens per pass at ``budget``; None without evidence."""
+        n = self.scores_n.get(budget, 0.0)
+        if n <= 0:
+            return None
+        return self._calibration() * self.scores_sum.get(budget, 0.0) / n
 
     def choose(self) -> Optional[int]:
         """Best budget, or None for plain decoding; keeps the current one during warm-up."""
         if self.steps < WARMUP_STEPS or not self.scores_sum:
             return self.budget
-        calib = self.actual / self.predicted if self.predicted > 0 else 0.0
         best, best_rate = None, 1.0  # plain decoding: 1 token per unit cost
         for b, cost in self.costs.items():
-            if b == 0:
+            e = self.expected_accepted(b) if b > 0 else None
+            if e is None:
                 continue
-            e = calib * self.scores_sum.get(b, 0.0) / self.steps
             rate = (1.0 + e) / cost
             if rate > best_rate:
                 best, best_rate = b, rate
@@ -232,6 +317,5 @@ class AutoTree:
         return best
 
     def expected_speedup(self, budget: int) -> float:
-        calib = self.actual / self.predicted if self.predicted > 0 else 0.0
-        e = calib * self.scores_sum.get(budget, 0.0) / max(self.steps, 1)
-        return (1.0 + e) / self.costs.get(budget, 1.0)
+        e = self.expected_accepted(budget)
+        return (1.0 + (e or 0.0)) / self.costs.get(budget, 1.0)

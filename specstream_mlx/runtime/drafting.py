@@ -28,12 +28,14 @@ class Draft:
         draft_q: (depth, V) distributions the sampled children were drawn from.
         predicted: expected accepted length of this tree if streams were calibrated.
         scores: path scores of the best-first candidates (for --tree auto).
+        candidate_depth: how many streams deep those candidates went.
     """
 
     tree: Tree
     draft_q: Optional[np.ndarray] = None
     predicted: float = 0.0
     scores: Optional[List[float]] = None
+    candidate_depth: int = 0
 
 
 def stream_candidates(logits: mx.array, K: int, sampling: SamplingParams):
@@ -82,23 +84,28 @@ def draft_tree(
     depth = min(spec.max_depth, top.shape[0])
     if depth == 0:
         return Draft(Tree((root,), (-1,)))
+    # --tree auto scores every budget on all the hosted streams, which may go
+    # deeper than this tree (see autotune.AutoTree.hosted_depth).
+    all_depth = top.shape[0]
+    scores = [c[2] for c in dynamic_candidates(top, ptop, score_budget)] if score_budget else None
     top, ptop = top[:depth], ptop[:depth]
-    cands = dynamic_candidates(top, ptop, max(spec.budget if spec.kind == "dynamic" else 0, score_budget))
-    scores = [c[2] for c in cands]
+    cands = dynamic_candidates(top, ptop, spec.budget if spec.kind == "dynamic" else 0)
+    own = [c[2] for c in cands]
     if sampling.greedy:
         if spec.kind == "cartesian":
             tree = cartesian_tree(root, top, spec.widths[:depth])
             predicted = _expected_accepted(tree, top, ptop)
         else:
             tree = dynamic_tree(root, top, ptop, spec.budget, cands)
-            predicted = float(sum(scores[: spec.budget]))
-        return Draft(tree, None, predicted, scores)
+            predicted = float(sum(own[: spec.budget]))
+        return Draft(tree, None, predicted, scores, all_depth)
     q = np.asarray(q[:depth], dtype=np.float64)
     q /= q.sum(axis=-1, keepdims=True)
     widths = spec.widths[:depth] if spec.kind == "cartesian" else _budget_widths(spec.budget, depth)
     draws = [rng.choice(q.shape[1], size=w, p=q[g]) for g, w in enumerate(widths)]
     tree = cartesian_tree(root, draws, widths)
-    return Draft(tree, q, float(sum(scores[: len(tree) - 1])), scores)
+    ranked = [c[2] for c in dynamic_candidates(top, ptop, len(tree) - 1)]
+    return Draft(tree, q, float(sum(ranked)), scores, all_depth)
 
 
 def _budget_widths(budget: int, depth: int) -> tuple:

@@ -53,7 +53,7 @@ class SpeculativeModel:
         """The auto-tuner for this decoding kind, created (and costs measured) on first use."""
         kind = "greedy" if sampling.greedy else "sampled"
         if kind not in self.tuners:
-            self.tuners[kind] = auto_tree_for(self.base, self.streams, log)
+            self.tuners[kind] = auto_tree_for(self.base, self.streams, log, sampled=kind == "sampled")
         return self.tuners[kind]
 
 

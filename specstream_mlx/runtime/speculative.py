@@ -168,8 +168,10 @@ def ss_steps(
     draft = Draft(Tree((int(prompt[-1].item()),), (-1,)))
     spec = plan.spec
     while True:
-        # Streams deeper than the next tree can use are not hosted (fewer MSA rows).
-        out = ss_forward(sm.base, sm.streams, draft.tree, cache[0].offset, cache, threshold, spec.max_depth)
+        # Streams deeper than the next tree can use are not hosted (fewer MSA rows),
+        # except on auto's exploration passes.
+        hosted = plan.auto.hosted_depth() if plan.auto is not None else spec.max_depth
+        out = ss_forward(sm.base, sm.streams, draft.tree, cache[0].offset, cache, threshold, hosted)
         if sampling.greedy:
             res = verify_greedy(sm, out, plan.candidates, sampling)
         else:
@@ -186,7 +188,7 @@ def ss_steps(
         if plan.auto is not None:
             auto = plan.auto
             if len(draft.tree) > 1:
-                auto.observe(draft.predicted, res.verdict.accepted, draft.scores)
+                auto.observe(draft.predicted, res.verdict.accepted, draft.scores, draft.candidate_depth)
             if auto.choose() is None:
                 info.fallback = _auto_fallback_reason(auto)
                 auto.note_fallback()
