@@ -79,7 +79,7 @@ def test_ss_greedy_equals_ar_quantized(hf_models, tmp_path):
     dst = convert(
         str(src), str(tmp_path / "q4"), ConvertOptions(dtype="float32", quantize=True, q_bits=4, q_group_size=32)
     )
-    model, _ = load_model(dst)
+    model, _ = load_model(dst, dequantize=False)  # the quantized path itself
     streams = pretend_trained(new_streams(model, StreamConfig(num_streams=3, stream_layers=2, lora_rank=4)))
     check_exact(model, streams, 151, seed=7)
 

@@ -85,6 +85,15 @@ def doctor():
         typer.echo(f"{k}: {v}")
     if info["blas"].startswith("reference"):
         typer.echo(f"hint: {FIX_HINT}")
+    from ..io.loading import dequantize_on_cpu
+
+    if dequantize_on_cpu():
+        typer.echo(
+            "quantized models: dequantized to float32 at load on the CPU backend "
+            "(4-bit matmuls cost several float32 ones there; memory grows to 4 bytes per weight)"
+        )
+    else:
+        typer.echo("quantized models: kept quantized on this device")
 
 
 class DType(str, Enum):

@@ -11,13 +11,14 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
+from mlx.utils import tree_map, tree_unflatten
 
 from ..method.streams import StreamParams, load_streams
 from ..models import build_model
@@ -123,13 +124,46 @@ def apply_quantization(model: nn.Module, config: Dict[str, Any], weights: Dict[s
     nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=predicate)
 
 
-def load_model(path: Path, dtype: Optional[mx.Dtype] = "auto", lazy: bool = False) -> Tuple[nn.Module, Dict[str, Any]]:
+def dequantize_on_cpu() -> bool:
+    """Whether quantized weights are expanded at load: on MLX's CPU backend a 4-bit
+    ``quantized_matmul`` costs several float32 matmuls and grows linearly with rows,
+    which is what verifying a draft tree needs; elsewhere they stay quantized."""
+    return mx.default_device() == mx.cpu
+
+
+def dequantize_model(model: nn.Module) -> int:
+    """Replace quantized Linear/Embedding layers by float32 ones; returns the bytes added."""
+    replaced, added = [], 0
+    for path, m in model.named_modules():
+        if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            continue
+        w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits).astype(mx.float32)
+        before = sum(v.nbytes for k, v in m.items() if isinstance(v, mx.array) and k != "bias")
+        if isinstance(m, nn.QuantizedEmbedding):
+            new = nn.Embedding(w.shape[0], w.shape[1])
+        else:
+            new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            if "bias" in m:
+                new.bias = m.bias
+        new.weight = w
+        replaced.append((path, new))
+        added += w.nbytes - before
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+    return added
+
+
+def load_model(
+    path: Path, dtype: Optional[mx.Dtype] = "auto", lazy: bool = False, dequantize: Optional[bool] = None
+) -> Tuple[nn.Module, Dict[str, Any]]:
     """Build the model for ``config.json`` and load its weights strictly.
 
     Args:
         path: model directory.
         dtype: "auto" (float32 on CPU, stored dtype elsewhere), None (stored) or a dtype.
         lazy: leave parameters unevaluated.
+        dequantize: expand quantized weights to float32; None (default) does so on
+            the CPU backend only (see :func:`dequantize_on_cpu`), with a note on stderr.
     """
     path = Path(path)
     config = load_config(path)
@@ -141,6 +175,15 @@ def load_model(path: Path, dtype: Optional[mx.Dtype] = "auto", lazy: bool = Fals
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise ModelLoadError(f"{path}: weights do not match config.json ({e})") from e
+    if config.get("quantization") and (dequantize_on_cpu() if dequantize is None else dequantize):
+        added = dequantize_model(model)
+        if dequantize is None:
+            q = config["quantization"]
+            print(
+                f"specstream-mlx: {path.name}: {q.get('bits')}-bit weights dequantized to float32 for the CPU "
+                f"backend (+{added / 1e6:,.0f} MB; quantized matmuls are several times slower there)",
+                file=sys.stderr,
+            )
     if dtype == "auto":
         dtype = compute_dtype_for_device()
     if dtype is not None:
