@@ -177,17 +177,18 @@ def exact_sequence_distribution(model, prompt, sampling):
 
 
 @pytest.mark.parametrize(
-    "top_p,pruning,eager",
-    [(1.0, 0.0, True), (0.8, 0.02, False)],
-    ids=["plain", "top_p-pruning-noneager"],
+    "top_p,pruning,eager,hosts",
+    [(1.0, 0.0, True, 0), (0.8, 0.02, False, 1)],
+    ids=["plain", "top_p-pruning-noneager-hosting"],
 )
-def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, monkeypatch):
+def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, monkeypatch):
     """10,000 seeded ss generations of 3 tokens against the exact ar distribution.
 
     The second case turns on everything that could break losslessness at once: nucleus
     sampling (top-p 0.8), an early-exit pruning threshold that prunes greedy trees, and
     the non-eager branch (stream logits computed after verification, as for any real
-    vocabulary)."""
+    vocabulary), and streams hosted at one node per tree (drafts then also come from
+    a hosting ancestor's later streams)."""
     from scipy.stats import chisquare
 
     import specstream_mlx.runtime.speculative as spec_mod
@@ -218,7 +219,12 @@ def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, monkeypatch)
     for i in range(n):
         s = SamplingParams(temperature=0.9, top_p=top_p, seed=i)
         steps = ss_steps(
-            model, mx.array(prompt), s, streams=streams, tree=TreeSpec("cartesian", (2, 1)), pruning_threshold=pruning
+            model,
+            mx.array(prompt),
+            s,
+            streams=streams,
+            tree=TreeSpec("cartesian", (2, 1), hosts=hosts),
+            pruning_threshold=pruning,
         )
         out = []
         while len(out) < N_TOKENS:

@@ -17,7 +17,14 @@ from specstream_mlx.runtime.steps import ar_steps
 from tests.helpers.hf_reference import ARCHITECTURES
 
 GREEDY = SamplingParams()
-TREES = [TreeSpec("dynamic", budget=10, depth=3), TreeSpec("cartesian", (3, 2, 1))]
+TREES = [
+    TreeSpec("dynamic", budget=10, depth=3),
+    TreeSpec("cartesian", (3, 2, 1)),
+    # Hosting policies: streams at the root and the 2 (1) likeliest other endpoints;
+    # the next draft then often comes from a hosting ancestor's later streams.
+    TreeSpec("dynamic", budget=10, depth=3, hosts=2),
+    TreeSpec("cartesian", (3, 2, 1), hosts=1),
+]
 
 
 def take(steps, n):
@@ -122,6 +129,42 @@ def test_perfect_streams_accept_everything(hf_models, monkeypatch):
     assert got == ref[:n]
     # 1 token from the prompt pass, then gamma+1 per pass.
     assert passes == 1 + -(-(n - 1) // (gamma + 1))
+
+
+def test_perfect_streams_from_a_hosting_ancestor(hf_models, monkeypatch):
+    """Streams hosted at the root only: after a 2-token chain is accepted, the next
+    draft comes from the root's streams 3..4 (shifted by the chain's depth), so with
+    perfect streams every pass still yields 3 tokens and only the root's rows carry streams."""
+    import specstream_mlx.runtime.speculative as spec_mod
+
+    _, _, dst = hf_models("llama")
+    model, _ = load_model(dst)
+    gamma = 4
+    streams = new_streams(model, StreamConfig(num_streams=gamma, stream_layers=2, lora_rank=0))
+    prompt = mx.array([5, 17, 33, 2, 90, 41])
+    n = 31
+    ref, _ = take(ar_steps(model, prompt, GREEDY), n + gamma + 1)
+    full = prompt.tolist() + ref
+    hosted_rows = []
+
+    def oracle_logits(model_, out, slot):
+        host = int(out.hosts[int(slot.item() if hasattr(slot, "item") else slot)])
+        hosted_rows.append(out.stream_hidden.shape[0])
+        pos = out.offset + int(out.buffers.depths[host])
+        logits = mx.full((out.stream_hidden.shape[1], 151), -10.0)
+        for j in range(out.stream_hidden.shape[1]):
+            logits[j, full[pos + 2 + j]] = 10.0
+        return logits
+
+    monkeypatch.setattr(spec_mod, "stream_logits", oracle_logits)
+    monkeypatch.setattr(spec_mod, "hosting_nodes", lambda parents, reach, m: np.array([0]))
+    spec = TreeSpec("cartesian", (1, 1), hosts=1)
+    # Host all 4 streams (a 2-deep tree alone would host 2): shifted drafts need 3..4.
+    monkeypatch.setattr(TreeSpec, "max_depth", property(lambda self: gamma))
+    got, passes = take(ss_steps(model, prompt, GREEDY, streams=streams, tree=spec), n)
+    assert got == ref[:n]
+    assert passes == 1 + -(-(n - 1) // 3)
+    assert set(hosted_rows[1:]) == {1}  # after the first pass only the root hosts streams
 
 
 def test_lookup_draft():

@@ -127,3 +127,38 @@ def test_tree_spec_parse(text, nodes):
 def test_tree_spec_parse_error():
     with pytest.raises(ValueError, match="bad tree spec"):
         TreeSpec.parse("bushy")
+
+
+def test_hosting_policy_buffers():
+    """Endpoint probabilities, the hosting nodes, their mask rows and stream sources."""
+    from specstream_mlx.method.msa import stream_sources
+    from specstream_mlx.method.tree import endpoint_probabilities, hosting_nodes
+
+    #      0
+    #    1   2
+    #   3     4
+    parents = [-1, 0, 0, 1, 2]
+    reach = [1.0, 0.6, 0.3, 0.5, 0.1]
+    e = endpoint_probabilities(parents, reach)
+    assert np.allclose(e, [0.1, 0.1, 0.2, 0.5, 0.1])
+    assert hosting_nodes(parents, reach, 2).tolist() == [0, 2, 3]  # the root always hosts
+    assert hosting_nodes(parents, reach, 1).tolist() == [0, 3]
+    b = tree_buffers(parents)
+    hosts = np.array([2, 3])
+    m = msa_tree_part(b.ancestor_mask, 2, hosts)
+    assert m.shape == (5 + 2 * 2, 5 + 2 * 2)
+    assert m[5, :5].tolist() == [1, 0, 1, 0, 0]  # stream 1 of node 2 sees 0 and 2
+    assert m[7, :5].tolist() == [1, 1, 0, 1, 0]  # stream 1 of node 3 sees 0, 1, 3
+    assert m[8, 5:].tolist() == [0, 0, 1, 1]  # stream 2 of node 3: its own streams 1..2
+    slot, shift = stream_sources(b.parents, b.depths, hosts)
+    # Node 4 (depth 2) has hosting ancestor 2 (depth 1): its streams from j = 2 on.
+    assert slot.tolist() == [-1, -1, 0, 1, 0] and shift.tolist() == [0, 0, 0, 0, 1]
+
+
+def test_tree_spec_hosting_suffix():
+    spec = TreeSpec.parse("dynamic:8@2")
+    assert spec.kind == "dynamic" and spec.budget == 8 and spec.hosts == 2
+    assert spec.describe() == "dynamic:8@2"
+    assert TreeSpec.parse("cartesian:3x2@1").hosts == 1
+    with pytest.raises(ValueError, match="@M"):
+        TreeSpec.parse("dynamic:8@0")

@@ -38,19 +38,45 @@ def prefix_tree_mask(offset: int, tree_part: np.ndarray) -> Optional[mx.array]:
     return mx.concatenate([mx.ones((rows, offset), dtype=mx.bool_), part], axis=1)
 
 
-def msa_tree_part(anc: np.ndarray, gamma: int) -> np.ndarray:
-    """The tree block of the MSA mask: rows [main n | streams n*γ], keys likewise.
+def msa_tree_part(anc: np.ndarray, gamma: int, hosts: Optional[np.ndarray] = None) -> np.ndarray:
+    """The tree block of the MSA mask: rows [main n | streams of the hosts], keys likewise.
 
-    Streams are laid out node-major: stream (t, j) (j = 1..γ) is row n + t*γ + j-1."""
+    ``hosts``: the nodes that host streams, in order (default all n). Streams are
+    laid out host-major: stream (hosts[s], j) (j = 1..γ) is row n + s*γ + j-1; it
+    sees its host's ancestors and the host (through their main rows) and streams
+    1..j of its own host."""
     n = anc.shape[0]
-    R = n * (1 + gamma)
+    hosts = np.arange(n) if hosts is None else np.asarray(hosts, dtype=np.int64)
+    h = len(hosts)
+    R = n + h * gamma
     m = np.zeros((R, R), dtype=bool)
     m[:n, :n] = anc
-    m[n:, :n] = np.repeat(anc, gamma, axis=0)
-    # Streams of one node: a lower-triangular γ x γ block on the diagonal.
-    blocks = np.kron(np.eye(n, dtype=bool), np.tril(np.ones((gamma, gamma), dtype=bool)))
-    m[n:, n:] = blocks
+    m[n:, :n] = np.repeat(anc[hosts], gamma, axis=0)
+    # Streams of one host: a lower-triangular γ x γ block on the diagonal.
+    m[n:, n:] = np.kron(np.eye(h, dtype=bool), np.tril(np.ones((gamma, gamma), dtype=bool)))
     return m
+
+
+def stream_sources(parents: np.ndarray, depths: np.ndarray, hosts: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
+    """Where the next draft comes from when each node is the last accepted one.
+
+    Returns (slot, shift) per node: ``slot`` is the position in ``hosts`` of the
+    node itself or, when it hosts no streams, of its nearest hosting ancestor
+    (-1 if none); ``shift`` is the depth difference. Stream j of an ancestor at
+    depth d predicts the token at depth d + 1 + j, so from a node ``shift``
+    levels below it streams ``shift + 1 .. γ`` still draft the next tree."""
+    n = len(parents)
+    slot_of = {int(hn): s for s, hn in enumerate(hosts)}
+    slot = np.full(n, -1, dtype=np.int32)
+    shift = np.zeros(n, dtype=np.int32)
+    for i in range(n):
+        a = i
+        while a >= 0 and a not in slot_of:
+            a = int(parents[a])
+        if a >= 0:
+            slot[i] = slot_of[a]
+            shift[i] = depths[i] - depths[a]
+    return slot, shift
 
 
 @dataclass
@@ -62,7 +88,8 @@ class SSOutput:
         buffers: its tree buffers.
         kept: original index of each kept node.
         main_logits: (n_kept, V) target logits at each kept node.
-        stream_hidden: (n_kept, γ, h) normed-later hidden states of the streams.
+        stream_hidden: (n_hosts, g, h) normed-later hidden states of the hosted streams.
+        hosts: kept-node index of each host, in the order of ``stream_hidden``.
         pruned: nodes dropped by pruning.
         offset: cached prefix length when the pass started (the root's position).
     """
@@ -74,6 +101,11 @@ class SSOutput:
     stream_hidden: mx.array
     pruned: int
     offset: int = 0
+    hosts: Optional[np.ndarray] = None
+
+    def sources(self) -> "tuple[np.ndarray, np.ndarray]":
+        """Per kept node: the host slot its next draft comes from, and the stream shift."""
+        return stream_sources(self.buffers.parents, self.buffers.depths, self.hosts)
 
 
 def ss_forward(
@@ -84,12 +116,17 @@ def ss_forward(
     cache,
     pruning_threshold: float = 0.0,
     num_streams: Optional[int] = None,
+    hosts: Optional[np.ndarray] = None,
 ) -> SSOutput:
     """Verify ``tree`` (main rows) and host streams at its nodes, in one pass.
 
     ``num_streams``: host only streams 1..g (default all γ) when the next tree
     cannot be deeper than g. Stream j attends to streams <= j of its node only,
-    so the hosted streams compute exactly what they would with all γ present."""
+    so the hosted streams compute exactly what they would with all γ present.
+
+    ``hosts``: tree nodes that host streams (default every node). The next draft
+    only needs the accepted node's streams, so hosting them at the likely
+    endpoints only cuts top-layer rows; verification (main rows) is unchanged."""
     buf = tree_buffers(tree.parents)
     n = len(tree)
     gamma = streams.num_streams if num_streams is None else max(1, min(num_streams, streams.num_streams))
@@ -112,21 +149,29 @@ def ss_forward(
             h = h[:, idx]
             positions = positions[:, idx]
     nk = len(kept)
+    if hosts is None:
+        host_idx = np.arange(nk)
+    else:
+        host_idx = np.flatnonzero(np.isin(kept, np.asarray(hosts)))  # kept indices that host
 
-    # Stream insertion: S[t, j] = M[t] + P[j], node-major.
-    S = (h[0][:, None, :] + streams.embeddings[None, :gamma]).reshape(1, nk * gamma, -1)
-    x = mx.concatenate([h, S], axis=1)
-    stream_pos = (positions[0][:, None] + mx.arange(1, gamma + 1, dtype=mx.int32)[None]).reshape(1, -1)
-    pos_all = mx.concatenate([positions, stream_pos], axis=1)
-    mask = prefix_tree_mask(offset, msa_tree_part(kept_buf.ancestor_mask, gamma))
+    # Stream insertion: S[t, j] = M[t] + P[j], host-major.
+    if len(host_idx):
+        hi = mx.array(host_idx.astype(np.int32))
+        S = (h[0][hi][:, None, :] + streams.embeddings[None, :gamma]).reshape(1, len(host_idx) * gamma, -1)
+        x = mx.concatenate([h, S], axis=1)
+        stream_pos = (positions[0][hi][:, None] + mx.arange(1, gamma + 1, dtype=mx.int32)[None]).reshape(1, -1)
+        pos_all = mx.concatenate([positions, stream_pos], axis=1)
+    else:  # no node hosts streams: the top layers run the main rows only
+        x, pos_all = h, positions
+    mask = prefix_tree_mask(offset, msa_tree_part(kept_buf.ancestor_mask, gamma, host_idx))
     row_mask = stream_row_mask(nk, x.shape[1], x.dtype) if streams.lora else None
     for i in range(s0, len(layers)):
         loras = streams.layer_lora(i)
         adapter = LoRAAdapter(loras, row_mask) if loras else None
         x = layers[i](x, mask, cache[i] if cache else None, pos_all, adapter, cached_rows=nk)
     main_logits = model.lm_logits(x[:, :nk])[0]
-    stream_hidden = x[0, nk:].reshape(nk, gamma, -1)
-    return SSOutput(kept_tree, kept_buf, kept, main_logits, stream_hidden, n - nk, offset)
+    stream_hidden = x[0, nk:].reshape(len(host_idx), gamma, x.shape[-1])
+    return SSOutput(kept_tree, kept_buf, kept, main_logits, stream_hidden, n - nk, offset, host_idx)
 
 
 def _early_exit_keep(model, streams: StreamParams, h, tree: Tree, buf: TreeBuffers, threshold: float) -> np.ndarray:
@@ -141,9 +186,10 @@ def _early_exit_keep(model, streams: StreamParams, h, tree: Tree, buf: TreeBuffe
     return subtree_keep(tree.parents, np.concatenate([[True], trans >= threshold]))
 
 
-def stream_logits(model, out: SSOutput, node: int) -> mx.array:
-    """(γ, V) logits of the streams hosted at kept node ``node`` (int or device scalar)."""
-    return model.lm_logits(out.stream_hidden[node][None])[0]
+def stream_logits(model, out: SSOutput, slot) -> mx.array:
+    """(g, V) logits of the streams of host ``slot`` (int or device scalar; with every
+    node hosting, the slot is the kept node index)."""
+    return model.lm_logits(out.stream_hidden[slot][None])[0]
 
 
 def commit_ss(cache, streams: StreamParams, out: SSOutput, path) -> None:

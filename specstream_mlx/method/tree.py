@@ -105,6 +105,25 @@ def restrict(tree: Tree, keep: np.ndarray) -> "tuple[Tree, np.ndarray]":
     return Tree(tokens, parents), idx
 
 
+def endpoint_probabilities(parents: Sequence[int], reach: Sequence[float]) -> np.ndarray:
+    """P(node i is the last accepted node) from ``reach[i]`` = P(the path to i is
+    accepted) (1 for the root): reach[i] minus the reach of its children."""
+    e = np.asarray(reach, dtype=np.float64).copy()
+    for i in range(1, len(parents)):
+        e[parents[i]] -= reach[i]
+    return np.clip(e, 0.0, None)
+
+
+def hosting_nodes(parents: Sequence[int], reach: Sequence[float], m: int) -> np.ndarray:
+    """The nodes that host streams under a hosting policy, in node order: the root
+    and the ``m`` other nodes most likely to be the last accepted one (where the
+    next draft's streams are needed). The root always hosts, so every accepted
+    node has a hosting ancestor whose later streams can still draft."""
+    e = endpoint_probabilities(parents, reach)
+    e[0] = np.inf
+    return np.sort(np.argsort(-e, kind="stable")[: m + 1])
+
+
 # --- drafters --------------------------------------------------------------
 
 
@@ -120,12 +139,15 @@ class TreeSpec:
             gives 1 + 3 + 6 + 6 nodes. Length is the tree depth (<= streams).
         budget: draft nodes (root excluded) for "dynamic".
         depth: deepest level for "dynamic" (<= streams).
+        hosts: host speculative streams only at the root and this many other
+            nodes (the most likely last accepted ones); 0 hosts them at every node.
     """
 
     kind: str = "dynamic"
     widths: tuple = (3, 2, 1, 1)
     budget: int = 12
     depth: int = 4
+    hosts: int = 0
 
     @property
     def max_depth(self) -> int:
@@ -133,13 +155,26 @@ class TreeSpec:
         return len(self.widths) if self.kind == "cartesian" else min(self.depth, self.budget)
 
     def describe(self) -> str:
+        at = f"@{self.hosts}" if self.hosts else ""
         if self.kind == "cartesian":
-            return "cartesian:" + "x".join(str(w) for w in self.widths)
-        return f"dynamic:{self.budget}"
+            return "cartesian:" + "x".join(str(w) for w in self.widths) + at
+        return f"dynamic:{self.budget}{at}"
 
     @staticmethod
     def parse(text: str) -> "TreeSpec":
-        """``cartesian:3x2x1``, ``topk:3,4`` (k, depth), ``dynamic:12`` or ``chain:4``."""
+        """``cartesian:3x2x1``, ``topk:3,4`` (k, depth), ``dynamic:12`` or ``chain:4``,
+        each optionally followed by ``@M``: streams hosted at the M likeliest endpoints."""
+        from dataclasses import replace
+
+        body, at, hosts = text.partition("@")
+        if at:
+            try:
+                m = int(hosts)
+            except ValueError:
+                m = -1
+            if m < 1:
+                raise ValueError(f"bad tree spec {text!r}: @M needs a positive number of hosting nodes")
+            return replace(TreeSpec.parse(body), hosts=m)
         kind, _, arg = text.partition(":")
         try:
             if kind == "cartesian":
@@ -155,7 +190,8 @@ class TreeSpec:
         except ValueError:
             pass
         raise ValueError(
-            f"bad tree spec {text!r}; use cartesian:3x2x1, topk:K,DEPTH, chain:N, dynamic:BUDGET[,DEPTH] or auto"
+            f"bad tree spec {text!r}; use cartesian:3x2x1, topk:K,DEPTH, chain:N, dynamic:BUDGET[,DEPTH] "
+            "(each optionally @M: streams at the M likeliest endpoints) or auto"
         )
 
 

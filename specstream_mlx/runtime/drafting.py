@@ -29,6 +29,8 @@ class Draft:
         predicted: expected accepted length of this tree if streams were calibrated.
         scores: path scores of the best-first candidates (for --tree auto).
         candidate_depth: how many streams deep those candidates went.
+        reach: per node, the probability its path is accepted (stream estimates),
+            which picks the nodes that host streams under a hosting policy.
     """
 
     tree: Tree
@@ -36,6 +38,7 @@ class Draft:
     predicted: float = 0.0
     scores: Optional[List[float]] = None
     candidate_depth: int = 0
+    reach: Optional[np.ndarray] = None
 
 
 def stream_candidates(logits: mx.array, K: int, sampling: SamplingParams):
@@ -94,18 +97,18 @@ def draft_tree(
     if sampling.greedy:
         if spec.kind == "cartesian":
             tree = cartesian_tree(root, top, spec.widths[:depth])
-            predicted = _expected_accepted(tree, top, ptop)
         else:
             tree = dynamic_tree(root, top, ptop, spec.budget, cands)
-            predicted = float(sum(own[: spec.budget]))
-        return Draft(tree, None, predicted, scores, all_depth)
+        reach = node_reach(tree, top, ptop)
+        predicted = float(reach[1:].sum()) if spec.kind == "cartesian" else float(sum(own[: spec.budget]))
+        return Draft(tree, None, predicted, scores, all_depth, reach)
     q = np.asarray(q[:depth], dtype=np.float64)
     q /= q.sum(axis=-1, keepdims=True)
     widths = spec.widths[:depth] if spec.kind == "cartesian" else _budget_widths(spec.budget, depth)
     draws = [rng.choice(q.shape[1], size=w, p=q[g]) for g, w in enumerate(widths)]
     tree = cartesian_tree(root, draws, widths)
     ranked = [c[2] for c in dynamic_candidates(top, ptop, len(tree) - 1)]
-    return Draft(tree, q, float(sum(ranked)), scores, all_depth)
+    return Draft(tree, q, float(sum(ranked)), scores, all_depth, node_reach(tree, top, ptop))
 
 
 def _budget_widths(budget: int, depth: int) -> tuple:
@@ -121,16 +124,15 @@ def _budget_widths(budget: int, depth: int) -> tuple:
     return (1,)
 
 
-def _expected_accepted(tree: Tree, top: np.ndarray, probs: np.ndarray) -> float:
-    """Σ over draft nodes of the product of stream probabilities on its path:
-    the expected accepted length if streams were calibrated."""
+def node_reach(tree: Tree, top: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    """Per node, the product of stream probabilities on its path (1 for the root):
+    the probability its path is accepted if streams were calibrated. Summed over
+    the draft nodes it is the expected accepted length."""
     lookup = [dict(zip(top[g].tolist(), probs[g].tolist())) for g in range(top.shape[0])]
-    score = [1.0] * len(tree)
+    score = np.ones(len(tree))
     depth = [0] * len(tree)
-    total = 0.0
     for i in range(1, len(tree)):
         p = tree.parents[i]
         depth[i] = depth[p] + 1
         score[i] = score[p] * lookup[depth[i] - 1].get(tree.tokens[i], 0.0)
-        total += score[i]
-    return total
+    return score

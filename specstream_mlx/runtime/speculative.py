@@ -22,7 +22,7 @@ import numpy as np
 from ..method.acceptance import Verdict, greedy_accepted_node
 from ..method.msa import SSOutput, commit_ss, ss_forward, stream_logits
 from ..method.streams import NoStreamsError, StreamParams
-from ..method.tree import Tree, TreeSpec
+from ..method.tree import Tree, TreeSpec, hosting_nodes
 from .autotune import AutoTree
 from .cache import make_cache
 from .drafting import Draft, draft_tree, num_candidates, stream_candidates
@@ -79,37 +79,63 @@ def plan_trees(sm: SpeculativeModel, tree: Union[None, str, TreeSpec], sampling:
     return TreePlan(spec, None, num_candidates(spec), 0)
 
 
+def _usable(arrays, slot: int, shift: int):
+    """The candidate rows that can draft the next tree from a node whose streams
+    come from host ``slot``, ``shift`` levels above it (none when no ancestor hosted)."""
+    if slot < 0:
+        return tuple(None if a is None else a[:0] for a in arrays)
+    return tuple(None if a is None else a[shift:] for a in arrays)
+
+
 def verify_greedy(sm: SpeculativeModel, out: SSOutput, K: int, sampling: SamplingParams) -> PassResult:
     """Verification and the next draft's candidates in one sync."""
+    slot, shift = out.sources()
+    has_hosts = out.stream_hidden.shape[0] > 0
     am = verification_target(out.main_logits, sampling)
     node_dev = greedy_accepted_node(out.tree.tokens, out.buffers, am)
-    cand = stream_candidates(stream_logits(sm.base, out, node_dev), K, sampling)
-    mx.eval(am, node_dev, *cand[:2])
+    cand = None
+    if has_hosts:
+        slot_dev = mx.maximum(mx.array(slot)[node_dev], 0)
+        cand = stream_candidates(stream_logits(sm.base, out, slot_dev), K, sampling)
+        mx.eval(am, node_dev, *cand[:2])
+    else:
+        mx.eval(am, node_dev)
     verdict = verify(out.tree, out.buffers, sampling, np.array(am), None, None)
-    resync = verdict.path[-1] != int(node_dev.item())
-    if resync:  # not expected; the host verdict wins
-        cand = stream_candidates(stream_logits(sm.base, out, verdict.path[-1]), K, sampling)
+    node = verdict.path[-1]
+    resync = node != int(node_dev.item())
+    if resync and has_hosts and slot[node] >= 0:  # not expected; the host verdict wins
+        cand = stream_candidates(stream_logits(sm.base, out, int(slot[node])), K, sampling)
         mx.eval(*cand[:2])
-    return PassResult(verdict, np.array(cand[0]), np.array(cand[1]), None, resync)
+    if cand is None:
+        top, ptop = np.zeros((0, K), np.int32), np.zeros((0, K), np.float32)
+    else:
+        top, ptop = _usable((np.array(cand[0]), np.array(cand[1])), int(slot[node]), int(shift[node]))
+    return PassResult(verdict, top, ptop, None, resync)
 
 
 def verify_sampled(
     sm: SpeculativeModel, out: SSOutput, K: int, sampling: SamplingParams, draft: Draft, rng: np.random.Generator
 ) -> PassResult:
     """Rejection-sampling verification; stream candidates in the same sync when small."""
+    slot, shift = out.sources()
     n_stream_logits = out.stream_hidden.shape[0] * out.stream_hidden.shape[1] * sm.args.vocab_size
-    eager = n_stream_logits <= EAGER_STREAM_LOGITS
+    eager = 0 < n_stream_logits <= EAGER_STREAM_LOGITS
     target = verification_target(out.main_logits, sampling)
     cand = stream_candidates(sm.base.lm_logits(out.stream_hidden), K, sampling) if eager else None
     mx.eval(target, *(cand or ()))
     verdict = verify(out.tree, out.buffers, sampling, np.array(target), draft.draft_q, rng)
     node = verdict.path[-1]
+    s, sh = int(slot[node]), int(shift[node])
+    if s < 0:
+        empty = np.zeros((0, K))
+        return PassResult(verdict, empty.astype(np.int32), empty, empty)
     if eager:
-        top, ptop, q = (np.array(a[node]) for a in cand)
+        top, ptop, q = (np.array(a[s]) for a in cand)
     else:
-        cand = stream_candidates(stream_logits(sm.base, out, node), K, sampling)
+        cand = stream_candidates(stream_logits(sm.base, out, s), K, sampling)
         mx.eval(*cand)
         top, ptop, q = (np.array(a) for a in cand)
+    top, ptop, q = _usable((top, ptop, q), s, sh)
     return PassResult(verdict, top, ptop, q)
 
 
@@ -171,7 +197,10 @@ def ss_steps(
         # Streams deeper than the next tree can use are not hosted (fewer MSA rows),
         # except on auto's exploration passes.
         hosted = plan.auto.hosted_depth() if plan.auto is not None else spec.max_depth
-        out = ss_forward(sm.base, sm.streams, draft.tree, cache[0].offset, cache, threshold, hosted)
+        hosts = None
+        if spec.hosts and draft.reach is not None and len(draft.tree) > spec.hosts:
+            hosts = hosting_nodes(draft.tree.parents, draft.reach, spec.hosts)
+        out = ss_forward(sm.base, sm.streams, draft.tree, cache[0].offset, cache, threshold, hosted, hosts)
         if sampling.greedy:
             res = verify_greedy(sm, out, plan.candidates, sampling)
         else:
