@@ -18,6 +18,7 @@ Only main rows are written to the KV cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import mlx.core as mx
@@ -36,6 +37,21 @@ def prefix_tree_mask(offset: int, tree_part: np.ndarray) -> Optional[mx.array]:
     if offset == 0:
         return part
     return mx.concatenate([mx.ones((rows, offset), dtype=mx.bool_), part], axis=1)
+
+
+@lru_cache(maxsize=256)
+def _msa_part_cached(parents: tuple, gamma: int, hosts: Optional[tuple]) -> mx.array:
+    anc = tree_buffers(parents).ancestor_mask
+    return mx.array(msa_tree_part(anc, gamma, None if hosts is None else np.array(hosts)))
+
+
+def msa_mask(offset: int, buffers: TreeBuffers, gamma: int, hosts: np.ndarray) -> mx.array:
+    """The fused MSA mask [prefix | tree part]; the tree part is built once per tree shape."""
+    key = None if len(hosts) == len(buffers.parents) else tuple(int(h) for h in hosts)
+    part = _msa_part_cached(tuple(int(p) for p in buffers.parents), gamma, key)
+    if offset == 0:
+        return part
+    return mx.concatenate([mx.ones((part.shape[0], offset), dtype=mx.bool_), part], axis=1)
 
 
 def msa_tree_part(anc: np.ndarray, gamma: int, hosts: Optional[np.ndarray] = None) -> np.ndarray:
@@ -105,7 +121,14 @@ class SSOutput:
 
     def sources(self) -> "tuple[np.ndarray, np.ndarray]":
         """Per kept node: the host slot its next draft comes from, and the stream shift."""
+        n = len(self.kept)
+        if self.hosts is not None and len(self.hosts) == n:  # every node hosts: itself, unshifted
+            return np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
         return stream_sources(self.buffers.parents, self.buffers.depths, self.hosts)
+
+    @property
+    def every_node_hosts(self) -> bool:
+        return self.hosts is not None and len(self.hosts) == len(self.kept)
 
 
 def ss_forward(
@@ -156,14 +179,16 @@ def ss_forward(
 
     # Stream insertion: S[t, j] = M[t] + P[j], host-major.
     if len(host_idx):
-        hi = mx.array(host_idx.astype(np.int32))
-        S = (h[0][hi][:, None, :] + streams.embeddings[None, :gamma]).reshape(1, len(host_idx) * gamma, -1)
+        every = len(host_idx) == nk  # no gather when every kept node hosts
+        hi = None if every else mx.array(host_idx.astype(np.int32))
+        M, P = (h[0], positions[0]) if every else (h[0][hi], positions[0][hi])
+        S = (M[:, None, :] + streams.embeddings[None, :gamma]).reshape(1, len(host_idx) * gamma, -1)
         x = mx.concatenate([h, S], axis=1)
-        stream_pos = (positions[0][hi][:, None] + mx.arange(1, gamma + 1, dtype=mx.int32)[None]).reshape(1, -1)
+        stream_pos = (P[:, None] + mx.arange(1, gamma + 1, dtype=mx.int32)[None]).reshape(1, -1)
         pos_all = mx.concatenate([positions, stream_pos], axis=1)
     else:  # no node hosts streams: the top layers run the main rows only
         x, pos_all = h, positions
-    mask = prefix_tree_mask(offset, msa_tree_part(kept_buf.ancestor_mask, gamma, host_idx))
+    mask = msa_mask(offset, kept_buf, gamma, host_idx)
     row_mask = stream_row_mask(nk, x.shape[1], x.dtype) if streams.lora else None
     for i in range(s0, len(layers)):
         loras = streams.layer_lora(i)

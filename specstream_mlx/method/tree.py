@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import List, Sequence
 
 import numpy as np
@@ -58,6 +59,12 @@ class TreeBuffers:
 
 
 def tree_buffers(parents: Sequence[int]) -> TreeBuffers:
+    """Buffers of the tree with these parents; built once per tree shape (cached)."""
+    return _tree_buffers(tuple(int(p) for p in parents))
+
+
+@lru_cache(maxsize=1024)
+def _tree_buffers(parents: tuple) -> TreeBuffers:
     n = len(parents)
     par = np.asarray(parents, dtype=np.int64)
     depths = np.zeros(n, dtype=np.int32)
@@ -70,6 +77,8 @@ def tree_buffers(parents: Sequence[int]) -> TreeBuffers:
             depths[i] = depths[p] + 1
             anc[i] |= anc[p]
             children[p].append(i)
+    for a in (depths, anc, par):
+        a.flags.writeable = False  # shared by every pass over this shape
     return TreeBuffers(depths, anc, par, tuple(tuple(c) for c in children))
 
 

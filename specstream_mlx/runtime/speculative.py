@@ -95,7 +95,7 @@ def verify_greedy(sm: SpeculativeModel, out: SSOutput, K: int, sampling: Samplin
     node_dev = greedy_accepted_node(out.tree.tokens, out.buffers, am)
     cand = None
     if has_hosts:
-        slot_dev = mx.maximum(mx.array(slot)[node_dev], 0)
+        slot_dev = node_dev if out.every_node_hosts else mx.maximum(mx.array(slot)[node_dev], 0)
         cand = stream_candidates(stream_logits(sm.base, out, slot_dev), K, sampling)
         mx.eval(am, node_dev, *cand[:2])
     else:
