@@ -102,10 +102,26 @@ def test_step_costs_are_remeasured_when_stale_or_taken_under_load():
     from specstream_mlx.runtime.autotune import LOADED, MAX_COST_AGE_S, _fresh
 
     now = 1_000_000_000.0
-    entry = {"costs": {"0": 1.0, "2": 1.3}, "measured_at": now - 60, "load": 0.1}
+    entry = {"costs": {"0": 1.0, "2": 1.3}, "host_costs": {"0": 1.0, "2": 1.2}, "measured_at": now - 60, "load": 0.1}
     assert _fresh(entry, now, load_now=0.1)
     assert not _fresh({**entry, "measured_at": now - MAX_COST_AGE_S - 1}, now, 0.1)  # stale
     loaded = {**entry, "load": LOADED + 0.5}
     assert not _fresh(loaded, now, load_now=0.1)  # taken under load; quieter now
     assert _fresh(loaded, now, load_now=LOADED + 0.5)  # still loaded: nothing better to measure
     assert not _fresh({"0": 1.0, "2": 1.3}, now, 0.1)  # an older cache format
+
+
+def test_hosting_policy_is_an_arm_judged_by_its_own_acceptance():
+    """Hosting streams at fewer nodes is cheaper; it wins while it loses no
+    acceptance, and loses once its drafts are accepted less (its calibration)."""
+    from specstream_mlx.runtime.autotune import HOSTING
+
+    scores = [0.9, 0.8, 0.7, 0.6]
+    auto = AutoTree({0: 1.0, 4: 2.0}, depth=4, budget=4, host_costs={0: 1.0, 4: 1.5})
+    for _ in range(WARMUP_STEPS):
+        auto.observe(sum(scores), accepted=3.0, path_scores=scores, hosting=0, budget=4)
+    assert auto.choose() == 4 and auto.hosting == HOSTING  # untried: assumed lossless, and cheaper
+    for _ in range(WARMUP_STEPS):  # drafts from the cheaper mode are accepted far less
+        auto.observe(sum(scores), accepted=0.5, path_scores=scores, hosting=HOSTING, budget=4)
+    assert auto.choose() == 4 and auto.hosting == 0
+    assert auto.spec().hosts == 0

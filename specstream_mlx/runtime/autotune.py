@@ -38,7 +38,7 @@ import numpy as np
 
 from ..method.acceptance import greedy_accepted_node
 from ..method.msa import ss_forward, stream_logits
-from ..method.tree import Tree, TreeSpec, dynamic_tree
+from ..method.tree import Tree, TreeSpec, dynamic_tree, tree_buffers
 from ..platform_info import blas_in_use
 from .cache import make_cache
 from .drafting import stream_candidates
@@ -49,6 +49,9 @@ CACHE_FILE = Path(os.environ.get("SPECSTREAM_CACHE_DIR", Path.home() / ".cache" 
 WARMUP_STEPS = 6
 MAX_BACKOFF = 16
 EXPLORE_EVERY = 4
+# The hosting policy auto weighs against hosting everywhere: streams at the root and
+# this many other likely endpoints.
+HOSTING = 1
 MAX_COST_AGE_S = 30 * 24 * 3600
 LOADED = 0.5
 # Bump when the pass changes what it computes per sync: cached costs are then re-measured.
@@ -119,21 +122,26 @@ def _plain_step_seconds(model, cache, context: int, reps: int) -> float:
     return _timed(plain, reps) / 9
 
 
-def _pass_fn(model, streams, cache, context: int, b: int, sampled: bool):
-    """One pass of budget ``b`` as ss_steps runs it: forward, its syncs, commit, next tree."""
+def _pass_fn(model, streams, cache, context: int, b: int, sampled: bool, hosting: int = 0):
+    """One pass of budget ``b`` as ss_steps runs it: forward, its syncs, commit, next tree.
+    ``hosting``: streams at the root and this many other nodes (0: every node)."""
     depth = streams.num_streams
     tree = _synthetic_tree(b, depth)
     kind = SamplingParams(temperature=1.0 if sampled else 0.0)
     rng = np.random.default_rng(0)
+    hosts = None
+    if hosting:
+        deepest = np.argsort(-tree_buffers(tree.parents).depths, kind="stable")[:hosting]
+        hosts = np.unique(np.concatenate([[0], deepest]))
 
     def step():
-        out = ss_forward(model, streams, tree, context, cache, num_streams=min(depth, b))
+        out = ss_forward(model, streams, tree, context, cache, num_streams=min(depth, b), hosts=hosts)
         if sampled:
             # Target probabilities, host-side rejection sampling, then the accepted node's streams.
             target = target_probs(out.main_logits, kind)
             mx.eval(target)
             np.array(target)
-            cand = stream_candidates(stream_logits(model, out, 0), 8, kind)
+            cand = stream_candidates(stream_logits(model, out, 0), 8, kind)  # host slot 0
             mx.eval(*cand)
             top, ptop = np.array(cand[0]), np.array(cand[1])
             rng.choice(top.shape[1], size=2)
@@ -153,29 +161,42 @@ def _pass_fn(model, streams, cache, context: int, b: int, sampled: bool):
 
 
 def measure_step_costs(
-    model, streams, context: int = 128, reps: int = 7, budgets=CANDIDATE_BUDGETS, sampled: bool = False
+    model,
+    streams,
+    context: int = 128,
+    reps: int = 7,
+    budgets=CANDIDATE_BUDGETS,
+    sampled: bool = False,
+    hosting: int = 0,
 ) -> Dict[int, float]:
-    """Cost of one ss pass with ``b`` draft nodes relative to one plain step."""
+    """Cost of one ss pass with ``b`` draft nodes relative to one plain step
+    (``hosting``: streams at the root and this many other nodes; 0 every node)."""
     cache = make_cache(model)
     model(mx.array([[1] * context]), cache=cache)
     mx.eval([c.keys for c in cache])
     base = _plain_step_seconds(model, cache, context, reps)
     costs = {0: 1.0}
     for b in budgets:
-        costs[b] = _timed(_pass_fn(model, streams, cache, context, b, sampled), reps) / base
+        if hosting and b <= hosting:
+            continue  # every node hosts anyway
+        costs[b] = _timed(_pass_fn(model, streams, cache, context, b, sampled, hosting), reps) / base
     return costs
 
 
 def _fresh(entry, now: float, load_now: float) -> bool:
     """A cached cost entry is usable: recent, and not taken under load the machine no longer has."""
-    if not isinstance(entry, dict) or "costs" not in entry:
+    if not isinstance(entry, dict) or "costs" not in entry or "host_costs" not in entry:
         return False
     if now - entry.get("measured_at", 0) > MAX_COST_AGE_S:
         return False
     return not (entry.get("load", 0.0) > LOADED and load_now <= LOADED)
 
 
-def load_or_measure_costs(model, streams, log=None, sampled: bool = False) -> Dict[int, float]:
+def load_or_measure_costs(
+    model, streams, log=None, sampled: bool = False
+) -> "tuple[Dict[int, float], Dict[int, float]]":
+    """(costs with streams at every node, costs with the hosting policy), from the
+    on-disk cache when fresh, else measured now."""
     key = _model_key(model, streams, sampled)
     table = {}
     if CACHE_FILE.exists():
@@ -186,12 +207,13 @@ def load_or_measure_costs(model, streams, log=None, sampled: bool = False) -> Di
     now, load_now = time.time(), _load_per_core()
     entry = table.get(key)
     if _fresh(entry, now, load_now):
-        return {int(k): v for k, v in entry["costs"].items()}
+        return ({int(k): v for k, v in entry["costs"].items()}, {int(k): v for k, v in entry["host_costs"].items()})
     if log:
         kind = "sampled" if sampled else "greedy"
         log(f"measuring {kind} draft-tree step costs on this machine (cached per model)...")
     costs = measure_step_costs(model, streams, sampled=sampled)
-    table[key] = {"costs": costs, "measured_at": now, "load": max(load_now, _load_per_core())}
+    host_costs = measure_step_costs(model, streams, sampled=sampled, hosting=HOSTING)
+    table[key] = {"costs": costs, "host_costs": host_costs, "measured_at": now, "load": max(load_now, _load_per_core())}
     try:
         CACHE_FILE.parent.mkdir(parents=True, exist_ok=True)
         tmp = CACHE_FILE.with_suffix(".tmp")
@@ -199,7 +221,7 @@ def load_or_measure_costs(model, streams, log=None, sampled: bool = False) -> Di
         os.replace(tmp, CACHE_FILE)
     except OSError:
         pass  # a read-only home only costs a re-measurement next time
-    return costs
+    return costs, host_costs
 
 
 def auto_tree_for(model, streams, log=None, sampled: bool = False) -> "AutoTree":
@@ -208,12 +230,21 @@ def auto_tree_for(model, streams, log=None, sampled: bool = False) -> "AutoTree"
     (:class:`~specstream_mlx.runtime.engine.SpeculativeModel` does, per
     decoding kind) so acceptance statistics carry over between requests.
     Each generation starts with :meth:`AutoTree.new_request`."""
-    return AutoTree(load_or_measure_costs(model, streams, log, sampled), depth=streams.num_streams)
+    costs, host_costs = load_or_measure_costs(model, streams, log, sampled)
+    return AutoTree(costs, depth=streams.num_streams, host_costs=host_costs)
 
 
 @dataclass
 class AutoTree:
-    """Online choice of the dynamic-tree budget from step costs and acceptance."""
+    """Online choice of the dynamic-tree budget and hosting policy from step costs and acceptance.
+
+    Arms are (budget, hosting): hosting 0 puts streams at every node, hosting
+    ``HOSTING`` at the root and that many likely endpoints only (cheaper top
+    layers; when the accepted node hosted none, the next draft comes from a
+    hosting ancestor's later streams and is shallower). Acceptance of a hosting
+    mode is calibrated against the honest per-budget evidence ``S_b``: the
+    accepted tokens of passes whose draft came from that mode, over the ``S_b``
+    of the budget then in use."""
 
     costs: Dict[int, float]
     depth: int
@@ -229,21 +260,31 @@ class AutoTree:
     backoff: int = 0
     skip: int = 0
     passes: int = 0
+    host_costs: Dict[int, float] = field(default_factory=dict)
+    hosting: int = 0
+    # Per hosting mode: accepted tokens and the S_b they are compared with, and passes.
+    mode_actual: Dict[int, float] = field(default_factory=dict)
+    mode_ref: Dict[int, float] = field(default_factory=dict)
+    mode_n: Dict[int, float] = field(default_factory=dict)
 
     def spec(self) -> TreeSpec:
-        return TreeSpec("dynamic", budget=self.budget, depth=self.depth)
+        return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosts=self.hosting)
 
     def tree_depth(self, budget: int) -> int:
         """The deepest level a dynamic tree of ``budget`` nodes can reach."""
         return min(self.depth, budget)
 
-    def hosted_depth(self) -> int:
-        """Streams the next pass hosts: what the current tree can use, and all
-        γ on every EXPLORE_EVERY-th pass so deeper budgets get honest evidence."""
+    def next_pass(self) -> "tuple[int, int]":
+        """(streams to host, hosting mode) of the next pass: what the current arm
+        needs, and on every EXPLORE_EVERY-th pass all γ streams at every node, so
+        deeper budgets and the full-hosting mode keep getting honest evidence."""
         self.passes += 1
         if self.passes % EXPLORE_EVERY == 0:
-            return self.depth
-        return self.tree_depth(self.budget)
+            return self.depth, 0
+        return self.tree_depth(self.budget), self.hosting
+
+    def hosted_depth(self) -> int:
+        return self.next_pass()[0]
 
     def new_request(self) -> bool:
         """Halve the evidence at each new generation: averages are unchanged,
@@ -254,8 +295,9 @@ class AutoTree:
         self.steps /= 2
         self.predicted /= 2
         self.actual /= 2
-        self.scores_sum = {b: v / 2 for b, v in self.scores_sum.items()}
-        self.scores_n = {b: v / 2 for b, v in self.scores_n.items()}
+        for d in (self.scores_sum, self.scores_n, self.mode_actual, self.mode_ref, self.mode_n):
+            for k in d:
+                d[k] /= 2
         if self.skip > 0:
             self.skip -= 1
             return False
@@ -272,14 +314,22 @@ class AutoTree:
         accepted: int,
         path_scores: Optional[List[float]],
         candidate_depth: Optional[int] = None,
+        hosting: int = 0,
+        budget: Optional[int] = None,
     ) -> None:
         """Record one pass: what the chosen tree predicted, what was accepted,
         and the path scores of the drafted candidates, which were
         ``candidate_depth`` streams deep (default all γ). Only budgets whose
-        trees are no deeper than that are credited."""
+        trees are no deeper than that are credited. ``hosting`` is the mode of
+        the pass the draft came from, ``budget`` the draft's budget."""
         self.steps += 1
         self.predicted += predicted_at_budget
         self.actual += accepted
+        ref = self._mean_scores(budget if budget is not None else self.budget)
+        if ref is not None:
+            self.mode_actual[hosting] = self.mode_actual.get(hosting, 0.0) + accepted
+            self.mode_ref[hosting] = self.mode_ref.get(hosting, 0.0) + ref
+            self.mode_n[hosting] = self.mode_n.get(hosting, 0.0) + 1
         if path_scores is None:
             return
         depth = self.depth if candidate_depth is None else candidate_depth
@@ -289,33 +339,52 @@ class AutoTree:
                 self.scores_sum[b] = self.scores_sum.get(b, 0.0) + (float(s[min(b, len(s)) - 1]) if len(s) else 0.0)
                 self.scores_n[b] = self.scores_n.get(b, 0.0) + 1
 
-    def _calibration(self) -> float:
+    def _mean_scores(self, budget: int) -> Optional[float]:
+        n = self.scores_n.get(budget, 0.0)
+        return self.scores_sum.get(budget, 0.0) / n if n > 0 else None
+
+    def _calibration(self, hosting: int = 0) -> float:
+        """Accepted per expected token: for a hosting mode once it has evidence,
+        else the overall calibration (an untried mode is assumed to lose nothing,
+        so it gets tried; its evidence then corrects the assumption)."""
+        if self.mode_n.get(hosting, 0.0) >= WARMUP_STEPS / 2 and self.mode_ref.get(hosting, 0.0) > 0:
+            return self.mode_actual[hosting] / self.mode_ref[hosting]
         return self.actual / self.predicted if self.predicted > 0 else 0.0
 
-    def expected_accepted(self, budget: int) -> Optional[float]:
+    def expected_accepted(self, budget: int, hosting: int = 0) -> Optional[float]:
         """Calibrated expected accepted tokens per pass at ``budget``; None without evidence."""
-        n = self.scores_n.get(budget, 0.0)
-        if n <= 0:
-            return None
-        return self._calibration() * self.scores_sum.get(budget, 0.0) / n
+        mean = self._mean_scores(budget)
+        return None if mean is None else self._calibration(hosting) * mean
+
+    def arms(self):
+        """(budget, hosting mode, cost) of every arm with a measured cost."""
+        for b, cost in self.costs.items():
+            if b > 0:
+                yield b, 0, cost
+        for b, cost in self.host_costs.items():
+            if b > 0:
+                yield b, HOSTING, cost
 
     def choose(self) -> Optional[int]:
-        """Best budget, or None for plain decoding; keeps the current one during warm-up."""
+        """Best budget (and hosting mode), or None for plain decoding; keeps the
+        current arm during warm-up."""
         if self.steps < WARMUP_STEPS or not self.scores_sum:
             return self.budget
         best, best_rate = None, 1.0  # plain decoding: 1 token per unit cost
-        for b, cost in self.costs.items():
-            e = self.expected_accepted(b) if b > 0 else None
+        for b, h, cost in self.arms():
+            e = self.expected_accepted(b, h)
             if e is None:
                 continue
             rate = (1.0 + e) / cost
             if rate > best_rate:
-                best, best_rate = b, rate
-        if best is not None:
-            self.budget = best
-            self.backoff = 0
-        return best
+                best, best_rate = (b, h), rate
+        if best is None:
+            return None
+        self.budget, self.hosting = best
+        self.backoff = 0
+        return self.budget
 
-    def expected_speedup(self, budget: int) -> float:
-        e = self.expected_accepted(budget)
-        return (1.0 + (e or 0.0)) / self.costs.get(budget, 1.0)
+    def expected_speedup(self, budget: int, hosting: int = 0) -> float:
+        e = self.expected_accepted(budget, hosting)
+        cost = (self.host_costs if hosting else self.costs).get(budget, 1.0)
+        return (1.0 + (e or 0.0)) / cost

@@ -31,6 +31,8 @@ class Draft:
         candidate_depth: how many streams deep those candidates went.
         reach: per node, the probability its path is accepted (stream estimates),
             which picks the nodes that host streams under a hosting policy.
+        budget: the dynamic-tree budget it was drafted with (0 otherwise).
+        from_hosting: hosting mode of the pass whose streams drafted it.
     """
 
     tree: Tree
@@ -39,6 +41,8 @@ class Draft:
     scores: Optional[List[float]] = None
     candidate_depth: int = 0
     reach: Optional[np.ndarray] = None
+    budget: int = 0
+    from_hosting: int = 0
 
 
 def stream_candidates(logits: mx.array, K: int, sampling: SamplingParams):
@@ -101,7 +105,7 @@ def draft_tree(
             tree = dynamic_tree(root, top, ptop, spec.budget, cands)
         reach = node_reach(tree, top, ptop)
         predicted = float(reach[1:].sum()) if spec.kind == "cartesian" else float(sum(own[: spec.budget]))
-        return Draft(tree, None, predicted, scores, all_depth, reach)
+        return Draft(tree, None, predicted, scores, all_depth, reach, spec.budget if spec.kind == "dynamic" else 0)
     q = np.asarray(q[:depth], dtype=np.float64)
     q /= q.sum(axis=-1, keepdims=True)
     widths = spec.widths[:depth] if spec.kind == "cartesian" else _budget_widths(spec.budget, depth)

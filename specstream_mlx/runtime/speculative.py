@@ -149,7 +149,7 @@ def _plain_fallback(model, prompt, sampling, cache, prefill_chunk) -> Generator[
 
 
 def _auto_fallback_reason(auto: AutoTree) -> str:
-    best = max(auto.expected_speedup(b) for b in auto.costs if b)
+    best = max(auto.expected_speedup(b, h) for b, h, _ in auto.arms())
     return f"plain decoding: no draft tree is expected to be faster on this machine (best {best:.2f}x)"
 
 
@@ -196,10 +196,10 @@ def ss_steps(
     while True:
         # Streams deeper than the next tree can use are not hosted (fewer MSA rows),
         # except on auto's exploration passes.
-        hosted = plan.auto.hosted_depth() if plan.auto is not None else spec.max_depth
+        hosted, hosting = plan.auto.next_pass() if plan.auto is not None else (spec.max_depth, spec.hosts)
         hosts = None
-        if spec.hosts and draft.reach is not None and len(draft.tree) > spec.hosts:
-            hosts = hosting_nodes(draft.tree.parents, draft.reach, spec.hosts)
+        if hosting and draft.reach is not None and len(draft.tree) > hosting + 1:
+            hosts = hosting_nodes(draft.tree.parents, draft.reach, hosting)
         out = ss_forward(sm.base, sm.streams, draft.tree, cache[0].offset, cache, threshold, hosted, hosts)
         if sampling.greedy:
             res = verify_greedy(sm, out, plan.candidates, sampling)
@@ -217,7 +217,14 @@ def ss_steps(
         if plan.auto is not None:
             auto = plan.auto
             if len(draft.tree) > 1:
-                auto.observe(draft.predicted, res.verdict.accepted, draft.scores, draft.candidate_depth)
+                auto.observe(
+                    draft.predicted,
+                    res.verdict.accepted,
+                    draft.scores,
+                    draft.candidate_depth,
+                    draft.from_hosting,
+                    draft.budget,
+                )
             if auto.choose() is None:
                 info.fallback = _auto_fallback_reason(auto)
                 auto.note_fallback()
@@ -227,4 +234,5 @@ def ss_steps(
             spec = auto.spec()
             info.tree = "auto:" + spec.describe()
         draft = draft_tree(res.verdict.bonus, res.top, res.ptop, res.q, spec, sampling, rng, plan.score_budget)
+        draft.from_hosting = hosting if hosts is not None else 0
         yield Step(tokens, info)
