@@ -1,7 +1,12 @@
 """Greedy ``ss`` tokens/s and τ per draft tree on a bundled model, against ``ar``.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        .venv/bin/python examples/tree_sweep.py demo-sql dynamic:2,dynamic:4,dynamic:8,dynamic:12,auto [16]
+        .venv/bin/python examples/tree_sweep.py demo-sql dynamic:2,dynamic:4,dynamic:8@1,dynamic:12/prune=0.25,auto [16]
+
+Each item is a tree (``--tree`` syntax), optionally ``/prune=T`` for an early-exit
+pruning threshold (default: the model's own). Rounds alternate ``ar`` and every
+item (3 rounds by default, ``ROUNDS=N``), and report the median ratio to ``ar``
+of the same round, so drifts of a shared machine hit every item alike.
 
 Decodes the model's first N held-out bench prompts (default 16, up to 64 tokens,
 stopping at EOS) once to warm up and once timed, per tree. tokens/s excludes the
@@ -10,6 +15,7 @@ Run it with ``OPENBLAS_NUM_THREADS=1`` and without to compare BLAS threading.
 """
 
 import os
+import statistics
 import sys
 import time
 
@@ -29,14 +35,21 @@ def main() -> int:
     rows = load_bench_prompts(resolve_model_path(name), n)
     ids = [encode_prompt(tok, r["prompt"]) for r in rows]
 
-    def run(mode, tree=None):
-        toks = passes = 0
+    def run(mode, tree=None, prune=None):
+        toks = passes = pruned = nodes = 0
         seconds = 0.0
         for i in ids:
-            kw = {} if tree is None else {"tree": tree}
             first = None
             for r in stream_generate(
-                model, tok, i, max_tokens=64, sampling=SamplingParams(), mode=mode, use_chat_template=False, **kw
+                model,
+                tok,
+                i,
+                max_tokens=64,
+                sampling=SamplingParams(),
+                mode=mode,
+                use_chat_template=False,
+                tree=tree,
+                pruning_threshold=prune,
             ):
                 if first is None:
                     first = time.perf_counter()
@@ -44,17 +57,35 @@ def main() -> int:
                 toks += len(r.tokens)
                 passes += 1
             seconds += time.perf_counter() - first
-        return toks / seconds, toks / max(passes, 1)
+            pruned += r.stats.pruned_nodes
+            nodes += r.stats.draft_nodes
+        return toks / seconds, toks / max(passes, 1), pruned / max(nodes, 1)
 
-    print(f"{name}; BLAS {blas_in_use()}; OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
-    run("ar")
-    ar, _ = run("ar")
-    print(f"ar           {ar:7.1f} tok/s")
+    items = []
     for s in specs:
-        tree = s if s == "auto" else TreeSpec.parse(s)
-        run("ss", tree)
-        tps, tau = run("ss", tree)
-        print(f"{s:12s} {tps:7.1f} tok/s  {tps / ar:.2f}x  tau {tau:.2f}")
+        tree_text, _, prune = s.partition("/prune=")
+        tree = tree_text if tree_text == "auto" else TreeSpec.parse(tree_text)
+        items.append((s, tree, float(prune) if prune else None))
+    rounds = int(os.environ.get("ROUNDS", "3"))
+    print(
+        f"{name}; BLAS {blas_in_use()}; OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; "
+        f"{len(ids)} prompts x {rounds} rounds"
+    )
+    run("ar")
+    for _, tree, prune in items:  # warm-up (and --tree auto's cost measurement)
+        run("ss", tree, prune)
+    ratios = {s: [] for s, _, _ in items}
+    taus, pruned_share, ar_rates = {}, {}, []
+    for _ in range(rounds):
+        ar, _, _ = run("ar")
+        ar_rates.append(ar)
+        for s, tree, prune in items:
+            tps, taus[s], pruned_share[s] = run("ss", tree, prune)
+            ratios[s].append(tps / ar)
+    print(f"ar           {statistics.median(ar_rates):7.1f} tok/s (median)")
+    for s, _, _ in items:
+        ratio = statistics.median(ratios[s])
+        print(f"{s:24s} {ratio:.2f}x  tau {taus[s]:.2f}  pruned {pruned_share[s]:.0%} of draft nodes")
     return 0
 
 

@@ -335,3 +335,52 @@ def test_truncated_json_array_keeps_complete_records():
 
     assert list(iter_json_array('[{"a": 1}, {"b": 2}, {"c": "unterminated')) == [{"a": 1}, {"b": 2}]
     assert list(iter_json_array('[ {"a": 1} ]')) == [{"a": 1}]
+
+
+def test_pruning_calibration_keeps_the_requested_share(tmp_path, corpus, base_dir):
+    """The calibrated threshold keeps ``keep`` of would-be-accepted children; training
+    stores it, and the CLI writes it into specstream.json."""
+    import subprocess
+    import sys
+
+    from specstream_mlx.convert import ConvertOptions, convert
+    from specstream_mlx.io.loading import load_model_dir
+    from specstream_mlx.train.calibrate import calibrate_pruning
+    from specstream_mlx.train.data import load_dataset
+
+    data, _ = corpus
+    u = convert(str(base_dir), str(tmp_path / "u"), ConvertOptions(num_streams=2, stream_layers=2))
+    lm = load_model_dir(str(u), warn=False)
+    _, valid, _ = load_dataset(data, lm.tokenizer, 256)
+    loose = calibrate_pruning(lm.model, lm.streams, valid, keep=0.5)
+    tight = calibrate_pruning(lm.model, lm.streams, valid, keep=0.98)
+    assert loose.threshold >= tight.threshold > 0
+    assert abs(loose.kept_accepted - 0.5) < 0.05 and tight.kept_accepted >= 0.97
+    assert calibrate_pruning(lm.model, lm.streams, valid, keep=1.0).threshold == 0.0
+
+    cfg = TrainConfig(mode="lossless", num_streams=2, stream_layers=2, lora_rank=2, iters=2, batch_size=4)
+    train(str(base_dir), str(data), str(tmp_path / "t"), cfg, progress=False, log=lambda s: None)
+    stored = json.loads((tmp_path / "t" / "specstream.json").read_text())
+    assert stored["pruning"]["threshold"] == stored["extra"]["pruning_calibration"]["threshold"] > 0
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specstream_mlx",
+            "calibrate-pruning",
+            "--model",
+            str(u),
+            "--data",
+            str(data),
+            "--keep",
+            "0.9",
+            "--write",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    printed = json.loads(r.stdout)
+    assert json.loads((u / "specstream.json").read_text())["pruning"]["threshold"] == printed["threshold"] > 0

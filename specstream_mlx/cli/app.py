@@ -346,6 +346,44 @@ def bench(
     )
 
 
+@app.command("calibrate-pruning")
+def calibrate_pruning_cmd(
+    model: str = typer.Option(..., "--model", "-m", help="Model directory with speculative streams."),
+    data: str = typer.Option(..., "--data", help="Data directory: its valid.jsonl (else test.jsonl) is used."),
+    keep: float = typer.Option(0.98, "--keep", help="Share of would-be-accepted draft children that must survive."),
+    write: bool = typer.Option(False, "--write", help="Store the threshold in the model's specstream.json."),
+):
+    """Calibrate the early-exit pruning threshold on held-out data (greedy decoding uses it)."""
+    from ..io.loading import ModelLoadError, load_model_dir
+    from ..method.streams import CONFIG_FILE, no_streams_message
+    from ..train.calibrate import calibrate_pruning
+    from ..train.data import DataError, load_dataset
+
+    try:
+        lm = load_model_dir(model, warn=False)
+        if lm.streams is None:
+            _err(no_streams_message(lm.path))
+        _, valid, test = load_dataset(Path(data), lm.tokenizer, 4096)
+        ds = valid if valid is not None and len(valid) else test
+        if ds is None or not len(ds):
+            _err(f"{data}: needs a valid.jsonl or test.jsonl to calibrate on")
+        cal = calibrate_pruning(lm.model, lm.streams, ds, keep=keep)
+    except (ModelLoadError, DataError, ValueError) as e:
+        _err(str(e))
+    typer.echo(json.dumps(cal.to_json()))
+    if write:
+        import os
+
+        path = lm.path / CONFIG_FILE
+        cfg = json.loads(path.read_text())
+        cfg.setdefault("pruning", {})["threshold"] = cal.threshold
+        cfg.setdefault("extra", {})["pruning_calibration"] = cal.to_json()
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(cfg, indent=2))
+        os.replace(tmp, path)
+        typer.echo(f"wrote pruning.threshold = {cal.threshold:.4g} to {path}", err=True)
+
+
 @app.command("prepare-sharegpt")
 def prepare_sharegpt(
     out: str = typer.Option(..., "--out", help="Output data directory (train/valid/test.jsonl)."),

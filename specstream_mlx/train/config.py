@@ -28,6 +28,8 @@ class TrainConfig:
         distill: lossless only: add KL to the frozen main distribution at t+j. Default True.
         stream_positions: completion positions per sequence that host streams. Default 64.
         segment: stream positions per segment of the stream pass. Default 32.
+        pruning_keep: calibrate the early-exit pruning threshold on the valid split so that
+            this share of would-be-accepted children survives (0: keep ``pruning_threshold``).
     """
 
     mode: str = "lossless"
@@ -54,6 +56,9 @@ class TrainConfig:
     save_every: int = 100
     val_batches: int = 8
     pruning_threshold: float = 0.0
+    # Calibrate the pruning threshold on the valid split at the end (see train/calibrate.py):
+    # keep this share of the children greedy verification would accept; 0 leaves the threshold as set.
+    pruning_keep: float = 0.98
     compile: bool = True
     # Shared mode only: train every base weight (from-scratch demo models) instead of a LoRA.
     full: bool = False

@@ -23,6 +23,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..io.loading import load_model_dir, resolve_model_path
+from .calibrate import calibrate_pruning
 from .checkpoint import load_checkpoint, save_checkpoint, write_model_dir
 from .config import TrainConfig, TrainError, TrainResult
 from .data import Batch, Dataset, iterate_batches, load_dataset, make_batch
@@ -198,8 +199,17 @@ def _finish(run: _Run, result: TrainResult, base_dir: Path, out: Path, data_dir:
             f"[train] final valid loss {result.val['loss']:.3f}, stream top-1 "
             + " ".join(f"{a:.3f}" for a in result.val.get("stream_acc", []))
         )
+    calibration = None
+    if cfg.streams and cfg.pruning_keep > 0 and data.valid is not None:
+        calibration = calibrate_pruning(run.model, run.trainable.streams, data.valid, keep=cfg.pruning_keep)
+        run.trainable.streams.config.pruning_threshold = calibration.threshold
+        run.log(
+            f"[train] pruning threshold {calibration.threshold:.4g}: keeps {calibration.kept_accepted:.1%} of "
+            f"would-be-accepted children, prunes {calibration.pruned_runners_up:.1%} of runners-up"
+        )
     # The data directory is recorded by name only: model directories carry no machine paths.
     extra = {
+        "pruning_calibration": calibration.to_json() if calibration else None,
         "steps": result.steps,
         "train_tokens_per_second": result.tokens_per_second,
         "valid": result.val,
