@@ -186,3 +186,58 @@ def test_ss_without_streams_says_how_to_add_them(tiny_model_dir):
     r = run("generate", "--model", str(tiny_model_dir), "--prompt", "x", "--mode", "ss")
     assert r.returncode == 1
     assert "--num-streams" in r.stderr and "specstream-mlx train" in r.stderr
+
+
+def _one_line_error(r):
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    return r.stderr
+
+
+def test_generate_refuses_a_prompt_over_the_context(tiny_model_dir):
+    err = _one_line_error(
+        run("generate", "--model", str(tiny_model_dir), "--prompt", "word " * 300, "--max-kv-size", "64")
+    )
+    assert "context" in err and "64" in err
+    # A prompt that fits with max_tokens capped by what is left.
+    r = run("generate", "--model", str(tiny_model_dir), "--prompt", "hi", "-m", "500", "--max-kv-size", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["prompt_tokens"]) + out["stats"]["generated_tokens"] <= 64 and "capped" in r.stderr
+
+
+def test_generate_system_prompt_and_tiny_temperatures(tiny_model_dir):
+    base = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "-m", "8", "--json"]
+    plain = json.loads(run(*base).stdout)
+    with_system = json.loads(run(*base, "--system-prompt", "Be brief.").stdout)
+    assert len(with_system["prompt_tokens"]) > len(plain["prompt_tokens"])
+    # Temperatures too small for float32 logits are greedy, not garbage.
+    tiny = json.loads(run(*base, "--temp", "1e-38").stdout)
+    assert tiny["tokens"] == plain["tokens"]
+    assert "temperature" in _one_line_error(run(*base, "--temp", "nan"))
+
+
+def test_chat_survives_bad_commands_and_outgrows_its_context(tiny_model_dir):
+    # /temp -1 keeps the old temperature; the next message is answered (no traceback).
+    r = run("chat", "--model", str(tiny_model_dir), "-m", "4", input="/temp -1\nhello\n", timeout=180)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "usage: /temp" in r.stderr and r.stderr.count("tok/s") == 1
+    # A long conversation in a tiny context drops its oldest turns, with a notice.
+    script = "".join(f"message number {i} with some words\n" for i in range(6))
+    r = run("chat", "--model", str(tiny_model_dir), "-m", "8", "--max-kv-size", "160", input=script, timeout=180)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("tok/s") == 6 and "dropped the" in r.stderr
+    # A single message longer than the context is refused, and the chat goes on.
+    r = run(
+        "chat",
+        "--model",
+        str(tiny_model_dir),
+        "-m",
+        "4",
+        "--max-kv-size",
+        "64",
+        input="word " * 100 + "\nhi\n",
+        timeout=180,
+    )
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "context is 64" in r.stderr and r.stderr.count("tok/s") == 1

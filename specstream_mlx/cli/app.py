@@ -53,6 +53,34 @@ def _load_for_decoding(model: str, mode: Optional[str]):
     return m, tok, mode, modes
 
 
+def context_limit(m, max_kv_size: Optional[int]) -> int:
+    """Tokens of context: --max-kv-size, else the model's max_position_embeddings (4096 if unset)."""
+    return max_kv_size or m.args.max_position_embeddings or 4096
+
+
+def _fit_context(m, tok, prompt, max_tokens: int, max_kv_size: Optional[int], chat_template: bool) -> int:
+    """``max_tokens`` capped by the context left after the prompt; exits when the prompt does not fit."""
+    from ..runtime.generation import encode_prompt
+
+    if max_tokens < 1:
+        _err(f"--max-tokens must be at least 1, got {max_tokens}")
+    if max_kv_size is not None and max_kv_size < 2:
+        _err(f"--max-kv-size must be at least 2, got {max_kv_size}")
+    try:
+        n = len(encode_prompt(tok, prompt, chat_template))
+    except Exception as e:  # a broken chat template, a tokenizer failure
+        _err(f"cannot encode the prompt: {type(e).__name__}: {e}")
+    limit = context_limit(m, max_kv_size)
+    if n >= limit:
+        _err(
+            f"the prompt has {n} tokens; the context of {m.path.name if m.path else 'this model'} is {limit} "
+            "(max_position_embeddings, or --max-kv-size): shorten the prompt"
+        )
+    if n + max_tokens > limit:
+        typer.echo(f"specstream-mlx: --max-tokens capped at {limit - n} (context {limit}, prompt {n})", err=True)
+    return min(max_tokens, limit - n)
+
+
 def _version_callback(value: bool):
     if value:
         from ..platform_info import runtime_info
@@ -139,10 +167,14 @@ def convert(
 
 @app.command()
 def generate(
-    model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory, bundled name or hub id."),
+    model: str = typer.Option("demo-chat", "--model", help="Model directory, bundled name or hub id."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens to generate."),
+    system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message before the prompt."),
+    max_kv_size: Optional[int] = typer.Option(
+        None, "--max-kv-size", help="Context limit in tokens (default: the model's max_position_embeddings)."
+    ),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 (or below 1e-5) is greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: all)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
@@ -153,7 +185,10 @@ def generate(
         "Default: ss when the model has streams, else ar.",
     ),
     tree: str = typer.Option(
-        "auto", "--tree", help="Draft tree: auto, dynamic:BUDGET, cartesian:3x2x1, topk:K,DEPTH, chain:N."
+        "auto",
+        "--tree",
+        help="Draft tree: auto, dynamic:BUDGET, cartesian:3x2x1, topk:K,DEPTH, chain:N; "
+        "@M hosts streams at the root and M likely endpoints only (e.g. dynamic:8@1).",
     ),
     prune_threshold: Optional[float] = typer.Option(
         None, "--prune-threshold", help="Tree-pruning threshold (default: the model's)."
@@ -175,6 +210,9 @@ def generate(
         _err(str(e))
     m, tok, mode, _ = _load_for_decoding(model, mode)
     ss_log = lambda s: typer.echo(f"specstream-mlx: {s}", err=True)  # noqa: E731
+    if system_prompt is not None and not ignore_chat_template:
+        prompt = [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
+    max_tokens = _fit_context(m, tok, prompt, max_tokens, max_kv_size, not ignore_chat_template)
     text, tokens, last = [], [], None
     try:
         for r in stream_generate(
@@ -228,7 +266,7 @@ def generate(
 
 @app.command()
 def export(
-    model: str = typer.Option(..., "--model", "-m", help="MLX model directory (with or without streams)."),
+    model: str = typer.Option(..., "--model", help="MLX model directory (with or without streams)."),
     hf_path: str = typer.Option(..., "--hf-path", help="Output directory in Hugging Face layout."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --hf-path."),
 ):
@@ -244,25 +282,39 @@ def export(
 
 @app.command()
 def chat(
-    model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory or bundled name."),
+    model: str = typer.Option("demo-chat", "--model", help="Model directory or bundled name."),
     mode: Optional[str] = typer.Option(
         None, "--mode", help="ss, ar or lookup (default: ss when the model has streams)."
     ),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature."),
-    max_tokens: int = typer.Option(512, "--max-tokens", help="Most tokens per reply."),
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-m", help="Most tokens per reply."),
+    system: Optional[str] = typer.Option(None, "--system-prompt", "--system", help="System prompt."),
+    max_kv_size: Optional[int] = typer.Option(
+        None,
+        "--max-kv-size",
+        help="Context limit in tokens (default: the model's); the oldest turns are dropped to stay within it.",
+    ),
     tree: str = typer.Option("auto", "--tree", help="Draft tree for ss (see generate)."),
 ):
     """Chat with a model: streaming replies, multi-turn KV reuse, /commands."""
-    from .chat import run_chat
+    from ..runtime.sampling import SamplingParams
+    from .chat import ChatOptions, run_chat
 
+    try:
+        SamplingParams(temperature=temp, top_p=top_p)
+    except ValueError as e:
+        _err(str(e))
+    if max_tokens < 1:
+        _err(f"--max-tokens must be at least 1, got {max_tokens}")
     m, tok, mode, _ = _load_for_decoding(model, mode)
-    raise typer.Exit(run_chat(m, tok, mode, temp, max_tokens, system, tree))
+    opts = ChatOptions(mode, temp, max_tokens, system, tree, top_p, context_limit(m, max_kv_size))
+    raise typer.Exit(run_chat(m, tok, opts))
 
 
 @app.command()
 def serve(
-    model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory or bundled name."),
+    model: str = typer.Option("demo-chat", "--model", help="Model directory or bundled name."),
     stdio: bool = typer.Option(False, "--stdio", help="JSON lines on stdin/stdout (docs/PROTOCOL.md)."),
     http: bool = typer.Option(False, "--http", help="OpenAI-compatible HTTP server."),
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP bind address."),
@@ -288,7 +340,7 @@ def serve(
 
 @app.command()
 def bench(
-    model: str = typer.Option("demo-chat", "--model", "-m", help="Model directory or bundled name."),
+    model: str = typer.Option("demo-chat", "--model", help="Model directory or bundled name."),
     draft: Optional[str] = typer.Option(
         None,
         "--draft",
@@ -348,7 +400,7 @@ def bench(
 
 @app.command("calibrate-pruning")
 def calibrate_pruning_cmd(
-    model: str = typer.Option(..., "--model", "-m", help="Model directory with speculative streams."),
+    model: str = typer.Option(..., "--model", help="Model directory with speculative streams."),
     data: str = typer.Option(..., "--data", help="Data directory: its valid.jsonl (else test.jsonl) is used."),
     keep: float = typer.Option(0.98, "--keep", help="Share of would-be-accepted draft children that must survive."),
     write: bool = typer.Option(False, "--write", help="Store the threshold in the model's specstream.json."),
@@ -409,7 +461,7 @@ class TrainMode(str, Enum):
 
 @app.command()
 def train(
-    model: str = typer.Option(..., "--model", "-m", help="Base model directory (or bundled name)."),
+    model: str = typer.Option(..., "--model", help="Base model directory (or bundled name)."),
     data: str = typer.Option(..., "--data", help="Directory with train.jsonl / valid.jsonl."),
     mode: TrainMode = typer.Option(
         TrainMode.lossless, "--mode", help="lossless (frozen base) or shared (LoRA shared by main and streams)."

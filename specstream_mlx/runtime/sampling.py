@@ -7,18 +7,25 @@ in speculative acceptance, which is what keeps speculative sampling lossless.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
+
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. ``temperature == 0`` means greedy (argmax).
 
+    Temperatures below ``GREEDY_BELOW`` (1e-5) are treated as greedy too:
+    dividing float32 logits by them overflows, and the distribution they
+    describe is the argmax anyway.
+
     Args:
-        temperature: softmax temperature; 0 for greedy. Default 0.
+        temperature: softmax temperature; 0 (or < 1e-5) for greedy. Default 0.
         top_p: nucleus mass kept (1.0 keeps everything). Default 1.0.
         top_k: keep the k most likely tokens (0 keeps everything). Default 0.
         seed: PRNG seed for sampling; None draws one from the clock.
@@ -30,16 +37,17 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        # NaN fails every comparison: check for it explicitly.
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def target_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:

@@ -26,6 +26,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+class ContextError(ValueError):
+    """A message that does not fit the context even with all earlier turns dropped."""
+
+
 @dataclass
 class Reply:
     text: str = ""
@@ -33,6 +37,7 @@ class Reply:
     finish_reason: Optional[str] = None
     stats: Optional[GenerationStats] = None
     reused_tokens: int = 0
+    dropped_turns: int = 0
 
 
 class StopStrings:
@@ -159,12 +164,40 @@ class ChatSession:
             yield tail
         return reply
 
-    def say(self, user_text: str, **kw) -> Generator[str, None, Reply]:
-        """One chat turn: append the user message, stream the reply, record it."""
+    def say(
+        self, user_text: str, max_tokens: int = 512, max_context: Optional[int] = None, **kw
+    ) -> Generator[str, None, Reply]:
+        """One chat turn: append the user message, stream the reply, record it.
+
+        With ``max_context``, the oldest turns are dropped until the rendered
+        conversation plus ``max_tokens`` fits (the reply is then capped by what
+        is left); a message too long on its own raises :class:`ContextError`
+        and is not kept."""
         self.messages.append({"role": "user", "content": user_text})
         reply = Reply()
+        if max_context is not None:
+            try:
+                reply.dropped_turns, max_tokens = self._fit(max_tokens, max_context)
+            except ContextError:
+                self.messages.pop()
+                raise
         try:
-            yield from self.stream(list(self.messages), reply=reply, **kw)
+            yield from self.stream(list(self.messages), reply=reply, max_tokens=max_tokens, **kw)
         finally:
             self.messages.append({"role": "assistant", "content": reply.text})
         return reply
+
+    def _fit(self, max_tokens: int, max_context: int) -> "tuple[int, int]":
+        """Drop the oldest (user, assistant) turns until the prompt leaves room for
+        the reply; returns (turns dropped, max_tokens capped to what is left)."""
+        first = 1 if self.system else 0
+        dropped = 0
+        while True:
+            n = len(encode_prompt(self.tokenizer, self.messages, use_chat_template=True))
+            if n + max_tokens <= max_context or len(self.messages) - first <= 1:
+                break
+            del self.messages[first : first + 2]  # the oldest user message and its reply
+            dropped += 1
+        if n >= max_context:
+            raise ContextError(f"the message has {n} tokens with the system prompt; the context is {max_context}")
+        return dropped, min(max_tokens, max_context - n)
