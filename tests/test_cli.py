@@ -241,3 +241,68 @@ def test_chat_survives_bad_commands_and_outgrows_its_context(tiny_model_dir):
     )
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert "context is 64" in r.stderr and r.stderr.count("tok/s") == 1
+
+
+def _broken_copy(src, dst, edit):
+    import shutil
+
+    shutil.copytree(src, dst)
+    edit(dst)
+    return dst
+
+
+def _set_config(key, value):
+    def edit(d):
+        cfg = json.loads((d / "config.json").read_text())
+        if value is KeyError:
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    return edit
+
+
+def _write(name, text):
+    return lambda d: (d / name).write_text(text)
+
+
+def _no_tokenizer(d):
+    for f in d.iterdir():
+        if f.name.startswith("tokenizer"):
+            f.unlink()
+
+
+BROKEN = {
+    "config-list": (_write("config.json", "[]"), "config.json"),
+    "hidden-size-string": (_set_config("hidden_size", "256"), "hidden_size"),
+    "no-num-layers": (_set_config("num_hidden_layers", KeyError), "num_hidden_layers"),
+    "streams-wrong-types": (_write("specstream.json", '{"num_streams": "4", "stream_layers": 2}'), "specstream.json"),
+    "no-tokenizer": (_no_tokenizer, "tokenizer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_bad_model_directories_fail_in_one_line(tmp_path, tiny_model_dir, case):
+    edit, needle = BROKEN[case]
+    d = _broken_copy(tiny_model_dir, tmp_path / case, edit)
+    t = time.perf_counter()
+    err = _one_line_error(run("generate", "--model", str(d), "--prompt", "hi", "-m", "4"))
+    assert needle in err and str(d) in err, err
+    assert time.perf_counter() - t < 30  # no slow fall-back search for a tokenizer
+    if case == "config-list":
+        err = _one_line_error(run("bench", "--model", str(d), "--prompts", "1", "--rounds", "1"))
+        assert "config.json" in err
+
+
+def test_broken_chat_template_fails_in_one_line(tmp_path, tiny_model_dir):
+    def edit(d):
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = "{% for m in messages %}{{ m.content }"  # unclosed tag
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+        for f in d.glob("chat_template.*"):
+            f.unlink()
+
+    d = _broken_copy(tiny_model_dir, tmp_path / "tpl", edit)
+    err = _one_line_error(run("generate", "--model", str(d), "--prompt", "hi", "-m", "4"))
+    assert "template" in err.lower() or "prompt" in err

@@ -374,18 +374,23 @@ def bench(
     if baseline is None:
         cand = path.parent / f"{path.name}-baseline"
         baseline = str(cand) if cand.is_dir() else None
-    res = run_bench(
-        str(path),
-        draft=draft,
-        baseline=baseline or None,
-        n_prompts=prompts,
-        max_tokens=max_tokens,
-        temperature=temp,
-        tree=tree,
-        seed=seed,
-        rounds=rounds,
-        log=lambda s: typer.echo(s, err=True),
-    )
+    from ..models import UnsupportedModelError
+
+    try:
+        res = run_bench(
+            str(path),
+            draft=draft,
+            baseline=baseline or None,
+            n_prompts=prompts,
+            max_tokens=max_tokens,
+            temperature=temp,
+            tree=tree,
+            seed=seed,
+            rounds=rounds,
+            log=lambda s: typer.echo(s, err=True),
+        )
+    except (ModelLoadError, UnsupportedModelError, ValueError, OSError) as e:
+        _err(str(e))
     out = Path(json_out or f"bench-{path.name}.json")
     out.write_text(json.dumps(res, indent=2))
     md = markdown_table(res)

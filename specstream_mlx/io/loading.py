@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map, tree_unflatten
 
 from ..method.streams import StreamParams, load_streams
-from ..models import build_model
+from ..models import UnsupportedModelError, build_model
 
 
 class ModelLoadError(RuntimeError):
@@ -65,14 +65,47 @@ def resolve_model_path(name_or_path: str) -> Path:
     raise ModelLoadError(f"{name_or_path}: no such model directory")
 
 
+# Fields every supported architecture needs, and their kinds.
+_REQUIRED_INTS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_OPTIONAL_NUMBERS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_config(config: Any, cfg_path: Path) -> Dict[str, Any]:
+    """``config`` if it describes a model we can build; else ModelLoadError naming the field."""
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{cfg_path}: must be a JSON object, got {type(config).__name__}")
+    if "model_type" not in config:
+        raise ModelLoadError(f"{cfg_path}: missing 'model_type'")
+    for key in _REQUIRED_INTS:
+        if key not in config:
+            raise ModelLoadError(f"{cfg_path}: missing '{key}'")
+    for key in _REQUIRED_INTS + _OPTIONAL_INTS:
+        v = config.get(key)
+        if v is not None and not (_is_int(v) and v > 0):
+            raise ModelLoadError(f"{cfg_path}: '{key}' must be a positive integer, got {v!r}")
+    for key in _OPTIONAL_NUMBERS:
+        v = config.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ModelLoadError(f"{cfg_path}: '{key}' must be a number, got {v!r}")
+    for key in ("rope_scaling", "rope_parameters", "quantization"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise ModelLoadError(f"{cfg_path}: '{key}' must be an object, got {config[key]!r}")
+    return config
+
+
 def load_config(path: Path) -> Dict[str, Any]:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.exists():
         raise ModelLoadError(f"{cfg_path}: missing config.json")
     try:
         with open(cfg_path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+            return check_config(json.load(f), cfg_path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{cfg_path}: invalid JSON ({e})") from e
 
 
@@ -167,7 +200,12 @@ def load_model(
     """
     path = Path(path)
     config = load_config(path)
-    model = build_model(config)
+    try:
+        model = build_model(config)
+    except (TypeError, KeyError, ValueError) as e:
+        if isinstance(e, UnsupportedModelError):
+            raise ModelLoadError(f"{path / 'config.json'}: {e}") from e
+        raise ModelLoadError(f"{path / 'config.json'}: cannot build the model ({e})") from e
     weights = load_weights(path)
     weights = model.sanitize(weights)
     apply_quantization(model, config, weights)
@@ -194,17 +232,26 @@ def load_model(
     return model, config
 
 
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
 def load_tokenizer(path: Path):
     """mlx-lm's TokenizerWrapper (streaming detokenizer, chat template, EOS ids)."""
     from mlx_lm.tokenizer_utils import load as _load_tok
 
+    path = Path(path)
+    if not any((path / f).exists() for f in TOKENIZER_MARKERS):
+        raise ModelLoadError(f"{path}: no tokenizer files (expected one of {', '.join(TOKENIZER_MARKERS)})")
     eos = None
-    cfg = Path(path) / "config.json"
+    cfg = path / "config.json"
     if cfg.exists():
         with open(cfg) as f:
             e = json.load(f).get("eos_token_id")
-        eos = [e] if isinstance(e, int) else e
-    return _load_tok(Path(path), eos_token_ids=eos)
+        eos = [e] if _is_int(e) else [x for x in e if _is_int(x)] if isinstance(e, list) else None
+    try:
+        return _load_tok(path, eos_token_ids=eos)
+    except Exception as e:  # tokenizers/transformers raise many kinds on corrupt files
+        raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
 
 
 @dataclass

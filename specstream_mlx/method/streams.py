@@ -31,6 +31,10 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 PHI3_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 class NoStreamsError(RuntimeError):
     pass
 
@@ -72,20 +76,50 @@ class StreamConfig:
 
     @staticmethod
     def from_json(d: dict) -> "StreamConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"must be a JSON object, got {type(d).__name__}")
         d = dict(d)
         lora = d.pop("lora", {}) or {}
         pruning = d.pop("pruning", {}) or {}
+        if not isinstance(lora, dict) or not isinstance(pruning, dict):
+            raise ValueError("'lora' and 'pruning' must be objects")
         version = d.get("version", FORMAT_VERSION)
+        if not _is_int(version):
+            raise ValueError(f"'version' must be an integer, got {version!r}")
         if version > FORMAT_VERSION:
             raise ValueError(f"{CONFIG_FILE} version {version} is newer than this runtime supports ({FORMAT_VERSION})")
         known = {f for f in StreamConfig.__dataclass_fields__}
         cfg = StreamConfig(**{k: v for k, v in d.items() if k in known})
         cfg.lora_rank = lora.get("rank", cfg.lora_rank)
         cfg.lora_scale = lora.get("scale", cfg.lora_scale)
-        cfg.lora_targets = tuple(lora.get("targets", cfg.lora_targets))
+        targets = lora.get("targets", cfg.lora_targets)
+        if not isinstance(targets, (list, tuple)):
+            raise ValueError(f"'lora.targets' must be a list, got {targets!r}")
+        cfg.lora_targets = tuple(targets)
         cfg.pruning_rank = pruning.get("rank", cfg.pruning_rank)
         cfg.pruning_threshold = pruning.get("threshold", cfg.pruning_threshold)
+        cfg.check()
         return cfg
+
+    def check(self) -> None:
+        """ValueError naming the first field with a wrong type or value."""
+        for name in ("num_streams", "stream_layers", "pruning_rank"):
+            v = getattr(self, name)
+            if not (_is_int(v) and v >= 1):
+                raise ValueError(f"'{name}' must be a positive integer, got {v!r}")
+        if not (_is_int(self.lora_rank) and self.lora_rank >= 0):
+            raise ValueError(f"'lora.rank' must be a non-negative integer, got {self.lora_rank!r}")
+        if self.mode not in ("lossless", "shared"):
+            raise ValueError(f"'mode' must be lossless or shared, got {self.mode!r}")
+        for name, v in (("lora.scale", self.lora_scale), ("pruning.threshold", self.pruning_threshold)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"'{name}' must be a number, got {v!r}")
+        if not 0 <= self.pruning_threshold <= 1:
+            raise ValueError(f"'pruning.threshold' must be in [0, 1], got {self.pruning_threshold!r}")
+        if not all(isinstance(t, str) for t in self.lora_targets):
+            raise ValueError(f"'lora.targets' must be projection names, got {list(self.lora_targets)!r}")
+        if not isinstance(self.trained, bool):
+            raise ValueError(f"'trained' must be true or false, got {self.trained!r}")
 
 
 class LoRA(nn.Module):
@@ -251,7 +285,10 @@ def load_streams(model, model_dir: Path, warn=True) -> Optional[StreamParams]:
     w_path = model_dir / WEIGHTS_FILE
     if not w_path.exists():
         raise ValueError(f"{w_path}: missing (named by {CONFIG_FILE})")
-    sp = StreamParams(model, cfg)
+    try:
+        sp = StreamParams(model, cfg)
+    except ValueError as e:  # stream_layers beyond the model's layers
+        raise ValueError(f"{cfg_path}: {e}") from e
     try:
         weights = mx.load(str(w_path))
     except Exception as e:  # corrupt file
