@@ -160,6 +160,26 @@ def check_shapes(model: nn.Module, weights: Dict[str, mx.array], src: Path) -> N
             )
 
 
+def legacy_rope_keys(config: dict) -> dict:
+    """Top-level ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor`` for a
+    config that keeps them under ``rope_parameters`` (transformers >= 5): readers
+    that predate that key (mlx-lm among them) would otherwise silently fall back
+    to a default RoPE base and produce garbage."""
+    rp = config.get("rope_parameters")
+    if not isinstance(rp, dict):
+        return {}
+    out = {}
+    if "rope_theta" in rp and "rope_theta" not in config:
+        out["rope_theta"] = rp["rope_theta"]
+    if rp.get("partial_rotary_factor") is not None and "partial_rotary_factor" not in config:
+        out["partial_rotary_factor"] = rp["partial_rotary_factor"]
+    scaling = {k: v for k, v in rp.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind != "default" and config.get("rope_scaling") is None:
+        out["rope_scaling"] = {**scaling, "rope_type": kind, "type": kind}
+    return out
+
+
 def _target_dtype(config: dict, opts: ConvertOptions):
     if opts.dtype is not None:
         if opts.dtype not in DTYPES:
@@ -208,6 +228,7 @@ def convert(
     model.load_weights(list(weights.items()), strict=True)
     out_config = {k: v for k, v in config.items() if k not in ("quantization_config", CONFIG_KEY)}
     out_config["torch_dtype"] = dtype_name
+    out_config.update(legacy_rope_keys(config))
     if opts.quantize:
         log(f"[convert] quantizing to {opts.q_bits} bits, group size {opts.q_group_size}")
 

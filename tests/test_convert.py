@@ -226,3 +226,26 @@ def test_bad_adapter_is_a_clean_error(tmp_path, hf_models):
     ad.mkdir()
     r = _run_convert(src, tmp_path / "x", "--adapter", str(ad))
     assert r.returncode == 1 and "adapter_config.json" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3-scaled", "llama-linear", "mistral", "qwen2", "qwen3", "phi3"])
+def test_converted_directory_decodes_the_same_in_mlx_lm(hf_models, arch):
+    """transformers 5 keeps RoPE settings under rope_parameters; the converted config
+    also carries the top-level keys mlx-lm reads, so mlx-lm decodes the same tokens."""
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.runtime.steps import ar_steps
+
+    _, _, dst = hf_models(arch)
+    cfg = json.loads((dst / "config.json").read_text())
+    assert "rope_theta" in cfg
+    ours, _ = load_model(dst)
+    theirs, _ = mlx_lm_load_model(dst)
+    prompt = [5, 17, 33, 2, 90]
+    steps = ar_steps(ours, mx.array(prompt), SamplingParams())
+    want = [next(steps).tokens[0] for _ in range(16)]
+    ids = list(prompt)
+    for _ in range(16):
+        ids.append(int(mx.argmax(theirs(mx.array([ids]))[0, -1]).item()))
+    assert ids[len(prompt) :] == want
