@@ -384,3 +384,93 @@ def test_pruning_calibration_keeps_the_requested_share(tmp_path, corpus, base_di
     assert r.returncode == 0, r.stderr
     printed = json.loads(r.stdout)
     assert json.loads((u / "specstream.json").read_text())["pruning"]["threshold"] == printed["threshold"] > 0
+
+
+def test_training_checks_before_the_first_step(tmp_path, corpus, base_dir):
+    """Shared mode on a quantized model and --out equal to --model are refused at once."""
+    from specstream_mlx.convert import ConvertOptions, convert
+
+    data, _ = corpus
+    q = convert(str(base_dir), str(tmp_path / "q"), ConvertOptions(quantize=True, q_bits=8, q_group_size=32))
+    cfg = TrainConfig(mode="shared", num_streams=2, stream_layers=1, iters=50, batch_size=4)
+    with pytest.raises(TrainError, match="float model"):
+        train(str(q), str(data), str(tmp_path / "o"), cfg, progress=False, log=lambda s: None)
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+    cfg = TrainConfig(mode="lossless", num_streams=2, stream_layers=1, lora_rank=2, iters=1, batch_size=4)
+    with pytest.raises(TrainError, match="--force"):
+        train(str(q), str(data), str(q), cfg, progress=False, log=lambda s: None)
+
+
+def test_training_continues_from_existing_streams(tmp_path, corpus, base_dir):
+    data, _ = corpus
+    cfg = TrainConfig(mode="lossless", num_streams=2, stream_layers=2, lora_rank=4, iters=3, batch_size=4)
+    train(str(base_dir), str(data), str(tmp_path / "a"), cfg, progress=False, log=lambda s: None)
+    first, _ = load(str(tmp_path / "a"))
+    # Different flags: the model's own streams (and their shape) are continued.
+    logs = []
+    cfg2 = TrainConfig(
+        mode="lossless",
+        num_streams=4,
+        stream_layers=1,
+        lora_rank=8,
+        iters=1,
+        batch_size=4,
+        learning_rate=1e-9,
+        pruning_keep=0,
+    )
+    train(str(tmp_path / "a"), str(data), str(tmp_path / "b"), cfg2, progress=False, log=logs.append)
+    assert any("continuing from the model's streams" in line for line in logs)
+    second, _ = load(str(tmp_path / "b"))
+    assert second.streams.num_streams == 2 and second.streams.config.stream_layers == 2
+    assert float(mx.abs(second.streams.embeddings - first.streams.embeddings).max()) < 1e-4
+    # --new-streams starts over with the requested shape.
+    cfg3 = TrainConfig(
+        mode="lossless", num_streams=3, stream_layers=1, lora_rank=2, iters=1, batch_size=4, new_streams=True
+    )
+    train(str(tmp_path / "a"), str(data), str(tmp_path / "c"), cfg3, progress=False, log=lambda s: None)
+    assert load(str(tmp_path / "c"))[0].streams.num_streams == 3
+
+
+def test_crash_leftovers_are_cleaned_and_resume_uses_the_old_checkpoint(tmp_path, corpus, base_dir, monkeypatch):
+    import specstream_mlx.train.trainer as T
+    from specstream_mlx.convert import ConvertOptions, convert
+
+    data, _ = corpus
+    # convert: a killed run's hidden temporary directory is removed by the next run.
+    stale = tmp_path / ".dst.tmp-abc123"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"x" * 100)
+    convert(str(base_dir), str(tmp_path / "dst"), ConvertOptions())
+    assert not stale.exists() and (tmp_path / "dst" / "config.json").exists()
+    # train: interrupted at step 2 with a checkpoint; then a crash between the two
+    # renames of the next checkpoint leaves only checkpoint.old and an empty .ckpt-*.
+    cfg = TrainConfig(
+        mode="lossless",
+        num_streams=2,
+        stream_layers=1,
+        lora_rank=2,
+        iters=4,
+        batch_size=4,
+        stream_positions=4,
+        save_every=2,
+    )
+    real = T.iterate_batches
+
+    def interrupting(*a, **k):
+        for i, b in enumerate(real(*a, **k)):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield b
+
+    monkeypatch.setattr(T, "iterate_batches", interrupting)
+    out = tmp_path / "r"
+    res = train(str(base_dir), str(data), str(out), cfg, progress=False, log=lambda s: None)
+    assert res.interrupted
+    (out / "checkpoint").rename(out / "checkpoint.old")
+    (out / ".ckpt-deadbeef").mkdir()
+    monkeypatch.setattr(T, "iterate_batches", real)
+    logs = []
+    res = train(str(base_dir), str(data), str(out), cfg, resume=True, progress=False, log=logs.append)
+    assert any("checkpoint.old" in line for line in logs) and res.steps == 4
+    assert not (out / ".ckpt-deadbeef").exists() and not (out / "checkpoint.old").exists()
+    assert (out / "specstream.json").exists() and not any(p.name.startswith(".") for p in tmp_path.iterdir())

@@ -478,7 +478,7 @@ def train(
     iters: Optional[int] = typer.Option(None, "--iters", help="Training steps (overrides --epochs)."),
     epochs: Optional[float] = typer.Option(None, "--epochs", help="Passes over train.jsonl (default 1)."),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),
-    max_seq_len: int = typer.Option(512, "--max-seq-len", help="Longer sequences are truncated."),
+    max_seq_len: int = typer.Option(512, "--max-seq-len", "--max-seq-length", help="Longer sequences are truncated."),
     learning_rate: float = typer.Option(5e-4, "--learning-rate", help="Peak learning rate (linear decay)."),
     alpha_stream: float = typer.Option(0.1, "--alpha-stream", help="Weight αj of each stream's loss."),
     no_distill: bool = typer.Option(False, "--no-distill", help="Lossless: train streams on data tokens only."),
@@ -489,6 +489,10 @@ def train(
     steps_per_eval: int = typer.Option(200, "--steps-per-eval", help="Validate every N steps."),
     seed: int = typer.Option(0, "--seed", help="Seed for initialisation and shuffling."),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint."),
+    new_streams: bool = typer.Option(
+        False, "--new-streams", help="Start from fresh streams even if the model has some (default: continue)."
+    ),
+    force: bool = typer.Option(False, "--force", help="Allow --out to be the model's own directory."),
 ):
     """Train speculative streams (and, in shared mode, a fused LoRA) on a dataset."""
     from ..io.loading import ModelLoadError
@@ -513,6 +517,8 @@ def train(
             save_every=save_every,
             steps_per_eval=steps_per_eval,
             seed=seed,
+            new_streams=new_streams,
+            force=force,
         )
         res = _train(model, data, out, cfg, resume=resume, log=lambda s: typer.echo(s, err=True))
     except (DataError, TrainError, ModelLoadError, ValueError) as e:

@@ -29,6 +29,21 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
             shutil.copy2(Path(src) / name, Path(dst) / name)
 
 
+def clean_stale_temporaries(parent: Path, prefixes) -> int:
+    """Remove temporaries a killed run left in ``parent`` (names starting with one of
+    ``prefixes``); returns how many. Runs never share these names, so whatever a
+    new run finds there is a leftover."""
+    removed = 0
+    parent = Path(parent)
+    if not parent.is_dir():
+        return 0
+    for f in parent.iterdir():
+        if f.name.startswith(tuple(prefixes)) and f.is_dir():
+            shutil.rmtree(f, ignore_errors=True)
+            removed += 1
+    return removed
+
+
 @contextmanager
 def atomic_directory(dst: Path, force: bool, exists_error) -> Iterator[Path]:
     """Yield a temporary sibling of ``dst`` to fill; on success it replaces
@@ -39,6 +54,8 @@ def atomic_directory(dst: Path, force: bool, exists_error) -> Iterator[Path]:
     and ``force`` is False."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
+    # Leftovers of an earlier run into the same destination that was killed (kill -9).
+    clean_stale_temporaries(dst.parent, (f".{dst.name}.tmp-", f".{dst.name}.old-"))
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
         yield tmp

@@ -36,6 +36,15 @@ def save_checkpoint(ckpt_dir: Path, trainable, optimizer, step: int, cfg: TrainC
         shutil.rmtree(old, ignore_errors=True)
 
 
+def find_checkpoint(ckpt_dir: Path):
+    """The checkpoint to resume from: ``ckpt_dir``, or ``ckpt_dir.old`` when a crash
+    fell between the two renames of :func:`save_checkpoint`; None if neither is complete."""
+    for d in (ckpt_dir, ckpt_dir.with_name(ckpt_dir.name + ".old")):
+        if all((d / f).exists() for f in ("state.json", "trainable.safetensors", "optimizer.safetensors")):
+            return d
+    return None
+
+
 def load_checkpoint(ckpt_dir: Path, trainable, optimizer) -> int:
     trainable.load_weights(list(mx.load(str(ckpt_dir / "trainable.safetensors")).items()), strict=True)
     opt = mx.load(str(ckpt_dir / "optimizer.safetensors"))
@@ -55,29 +64,26 @@ def fuse_base_lora(model, base_lora: dict) -> None:
 
 
 def write_model_dir(base_dir: Path, out_dir: Path, model, trainable, cfg: TrainConfig, extra: dict) -> None:
-    """A complete model directory: base files (fused weights in shared mode) + trained streams."""
+    """A complete model directory, written into ``out_dir`` (a fresh temporary
+    directory the caller renames into place): base files (fused weights in shared
+    mode) and the trained streams."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=out_dir))
     for f in sorted(Path(base_dir).iterdir()):
         if f.is_file() and (
             f.name == "config.json"
             or f.name in TOKENIZER_FILES
             or (cfg.mode == "lossless" and f.name.startswith("model") and f.suffix in (".safetensors", ".json"))
         ):
-            shutil.copy2(f, tmp / f.name)
+            shutil.copy2(f, out_dir / f.name)
     if cfg.mode == "shared":
         fuse_base_lora(model, trainable.base_lora)
         weights = dict(tree_flatten(model.parameters()))
         base_cfg = json.loads((Path(base_dir) / "config.json").read_text())
         dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get(base_cfg.get("torch_dtype"), mx.float32)
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     if cfg.streams:
         streams = trainable.streams
         streams.config.trained = True
         streams.config.extra = extra
-        save_streams(streams, tmp)
-    for f in tmp.iterdir():
-        os.replace(f, out_dir / f.name)
-    shutil.rmtree(tmp, ignore_errors=True)
+        save_streams(streams, out_dir)

@@ -64,6 +64,10 @@ class TrainConfig:
     full: bool = False
     # False: a next-token-only baseline (no streams, no stream losses, no stream files).
     streams: bool = True
+    # Start from fresh streams even when the model already has some.
+    new_streams: bool = False
+    # Allow the output directory to be the model's own.
+    force: bool = False
 
     def __post_init__(self):
         if self.mode not in ("lossless", "shared"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -22,9 +21,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..io.files import atomic_directory, clean_stale_temporaries
 from ..io.loading import load_model_dir, resolve_model_path
 from .calibrate import calibrate_pruning
-from .checkpoint import load_checkpoint, save_checkpoint, write_model_dir
+from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_model_dir
 from .config import TrainConfig, TrainError, TrainResult
 from .data import Batch, Dataset, iterate_batches, load_dataset, make_batch
 from .objective import Trainable, compute_loss
@@ -215,7 +215,17 @@ def _finish(run: _Run, result: TrainResult, base_dir: Path, out: Path, data_dir:
         "valid": result.val,
         "data": Path(data_dir).name,
     }
-    write_model_dir(base_dir, out, run.model, run.trainable, cfg, extra)
+    # The finished directory replaces OUT (and its checkpoint) in one rename.
+    with atomic_directory(out, True, TrainError) as tmp:
+        write_model_dir(base_dir, tmp, run.model, run.trainable, cfg, extra)
+        _write_log(tmp, cfg, result, n_train)
+    run.log(
+        f"[train] wrote {out} ({n_train:,} trainable parameters, {result.tokens_per_second:,.0f} tok/s, "
+        f"peak {result.peak_memory_gb:.2f} GB)"
+    )
+
+
+def _write_log(out: Path, cfg: TrainConfig, result: TrainResult, n_train: int) -> None:
     (out / "training_log.json").write_text(
         json.dumps(
             {
@@ -229,11 +239,47 @@ def _finish(run: _Run, result: TrainResult, base_dir: Path, out: Path, data_dir:
             indent=2,
         )
     )
-    shutil.rmtree(run.ckpt, ignore_errors=True)
-    run.log(
-        f"[train] wrote {out} ({n_train:,} trainable parameters, {result.tokens_per_second:,.0f} tok/s, "
-        f"peak {result.peak_memory_gb:.2f} GB)"
+
+
+def _check_destination(base_dir: Path, out: Path, cfg: TrainConfig, resume: bool) -> None:
+    if out.resolve() == Path(base_dir).resolve() and not cfg.force:
+        raise TrainError(f"--out {out} is the model's own directory; pass --force to train it in place")
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--out {out}: exists and is not a directory")
+    # The finished model replaces OUT as a whole: never a directory of something else.
+    ours = any((out / f).exists() for f in ("config.json", "checkpoint", "checkpoint.old"))
+    if out.is_dir() and any(out.iterdir()) and not ours and not cfg.force:
+        raise TrainError(f"--out {out}: exists and is not a model directory; pass --force to replace it")
+
+
+def _adopt_existing_streams(streams, cfg: TrainConfig, log):
+    """The model's own streams when training should continue from them, else None."""
+    if streams is None or not cfg.streams or cfg.new_streams:
+        return None
+    sc = streams.config
+    if sc.mode != cfg.mode:
+        log(f"[train] the model's streams were trained in {sc.mode} mode; starting fresh {cfg.mode} streams")
+        return None
+    changed = [
+        f"{name} {old} -> {new}"
+        for name, old, new in (
+            ("num_streams", cfg.num_streams, sc.num_streams),
+            ("stream_layers", cfg.stream_layers, sc.stream_layers),
+            ("lora_rank", cfg.lora_rank if cfg.mode == "lossless" else 0, sc.lora_rank),
+        )
+        if old != new
+    ]
+    cfg.num_streams, cfg.stream_layers = sc.num_streams, sc.stream_layers
+    if cfg.mode == "lossless":
+        cfg.lora_rank = sc.lora_rank
+    cfg.lora_targets = list(sc.lora_targets)
+    cfg.lora_scale = sc.lora_scale
+    log(
+        f"[train] continuing from the model's streams (γ={sc.num_streams}, Ns={sc.stream_layers}"
+        + (f"; settings taken from them: {', '.join(changed)}" if changed else "")
+        + "); --new-streams starts fresh ones"
     )
+    return streams
 
 
 def train(
@@ -245,10 +291,23 @@ def train(
     log: Callable[[str], None] = print,
     progress: bool = True,
 ) -> TrainResult:
-    """Train streams on ``model_path`` with ``data_dir``; writes a model directory at ``out_dir``."""
+    """Train streams on ``model_path`` with ``data_dir``; writes a model directory at ``out_dir``.
+
+    Streams already in the model are trained further (same shape) unless
+    ``cfg.new_streams``; ``out_dir`` may be the model's own directory only with
+    ``cfg.force``. Everything that would make the end of a run fail is checked
+    before the first step."""
     base_dir = resolve_model_path(model_path)
+    out = Path(out_dir)
+    _check_destination(base_dir, out, cfg, resume)
     loaded = load_model_dir(str(base_dir), warn=False)
     model = loaded.model
+    if cfg.mode == "shared" and loaded.config.get("quantization"):
+        raise TrainError(
+            f"{base_dir}: shared mode fuses a LoRA into the base weights, which needs a float model; "
+            "convert it without -q (or train in lossless mode)"
+        )
+    existing = _adopt_existing_streams(loaded.streams, cfg, log)
     if not cfg.streams:
         cfg.stream_layers = min(cfg.stream_layers, len(model.layers))  # unused by a baseline
     if cfg.stream_layers > len(model.layers):
@@ -260,16 +319,20 @@ def train(
         f"{data.total_steps} steps of {cfg.batch_size} x {data.seq_len}, γ={cfg.num_streams}, Ns={cfg.stream_layers}"
     )
     trainable = Trainable(model, cfg)
+    if existing is not None:
+        trainable.streams.update(existing.parameters())
     n_train = sum(v.size for _, v in tree_flatten(trainable.trainable_parameters()))
     optimizer = _optimizer(cfg, data.total_steps)
-    out = Path(out_dir)
     ckpt = out / "checkpoint"
+    # Leftovers of a run that was killed: half-written checkpoints and model directories.
+    clean_stale_temporaries(out, (".ckpt-", ".model-"))
     step = 0
     if resume:
-        if not (ckpt / "state.json").exists():
+        found = find_checkpoint(ckpt)
+        if found is None:
             raise TrainError(f"--resume: no checkpoint at {ckpt}")
-        step = load_checkpoint(ckpt, trainable, optimizer)
-        log(f"[train] resumed from {ckpt} at step {step}")
+        step = load_checkpoint(found, trainable, optimizer)
+        log(f"[train] resumed from {found} at step {step}")
     bar = None
     if progress:
         from tqdm import tqdm
