@@ -286,12 +286,13 @@ def test_http_errors_are_4xx_json_and_server_keeps_serving(http_server):
     import urllib.error
     import urllib.request
 
-    from openai import BadRequestError, NotFoundError, OpenAI
+    from openai import BadRequestError, OpenAI
 
     base, model_id = http_server
     client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
-    with pytest.raises(NotFoundError):
-        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "hi"}])
+    # Any model name addresses the one model served (clients hard-code names).
+    r = client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.choices[0].message.content is not None
     with pytest.raises(BadRequestError) as e:
         client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "w " * 400}])
     assert "context" in str(e.value)
@@ -369,3 +370,163 @@ def test_bench_writes_json_markdown_and_chart(ss_model, tmp_path):
     assert methods["ss@0.7"]["matches_ar"] is None
     assert out.with_suffix(".md").read_text().count("\n| ") >= 6
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def _start_server(model_dir, *extra):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--http", "--model", str(model_dir), "--port", str(port), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    import urllib.request
+
+    headers = {"Authorization": "Bearer s3cret"} if "--api-key" in extra else {}
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(
+                urllib.request.Request(f"http://127.0.0.1:{port}/health", headers=headers), timeout=1
+            )
+            return proc, port
+        except Exception:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(proc.stderr.read().decode())
+
+
+def _raw(port, request: bytes, timeout=30.0):
+    """Send raw bytes; (status, headers text, body bytes) of the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as c:
+        c.sendall(request)
+        data = b""
+        while True:
+            chunk = c.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            if b"content-length:" in head.lower():
+                n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                if len(body) >= n:
+                    break
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), head.decode("latin-1"), body
+
+
+def _post(port, body, path="/v1/chat/completions", headers=""):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n{headers}"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    ).encode() + data
+    return _raw(port, req)
+
+
+def test_http_security_defaults(ss_model):
+    proc, port = _start_server(ss_model, "--api-key", "s3cret", "--allowed-origins", "http://ok.example")
+    try:
+        ok = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        key = "Authorization: Bearer s3cret\r\n"
+        assert _post(port, ok)[0] == 401  # no key
+        assert _post(port, ok, headers="Authorization: Bearer wrong\r\n")[0] == 401
+        assert _post(port, ok, headers=key)[0] == 200
+        # DNS rebinding: a foreign Host name is refused even with the key.
+        req = b"GET /v1/models HTTP/1.1\r\nHost: evil.example:80\r\nAuthorization: Bearer s3cret\r\n"
+        assert _raw(port, req + b"Connection: close\r\n\r\n")[0] == 403
+        # CSRF: a browser request from a foreign origin is refused; an allowed origin gets CORS headers.
+        assert _post(port, ok, headers=key + "Origin: http://evil.example\r\n")[0] == 403
+        status, head, _ = _post(port, ok, headers=key + "Origin: http://ok.example\r\n")
+        assert status == 200 and "Access-Control-Allow-Origin: http://ok.example" in head
+        pre = b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nAccess-Control-Request-Method: POST\r\n"
+        status, head, _ = _raw(port, pre + b"Origin: http://ok.example\r\nConnection: close\r\n\r\n")
+        assert status == 204 and "Access-Control-Allow-Origin: http://ok.example" in head
+        assert _raw(port, pre + b"Origin: http://evil.example\r\nConnection: close\r\n\r\n")[0] == 403
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    # Binding beyond loopback without a key warns.
+    p = subprocess.Popen(
+        [*CLI, "serve", "--http", "--model", str(ss_model), "--host", "0.0.0.0", "--port", str(_free_port())],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = [p.stderr.readline() for _ in range(3)]  # up to the "serving on" line
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    assert any("without --api-key" in line for line in lines), lines
+
+
+def test_http_compatibility_and_bad_values(http_server):
+    base, model_id = http_server
+    port = int(base.rsplit(":", 1)[1])
+    msg = [{"role": "user", "content": "hi"}]
+    status, _, body = _raw(port, "GET /v1/models?x=1 HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode())
+    assert status == 200 and json.loads(body)["data"][0]["id"] == model_id
+    status, head, body = _raw(
+        port, b"PUT /v1/models HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    assert status == 405 and "application/json" in head and json.loads(body)["error"]
+    # max_tokens above the context left is capped, not refused (context 256).
+    status, _, body = _post(port, {"messages": msg, "max_tokens": 100000, "temperature": 0})
+    out = json.loads(body)
+    assert status == 200 and out["usage"]["total_tokens"] <= 256
+    # Tiny temperatures decode greedily; NaN-like and surrogate inputs are 400s.
+    greedy = json.loads(_post(port, {"messages": msg, "max_tokens": 6, "temperature": 0})[2])
+    tiny = json.loads(_post(port, {"messages": msg, "max_tokens": 6, "temperature": 1e-38})[2])
+    assert tiny["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+    for bad in (
+        b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+        b'{"messages": [{"role": "user", "content": "x"}], "top_p": NaN}',
+        b'{"prompt": "x", "temperature": Infinity}',
+    ):
+        path = "/v1/completions" if b'"prompt"' in bad else "/v1/chat/completions"
+        status, _, body = _post(port, bad, path)
+        assert status == 400 and json.loads(body)["error"]["code"] in ("invalid_value", "invalid_json"), body
+    req = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: -5\r\nConnection: close\r\n\r\n"
+    assert _raw(port, req)[0] == 400
+    # stream_options.include_usage: a last chunk with the usage.
+    status, _, body = _post(
+        port, {"messages": msg, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    chunks = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens"] == 3 and chunks[-1]["choices"] == []
+
+
+def test_http_disconnect_cancels_and_slow_clients_time_out(ss_model):
+    proc, port = _start_server(ss_model, "--max-context", "8192", "--timeout", "1", "--max-connections", "3")
+    try:
+        # (this tiny model continues "zzz" without an EOS for thousands of tokens)
+        long = json.dumps({"prompt": "zzz", "max_tokens": 8000, "temperature": 0}).encode()
+        c = socket.create_connection(("127.0.0.1", port))
+        c.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(long)}\r\n\r\n".encode() + long
+        )
+        time.sleep(0.5)
+        c.close()  # the client gives up: its generation must stop
+        time.sleep(0.3)
+        t = time.perf_counter()
+        status, _, _ = _post(port, {"prompt": "hi", "max_tokens": 2}, "/v1/completions")
+        assert status == 200 and time.perf_counter() - t < 5
+        # A client that sends half a request is dropped after the timeout.
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{")
+        slow.settimeout(10)
+        t = time.perf_counter()
+        answer = slow.recv(1000)
+        assert time.perf_counter() - t < 5
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 4"), answer
+        slow.close()
+        # Beyond the connection cap: 503 at once.
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        time.sleep(0.2)
+        status, _, _ = _raw(port, b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        assert status == 503
+        for s in idle:
+            s.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    log = proc.stderr.read().decode()
+    assert "Traceback" not in log and "tok/s" in log  # per-request access-log lines

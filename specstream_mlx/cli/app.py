@@ -321,21 +321,44 @@ def serve(
     port: int = typer.Option(8080, "--port", help="HTTP port."),
     mode: Optional[str] = typer.Option(None, "--mode", help="Default decoding mode (ss when the model has streams)."),
     max_context: Optional[int] = typer.Option(
-        None, "--max-context", help="Prompt + reply token limit (default: the model's)."
+        None, "--max-context", "--max-kv-size", help="Prompt + reply token limit (default: the model's)."
     ),
+    temp: float = typer.Option(0.0, "--temp", help="HTTP: default temperature of requests that give none."),
+    top_p: float = typer.Option(1.0, "--top-p", help="HTTP: default top-p."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="HTTP: default max_tokens."),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="SPECSTREAM_API_KEY", help="HTTP: require 'Authorization: Bearer KEY'."
+    ),
+    allowed_origins: Optional[str] = typer.Option(
+        None, "--allowed-origins", help="HTTP: comma-separated browser origins allowed to call the API (CORS)."
+    ),
+    timeout: float = typer.Option(30.0, "--timeout", help="HTTP: seconds a client may take to send a request."),
+    max_connections: int = typer.Option(32, "--max-connections", help="HTTP: open connections served at once."),
 ):
     """Serve a model to other programs: --stdio (JSON lines) or --http (OpenAI API)."""
+    from ..runtime.sampling import SamplingParams
+
     if stdio == http:
         _err("choose exactly one of --stdio or --http")
+    try:
+        SamplingParams(temperature=temp, top_p=top_p)
+    except ValueError as e:
+        _err(str(e))
+    if max_tokens < 1:
+        _err(f"--max-tokens must be at least 1, got {max_tokens}")
     m, tok, mode, modes = _load_for_decoding(model, mode)
     ctx = max_context or m.args.max_position_embeddings or 4096
     if stdio:
         from ..serve.stdio import serve_stdio
 
         raise typer.Exit(serve_stdio(m, tok, mode, ctx, modes))
-    from ..serve.http import serve_http
+    from ..serve.http import HttpOptions, serve_http
 
-    raise typer.Exit(serve_http(m, tok, str(m.path.name), mode, ctx, modes, host, port))
+    origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
+    if timeout <= 0 or max_connections < 1:
+        _err("--timeout must be positive and --max-connections at least 1")
+    opts = HttpOptions(temp, top_p, max_tokens, api_key, origins, host, timeout, max_connections)
+    raise typer.Exit(serve_http(m, tok, str(m.path.name), mode, ctx, modes, host, port, opts))
 
 
 @app.command()

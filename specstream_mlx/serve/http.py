@@ -5,18 +5,31 @@ by server-sent events or not), ``GET /v1/models``, ``GET /health``. One model,
 one generation at a time (MLX work runs on the thread that loaded the model).
 Bad requests get 4xx JSON errors in OpenAI's shape and the server keeps
 serving. Request bodies are limited to ``MAX_BODY`` bytes.
+
+Security defaults, because any web page the user visits can send requests to a
+local port: requests whose ``Host`` is not the bound address or localhost are
+refused (DNS rebinding), as are browser requests whose ``Origin`` is not in
+``--allowed-origins`` (cross-site request forgery; CORS preflights are answered
+for allowed origins only); ``--api-key`` requires ``Authorization: Bearer KEY``.
+Sockets time out (slow clients cannot hold a connection) and open connections
+are capped. A client that disconnects cancels its generation.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import queue
+import select
+import socket
 import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
+from urllib.parse import urlsplit
 
 from ..runtime.generation import encode_prompt
 from ..runtime.session import ChatSession, Reply
@@ -25,6 +38,7 @@ from .protocol import (
     ProtocolError,
     cap_max_tokens,
     check_prompt_chars,
+    check_text,
     number,
     parse_messages,
     parse_mode,
@@ -34,15 +48,52 @@ from .protocol import (
 
 MAX_BODY = 1 << 20
 CONTEXT_CODE = "context_length_exceeded"
+SOCKET_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 32
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass
+class HttpOptions:
+    """Defaults and security settings of the HTTP server.
+
+    Attributes:
+        temperature, top_p, max_tokens: defaults for requests that omit them
+            (as ``mlx_lm.server``: temperature 0).
+        api_key: required as ``Authorization: Bearer KEY`` when set.
+        allowed_origins: browser origins allowed to call the API (CORS); none by default.
+        host: the bound address (a request's ``Host`` must name it or localhost).
+        timeout: seconds a socket read may wait (slow or stalled clients are dropped).
+        max_connections: open connections served at once; more get 503.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    api_key: Optional[str] = None
+    allowed_origins: List[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    timeout: float = SOCKET_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
 
 
 class App:
     """Request parsing, plus a job queue: MLX work runs on the thread that loaded
     the model (MLX streams are per thread), one request at a time."""
 
-    def __init__(self, model, tokenizer, model_id: str, mode: str, max_context: int, modes: List[str]):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_id: str,
+        mode: str,
+        max_context: int,
+        modes: List[str],
+        options: Optional[HttpOptions] = None,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.model_id, self.mode, self.max_context, self.modes = model_id, mode, max_context, modes
+        self.options = options or HttpOptions()
         self.session = ChatSession(model, tokenizer)
         self.jobs: "queue.Queue[Tuple[GenerationRequest, queue.Queue]]" = queue.Queue()
 
@@ -80,29 +131,32 @@ class App:
     def parse(self, body: Any, chat: bool) -> GenerationRequest:
         if not isinstance(body, dict):
             raise ProtocolError("invalid_request", "the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.model_id:
-            raise ProtocolError(
-                "model_not_found", f"the model '{model}' does not exist; this server serves '{self.model_id}'", 404
-            )
+        # Any "model" names the one model served: clients often hard-code a name.
+        if body.get("model") is not None and not isinstance(body["model"], str):
+            raise ProtocolError("invalid_type", '"model" must be a string')
         if body.get("n", 1) != 1:
             raise ProtocolError("invalid_value", "only n = 1 is supported")
         ids = self._prompt_ids(body, chat)
-        requested = number(body, "max_completion_tokens", None, 1, self.max_context, integer=True)
+        # Above the context left, max_tokens is capped (not refused), as OpenAI-style clients expect.
+        requested = number(body, "max_completion_tokens", None, 1, 1 << 30, integer=True)
         if requested is None:
-            requested = number(body, "max_tokens", 256, 1, self.max_context, integer=True)
+            requested = number(body, "max_tokens", self.options.max_tokens, 1, 1 << 30, integer=True)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ProtocolError("invalid_type", '"stream" must be a boolean')
+        stream_options = body.get("stream_options") or {}
+        if not isinstance(stream_options, dict):
+            raise ProtocolError("invalid_type", '"stream_options" must be an object')
         return GenerationRequest(
             id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
             messages=None,
             prompt_ids=ids,
             max_tokens=cap_max_tokens(requested, len(ids), self.max_context, CONTEXT_CODE),
-            sampling=parse_sampling(body, 1.0),  # OpenAI's default temperature
+            sampling=parse_sampling(body, self.options.temperature, self.options.top_p),
             mode=parse_mode(body.get("specstream_mode"), self.modes, self.mode, "specstream_mode"),
             stop=parse_stop(body.get("stop")),
             stream=stream,
+            include_usage=stream_options.get("include_usage") is True,
         )
 
     def _prompt_ids(self, body: dict, chat: bool) -> List[int]:
@@ -115,6 +169,7 @@ class App:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise ProtocolError("invalid_type", '"prompt" must be a string')
+        check_text(prompt, "prompt")
         check_prompt_chars(len(prompt), self.max_context, CONTEXT_CODE)
         if not prompt.strip():
             raise ProtocolError("empty_prompt", "the prompt is empty")
@@ -126,28 +181,94 @@ class ApiHandler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server_version = "specstream-mlx"
+    timeout = SOCKET_TIMEOUT_S  # socket reads: a slow or stalled client is dropped
     app: App
 
     def log_message(self, fmt, *args):  # access log to stderr
         sys.stderr.write("[http] " + (fmt % args) + "\n")
 
+    def log_error(self, fmt, *args):  # timeouts and bad request lines: one short line
+        sys.stderr.write("[http] " + (fmt % args) + "\n")
+
+    def handle(self):
+        # A client that resets or leaves between requests is not an error worth a traceback.
+        try:
+            super().handle()
+        except (ConnectionResetError, BrokenPipeError, socket.timeout):
+            self.close_connection = True
+
     def _json(self, status: int, obj: dict) -> None:
         data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self._cors_headers()
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            self.close_connection = True  # the client left before reading the answer
 
     def _error(self, e: ProtocolError) -> None:
         kind = "server_error" if e.status >= 500 else "invalid_request_error"
         self._json(e.status, {"error": {"message": e.message, "type": kind, "code": e.code, "param": None}})
 
+    # --- who may call ---------------------------------------------------------
+    def _route(self) -> str:
+        return urlsplit(self.path).path.rstrip("/") or "/"
+
+    def _origin_allowed(self) -> bool:
+        origin = self.headers.get("Origin")
+        return origin is None or origin in self.app.options.allowed_origins
+
+    def _cors_headers(self) -> None:
+        origin = self.headers.get("Origin")
+        if origin is not None and origin in self.app.options.allowed_origins:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+
+    def _check_access(self) -> None:
+        """Refuse other hosts' names (DNS rebinding), foreign origins (CSRF) and missing keys."""
+        opts = self.app.options
+        host = self.headers.get("Host", "")
+        name = urlsplit("//" + host).hostname or ""
+        if name not in LOCAL_HOSTS and name != opts.host.strip("[]"):
+            raise ProtocolError("forbidden_host", f"Host {host!r} is not this server", 403)
+        if not self._origin_allowed():
+            raise ProtocolError("forbidden_origin", "this origin may not call the API (see --allowed-origins)", 403)
+        if opts.api_key is not None:
+            auth = self.headers.get("Authorization", "")
+            given = auth[7:] if auth.startswith("Bearer ") else ""
+            if not hmac.compare_digest(given.encode(), opts.api_key.encode()):
+                raise ProtocolError("invalid_api_key", "missing or wrong API key (Authorization: Bearer KEY)", 401)
+
+    # --- methods ----------------------------------------------------------------
+    def do_OPTIONS(self):
+        """CORS preflight: answered for allowed origins only."""
+        if self.headers.get("Origin") is None or not self._origin_allowed():
+            return self._error(ProtocolError("forbidden_origin", "this origin may not call the API", 403))
+        self.send_response(204)
+        self._cors_headers()
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _method_not_allowed(self):
+        self._error(ProtocolError("method_not_allowed", f"{self.command} is not supported here", 405))
+
+    do_PUT = do_DELETE = do_PATCH = do_HEAD = _method_not_allowed
+
     def do_GET(self):
-        app = self.app
-        if self.path == "/health":
+        try:
+            self._check_access()
+        except ProtocolError as e:
+            return self._error(e)
+        app, route = self.app, self._route()
+        if route == "/health":
             return self._json(200, {"status": "ok", "model": app.model_id})
-        if self.path == "/v1/models":
+        if route == "/v1/models":
             return self._json(
                 200,
                 {
@@ -155,19 +276,21 @@ class ApiHandler(BaseHTTPRequestHandler):
                     "data": [{"id": app.model_id, "object": "model", "created": 0, "owned_by": "specstream-mlx"}],
                 },
             )
-        self._error(ProtocolError("not_found", f"no route {self.path}", 404))
+        self._error(ProtocolError("not_found", f"no route {route}", 404))
 
     def do_POST(self):
         try:
-            if self.path not in ("/v1/chat/completions", "/v1/completions"):
-                raise ProtocolError("not_found", f"no route {self.path}", 404)
+            self._check_access()
+            route = self._route()
+            if route not in ("/v1/chat/completions", "/v1/completions"):
+                raise ProtocolError("not_found", f"no route {route}", 404)
             body = self._read_body()
-            chat = self.path == "/v1/chat/completions"
+            chat = route == "/v1/chat/completions"
             self._complete(chat, self.app.parse(body, chat))
         except ProtocolError as e:
             self._error(e)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            self.close_connection = True
         except Exception as e:  # a bug in one request must not stop the server
             self._error(ProtocolError("internal_error", f"{type(e).__name__}: {e}", 500))
 
@@ -198,23 +321,50 @@ class ApiHandler(BaseHTTPRequestHandler):
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ProtocolError("invalid_json", f"the body is not valid JSON: {e}") from None
 
+    def _client_gone(self) -> bool:
+        """The client closed its side (readable with no data); a non-streaming
+        request finds out no other way before it writes its answer."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
     def _complete(self, chat: bool, req: GenerationRequest) -> None:
         created = int(time.time())
         events = self.app.submit(req)
-        if not req.stream:
-            while True:
-                kind, val = events.get()
-                if kind == "error":
-                    raise val
-                if kind == "done":
-                    return self._json(200, self._final(chat, req.id, created, val, len(req.prompt_ids)))
-        self._stream(chat, req, created, events)
+        if req.stream:
+            return self._stream(chat, req, created, events)
+        while True:
+            try:
+                kind, val = events.get(timeout=0.1)
+            except queue.Empty:
+                if self._client_gone():
+                    req.cancel.set()  # stop generating for nobody; the worker moves on
+                    self.close_connection = True
+                    return
+                continue
+            if kind == "error":
+                raise val
+            if kind == "done":
+                self._access_log(val)
+                return self._json(200, self._final(chat, req.id, created, val, len(req.prompt_ids)))
+
+    def _access_log(self, reply: Reply) -> None:
+        st = reply.stats
+        if st is None:
+            return
+        sys.stderr.write(
+            f"[http] {self.client_address[0]} {self._route()} {reply.finish_reason}: {st.generated_tokens} tokens, "
+            f"τ {st.tokens_per_pass:.2f}, {st.tokens_per_second:.1f} tok/s ({st.mode})\n"
+        )
 
     def _stream(self, chat: bool, req: GenerationRequest, created: int, events: "queue.Queue") -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
+        self._cors_headers()
         self.end_headers()
         self.close_connection = True
         first = True
@@ -229,10 +379,16 @@ class ApiHandler(BaseHTTPRequestHandler):
                     self._sse({"error": {"message": f"{type(val).__name__}: {val}", "type": "server_error"}})
                 else:
                     self._sse(self._chunk(chat, req.id, created, "", _finish(val.finish_reason), first))
+                    if req.include_usage:
+                        usage = self._chunk(chat, req.id, created, "", None, False)
+                        usage["choices"] = []
+                        usage["usage"] = _usage(len(req.prompt_ids), val)
+                        self._sse(usage)
+                    self._access_log(val)
                 break
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
             req.cancel.set()  # the client went away: stop generating
 
     def _sse(self, obj: dict) -> None:
@@ -262,11 +418,7 @@ class ApiHandler(BaseHTTPRequestHandler):
         }
 
     def _final(self, chat: bool, rid: str, created: int, reply: Reply, n_prompt: int) -> Dict[str, Any]:
-        usage = {
-            "prompt_tokens": n_prompt,
-            "completion_tokens": len(reply.tokens),
-            "total_tokens": n_prompt + len(reply.tokens),
-        }
+        usage = _usage(n_prompt, reply)
         stats = reply.stats.to_dict() if reply.stats else {}
         finish = _finish(reply.finish_reason)
         if chat:
@@ -287,23 +439,72 @@ class ApiHandler(BaseHTTPRequestHandler):
 
 
 def make_handler(app: App) -> type:
-    """A handler class bound to ``app``."""
-    return type("Handler", (ApiHandler,), {"app": app})
+    """A handler class bound to ``app`` (and its socket timeout)."""
+    return type("Handler", (ApiHandler,), {"app": app, "timeout": app.options.timeout})
+
+
+def _usage(n_prompt: int, reply: Reply) -> dict:
+    n = len(reply.tokens)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
 
 
 def _finish(reason: Optional[str]) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def make_server(model, tokenizer, model_id, mode, max_context, modes, host="127.0.0.1", port=8080):
-    app = App(model, tokenizer, model_id, mode, max_context, modes)
-    server = ThreadingHTTPServer((host, port), make_handler(app))
-    server.daemon_threads = True
+class _CappedServer(ThreadingHTTPServer):
+    """A threading server that refuses connections beyond ``max_connections`` open ones."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int = MAX_CONNECTIONS):
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 70\r\nConnection: close\r\n\r\n"
+                    b'{"error": {"message": "too many connections", "code": "overloaded"}}  '
+                )
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def handle_error(self, request, client_address):
+        exc = sys.exc_info()[1]
+        sys.stderr.write(f"[http] {client_address[0]}: {type(exc).__name__}: {exc}\n")
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def make_server(
+    model, tokenizer, model_id, mode, max_context, modes, host="127.0.0.1", port=8080, options=None
+) -> "tuple[ThreadingHTTPServer, App]":
+    options = options or HttpOptions(host=host)
+    app = App(model, tokenizer, model_id, mode, max_context, modes, options)
+    server = _CappedServer((host, port), make_handler(app), options.max_connections)
     return server, app
 
 
-def serve_http(model, tokenizer, model_id, mode, max_context, modes, host, port) -> int:
-    server, app = make_server(model, tokenizer, model_id, mode, max_context, modes, host, port)
+def serve_http(model, tokenizer, model_id, mode, max_context, modes, host, port, options=None) -> int:
+    options = options or HttpOptions(host=host)
+    if host not in LOCAL_HOSTS and options.api_key is None:
+        print(
+            f"specstream-mlx: warning: serving on {host} without --api-key: anyone who can reach this "
+            "address can use the model",
+            file=sys.stderr,
+            flush=True,
+        )
+    server, app = make_server(model, tokenizer, model_id, mode, max_context, modes, host, port, options)
     print(f"specstream-mlx: serving {model_id} on http://{host}:{server.server_port}/v1", file=sys.stderr, flush=True)
     http_thread = threading.Thread(target=server.serve_forever, daemon=True)
     http_thread.start()

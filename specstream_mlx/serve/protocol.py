@@ -44,6 +44,7 @@ class GenerationRequest:
         mode: decoding mode (ss, ar or lookup).
         stop: stop strings.
         stream: stream events/chunks (HTTP); stdio always streams.
+        include_usage: HTTP streaming: end with a chunk carrying the usage.
         cancel: set to stop the request early.
     """
 
@@ -55,6 +56,7 @@ class GenerationRequest:
     mode: str
     stop: List[str]
     stream: bool = True
+    include_usage: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -70,11 +72,21 @@ def number(body: dict, key: str, default, lo, hi, integer: bool = False):
     return int(v) if integer else float(v)
 
 
+def check_text(text: str, key: str) -> str:
+    """``text`` if it is valid Unicode (JSON allows lone surrogates like "\\ud800", which no
+    tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ProtocolError("invalid_value", f'"{key}" contains a lone surrogate: not valid Unicode') from None
+    return text
+
+
 def text_of(content: Any) -> Optional[str]:
     """A message's text: a string, or OpenAI content parts of type text; None if neither."""
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return content if isinstance(content, str) else None
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return check_text(content, "content") if isinstance(content, str) else None
 
 
 def parse_messages(raw: Any, strict_keys: bool = True) -> List[Dict[str, str]]:
@@ -105,7 +117,7 @@ def parse_stop(raw: Any) -> List[str]:
     stop = [raw] if isinstance(raw, str) else raw
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
         raise ProtocolError("invalid_type", f'"stop" must be a string or a list of at most {MAX_STOP_STRINGS} strings')
-    return stop
+    return [check_text(s, "stop") for s in stop]
 
 
 def parse_mode(raw: Any, modes: List[str], default: str, key: str = "mode") -> str:
@@ -121,11 +133,11 @@ def check_prompt_chars(n_chars: int, max_context: int, code: str = "prompt_too_l
         raise ProtocolError(code, f"the prompt exceeds the context of {max_context} tokens")
 
 
-def parse_sampling(body: dict, default_temperature: float) -> SamplingParams:
-    """Temperature, top-p, top-k and seed of a request."""
+def parse_sampling(body: dict, default_temperature: float, default_top_p: float = 1.0) -> SamplingParams:
+    """Temperature, top-p, top-k and seed of a request (temperatures below 1e-5 are greedy)."""
     return SamplingParams(
         temperature=number(body, "temperature", default_temperature, 0.0, 100.0),
-        top_p=number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_p=number(body, "top_p", default_top_p, 1e-9, 1.0),
         top_k=number(body, "top_k", 0, 0, 1 << 30, integer=True),
         seed=number(body, "seed", None, 0, (1 << 63) - 1, integer=True),
     )

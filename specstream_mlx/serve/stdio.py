@@ -22,6 +22,7 @@ from .protocol import (
     ProtocolError,
     cap_max_tokens,
     check_prompt_chars,
+    check_text,
     number,
     parse_messages,
     parse_mode,
@@ -149,6 +150,7 @@ class StdioServer:
             p = req["prompt"]
             if not isinstance(p, str):
                 raise ProtocolError("invalid_type", '"prompt" must be a string')
+            check_text(p, "prompt")
             if not p.strip():
                 raise ProtocolError("empty_prompt", '"prompt" is empty')
             messages = [{"role": "user", "content": p}]
