@@ -530,3 +530,44 @@ def test_http_disconnect_cancels_and_slow_clients_time_out(ss_model):
         proc.wait(timeout=30)
     log = proc.stderr.read().decode()
     assert "Traceback" not in log and "tok/s" in log  # per-request access-log lines
+
+
+def test_stdio_ready_event_and_signals(ss_model):
+    """SIGINT (exit 130) and SIGTERM (exit 0) cancel the running and queued requests, each
+    ending with done/cancelled, with stdin still open; a closed stdout ends the server
+    quietly; a model that cannot load gives one error event and exit 1."""
+    import signal
+
+    def start():
+        p = subprocess.Popen(
+            [*CLI, "serve", "--stdio", "--model", str(ss_model)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        ready = json.loads(p.stdout.readline())
+        assert ready["event"] == "ready" and ready["id"] is None and "ar" in ready["modes"]
+        for rid in ("L", "Q"):  # a long request and one queued behind it
+            p.stdin.write((json.dumps({"id": rid, "prompt": "a", "max_tokens": 4000, "mode": "ar"}) + "\n").encode())
+        p.stdin.flush()
+        assert json.loads(p.stdout.readline())["event"] == "token"
+        return p
+
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 0)):
+        p = start()
+        p.send_signal(sig)
+        rest = [json.loads(line) for line in p.stdout]  # every line whole, up to EOF
+        assert p.wait(timeout=30) == code
+        done = {e["id"]: e for e in rest if e["event"] == "done"}
+        assert done["L"]["finish_reason"] == "cancelled" and done["Q"]["finish_reason"] == "cancelled"
+        assert b"Fatal Python error" not in p.stderr.read()
+    p = start()
+    p.stdout.close()  # the reader goes away
+    assert p.wait(timeout=30) == 0
+    assert b"Fatal Python error" not in p.stderr.read()
+    r = subprocess.run(
+        [*CLI, "serve", "--stdio", "--model", str(ss_model) + "-missing"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 1
+    ev = json.loads(r.stdout.strip())
+    assert ev["event"] == "error" and ev["code"] == "load_failed" and "missing" in ev["message"]

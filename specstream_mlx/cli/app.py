@@ -24,15 +24,27 @@ app = typer.Typer(
 )
 
 
+def _fail(msg: str, code: int = 1):
+    typer.echo(f"specstream-mlx: error: {msg}", err=True)
+    raise typer.Exit(code)
+
+
 def _err(msg: str, code: int = 1):
     typer.echo(f"specstream-mlx: error: {msg}", err=True)
     raise typer.Exit(code)
 
 
-def _load_for_decoding(model: str, mode: Optional[str]):
+def _load_for_decoding(model: str, mode: Optional[str], report=None):
     """Load ``model`` (or exit with one line naming the problem) and settle the
     decoding mode: ``mode`` when given and available, else ss when the model
-    has streams, else ar. Returns (model, tokenizer, mode, available modes)."""
+    has streams, else ar. Returns (model, tokenizer, mode, available modes).
+    ``report(message)`` also receives a failure (the stdio server's error event)."""
+
+    def _err(msg: str):
+        if report is not None:
+            report(msg)
+        _fail(msg)
+
     from ..io.loading import ModelLoadError
     from ..method.streams import no_streams_message
     from ..models import UnsupportedModelError
@@ -346,12 +358,15 @@ def serve(
         _err(str(e))
     if max_tokens < 1:
         _err(f"--max-tokens must be at least 1, got {max_tokens}")
-    m, tok, mode, modes = _load_for_decoding(model, mode)
+    report = None
+    if stdio:
+        from ..serve.stdio import emit_load_error as report
+    m, tok, mode, modes = _load_for_decoding(model, mode, report)
     ctx = max_context or m.args.max_position_embeddings or 4096
     if stdio:
         from ..serve.stdio import serve_stdio
 
-        raise typer.Exit(serve_stdio(m, tok, mode, ctx, modes))
+        raise typer.Exit(serve_stdio(m, tok, mode, ctx, modes, m.path.name))
     from ..serve.http import HttpOptions, serve_http
 
     origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()]

@@ -10,10 +10,12 @@ gets an ``error`` event; EOF lets queued requests finish, then exits 0.
 from __future__ import annotations
 
 import json
+import os
 import queue
+import signal
 import sys
 import threading
-from typing import Any, BinaryIO, Dict, List
+from typing import Any, BinaryIO, Dict, List, Optional
 
 from ..runtime.generation import encode_prompt
 from ..runtime.session import ChatSession
@@ -65,13 +67,35 @@ class StdioServer:
         self.live: Dict[Any, GenerationRequest] = {}  # queued or running, by id
         self.live_lock = threading.Lock()
         self.session = ChatSession(model, tokenizer)
+        self.out_closed = False
+        self.stop_code: Optional[int] = None
 
     # --- output ---------------------------------------------------------------
     def emit(self, obj: dict) -> None:
         data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8", errors="replace")
         with self.out_lock:
-            self.out.write(data)
-            self.out.flush()
+            if self.out_closed:
+                return
+            try:
+                self.out.write(data)
+                self.out.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                # The reader closed our stdout: nobody is listening; stop quietly.
+                self.out_closed = True
+                self.stop(0)
+
+    # --- stopping ---------------------------------------------------------------
+    def stop(self, code: int) -> None:
+        """Cancel everything queued or running and make ``run`` return ``code``."""
+        if self.stop_code is None:
+            self.stop_code = code
+        with self.live_lock:
+            for r in self.live.values():
+                r.cancel.set()
+
+    def on_signal(self, signum, frame) -> None:
+        # SIGINT: cancelled by the user (exit 130); SIGTERM: asked to shut down (exit 0).
+        self.stop(130 if signum == signal.SIGINT else 0)
 
     def error(self, rid, code: str, message: str) -> None:
         self.emit({"id": rid, "event": "error", "code": code, "message": message})
@@ -169,10 +193,14 @@ class StdioServer:
 
     # --- generation -------------------------------------------------------------
     def run(self, stream: BinaryIO) -> int:
+        """Serve until EOF (exit code 0) or a signal; see docs/PROTOCOL.md."""
         reader = threading.Thread(target=self.read_lines, args=(stream,), daemon=True)
         reader.start()
-        while True:
-            r = self.queue.get()
+        while self.stop_code is None:
+            try:
+                r = self.queue.get(timeout=0.1)  # wakes up for signals, too
+            except queue.Empty:
+                continue
             if r is _EOF:
                 return 0
             try:
@@ -182,6 +210,15 @@ class StdioServer:
             finally:
                 with self.live_lock:
                     self.live.pop(r.id, None)
+        # Stopped by a signal: every queued request still gets its "done".
+        while True:
+            try:
+                r = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if r is not _EOF:
+                self.emit({"id": r.id, "event": "done", "text": "", "finish_reason": "cancelled", "stats": {}})
+        return self.stop_code
 
     def generate(self, r: GenerationRequest) -> None:
         if r.cancel.is_set():
@@ -214,9 +251,27 @@ class StdioServer:
         )
 
 
-def serve_stdio(model, tokenizer, default_mode: str, max_context: int, modes: List[str]) -> int:
+def serve_stdio(model, tokenizer, default_mode: str, max_context: int, modes: List[str], name: str = "") -> int:
     out = sys.stdout.buffer
     # Anything else that prints (warnings, progress) goes to stderr, never into the protocol.
     sys.stdout = sys.stderr
     server = StdioServer(model, tokenizer, default_mode, max_context, out, modes)
-    return server.run(sys.stdin.buffer)
+    signal.signal(signal.SIGINT, server.on_signal)
+    signal.signal(signal.SIGTERM, server.on_signal)
+    server.emit({"id": None, "event": "ready", "model": name, "modes": modes, "max_context": max_context})
+    code = server.run(sys.stdin.buffer)
+    try:
+        out.flush()
+    except OSError:
+        pass
+    sys.stderr.flush()
+    # The reader thread may be blocked in a read of stdin; a normal interpreter
+    # shutdown would then abort ("_enter_buffered_busy"). Everything is flushed.
+    os._exit(code)
+
+
+def emit_load_error(message: str) -> None:
+    """The one event a server that could not load its model writes before exiting 1."""
+    line = json.dumps({"id": None, "event": "error", "code": "load_failed", "message": message}, ensure_ascii=False)
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
