@@ -25,6 +25,8 @@ public final class SpecStreamClient: @unchecked Sendable {
     private var continuations: [String: AsyncStream<SpecStreamEvent>.Continuation] = [:]
     private var buffer = Data()
     private var nextId = 0
+    /// Set once the server process has exited or its pipes closed: later requests fail at once.
+    private var serverGone: SpecStreamError?
 
     /// - Parameters:
     ///   - executable: path of the `specstream-mlx` console script (e.g. inside a venv).
@@ -36,14 +38,30 @@ public final class SpecStreamClient: @unchecked Sendable {
         process.standardInput = stdinPipe
         process.standardOutput = stdoutPipe
         process.standardError = stderrPipe
+        // A write to a server that died must fail, not kill this process.
+        signal(SIGPIPE, SIG_IGN)
         stdoutPipe.fileHandleForReading.readabilityHandler = { [weak self] handle in
-            self?.consume(handle.availableData)
+            let data = handle.availableData
+            if data.isEmpty {
+                // EOF: clear the handler, or it is called again and again (a busy loop).
+                handle.readabilityHandler = nil
+            }
+            self?.consume(data)
         }
         // Logs: drain so the child never blocks on a full pipe.
         stderrPipe.fileHandleForReading.readabilityHandler = { handle in
-            if let line = String(data: handle.availableData, encoding: .utf8), !line.isEmpty {
+            let data = handle.availableData
+            if data.isEmpty {
+                handle.readabilityHandler = nil
+                return
+            }
+            if let line = String(data: data, encoding: .utf8) {
                 FileHandle.standardError.write(Data(("[specstream] " + line).utf8))
             }
+        }
+        process.terminationHandler = { [weak self] proc in
+            self?.failAll(SpecStreamError(code: "server_exited",
+                                          message: "the server exited with status \(proc.terminationStatus)"))
         }
         try process.run()
     }
@@ -57,7 +75,15 @@ public final class SpecStreamClient: @unchecked Sendable {
         if let mode { request["mode"] = mode }
         if !stop.isEmpty { request["stop"] = stop }
         return AsyncStream { continuation in
-            lock.lock(); continuations[id] = continuation; lock.unlock()
+            lock.lock()
+            let gone = serverGone
+            if gone == nil { continuations[id] = continuation }
+            lock.unlock()
+            if let gone {  // the server already exited: answer at once instead of hanging
+                continuation.yield(.error(code: gone.code, message: gone.message))
+                continuation.finish()
+                return
+            }
             continuation.onTermination = { [weak self] reason in
                 if case .cancelled = reason { self?.send(["id": id, "cancel": true]) }
             }
@@ -92,13 +118,29 @@ public final class SpecStreamClient: @unchecked Sendable {
     private func send(_ request: [String: Any]) {
         guard var data = try? JSONSerialization.data(withJSONObject: request) else { return }
         data.append(0x0A)
-        stdinPipe.fileHandleForWriting.write(data)
+        do {
+            try stdinPipe.fileHandleForWriting.write(contentsOf: data)
+        } catch {
+            failAll(SpecStreamError(code: "server_exited", message: "cannot write to the server: \(error)"))
+        }
+    }
+
+    /// Ends every open request with `error` and makes later requests fail at once.
+    private func failAll(_ error: SpecStreamError) {
+        lock.lock()
+        if serverGone == nil { serverGone = error }
+        let open = continuations
+        continuations = [:]
+        lock.unlock()
+        for continuation in open.values {
+            continuation.yield(.error(code: error.code, message: error.message))
+            continuation.finish()
+        }
     }
 
     private func consume(_ chunk: Data) {
-        if chunk.isEmpty {  // EOF: finish every open stream
-            lock.lock(); let open = continuations; continuations = [:]; lock.unlock()
-            open.values.forEach { $0.finish() }
+        if chunk.isEmpty {  // EOF: the server is gone; finish every open stream with an error
+            failAll(SpecStreamError(code: "server_exited", message: "the server closed its output"))
             return
         }
         buffer.append(chunk)
@@ -112,6 +154,10 @@ public final class SpecStreamClient: @unchecked Sendable {
     private func handle(_ line: Data) {
         guard let obj = try? JSONSerialization.jsonObject(with: line) as? [String: Any],
               let event = obj["event"] as? String else { return }
+        if event == "error", obj["code"] as? String == "load_failed" {  // the model did not load
+            failAll(SpecStreamError(code: "load_failed", message: obj["message"] as? String ?? ""))
+            return
+        }
         let id = (obj["id"] as? String) ?? (obj["id"] as? Int).map(String.init) ?? ""
         lock.lock(); let continuation = continuations[id]; lock.unlock()
         guard let continuation else { return }
