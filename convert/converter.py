@@ -211,7 +211,8 @@ def convert(
     except (TypeError, KeyError) as e:
         raise ConvertError(f"{src / 'config.json'}: incomplete config ({e})") from e
     log(f"[convert] {src} ({config['model_type']})")
-    from .hf_layout import CONFIG_KEY, fuse_peft_adapter, split_stream_weights, streams_from_hf
+    from ..io.adapters import fuse_peft_adapter
+    from .hf_layout import CONFIG_KEY, split_stream_weights, streams_from_hf
 
     weights, stream_tensors = split_stream_weights(read_weights(src))
     weights = model.sanitize(weights)

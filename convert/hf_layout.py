@@ -24,8 +24,6 @@ adapter is ``o(M) = M + up(down(M))``. ``config.json``::
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Dict, Tuple
 
 import mlx.core as mx
@@ -94,49 +92,3 @@ def streams_from_hf(model, cfg_obj: dict, tensors: Dict[str, mx.array], where: s
 
 def _t(x):
     return None if x is None else x.T
-
-
-def fuse_peft_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tuple[Dict[str, mx.array], int]:
-    """Fuse a PEFT LoRA adapter into base weights: W += scale · B @ A. Returns (weights, fused count)."""
-    adapter_dir = Path(adapter_dir)
-    cfg_path = adapter_dir / "adapter_config.json"
-    w_path = adapter_dir / "adapter_model.safetensors"
-    if not cfg_path.exists():
-        raise ValueError(f"{cfg_path}: missing (not a PEFT adapter directory)")
-    if not w_path.exists():
-        raise ValueError(f"{w_path}: missing (only safetensors adapters are supported)")
-    cfg = json.loads(cfg_path.read_text())
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    r = cfg["r"]
-    alpha = cfg.get("lora_alpha", r)
-    scale = alpha / (r**0.5) if cfg.get("use_rslora") else alpha / r
-    try:
-        ad = mx.load(str(w_path))
-    except Exception as e:  # corrupt file
-        raise ValueError(f"{w_path}: cannot read safetensors ({e})") from e
-    weights = dict(weights)
-    fused = 0
-    for k, A in ad.items():
-        if ".lora_A." not in k:
-            continue
-        B = ad.get(k.replace(".lora_A.", ".lora_B."))
-        if B is None:
-            raise ValueError(f"{w_path}: {k} has no matching lora_B")
-        target = k.split(".lora_A.")[0]
-        for prefix in ("base_model.model.", "base_model."):
-            if target.startswith(prefix):
-                target = target[len(prefix) :]
-                break
-        wk = target + ".weight"
-        if wk not in weights:
-            raise ValueError(f"{w_path}: adapter targets {wk}, which the base model does not have")
-        W = weights[wk]
-        delta = (scale * (B.astype(mx.float32) @ A.astype(mx.float32))).astype(W.dtype)
-        if delta.shape != W.shape:
-            raise ValueError(f"{w_path}: {k} gives a {delta.shape} update for {wk} of shape {W.shape}")
-        weights[wk] = W + delta
-        fused += 1
-    if not fused:
-        raise ValueError(f"{w_path}: no lora_A/lora_B pairs found")
-    return weights, fused

@@ -306,3 +306,54 @@ def test_broken_chat_template_fails_in_one_line(tmp_path, tiny_model_dir):
     d = _broken_copy(tiny_model_dir, tmp_path / "tpl", edit)
     err = _one_line_error(run("generate", "--model", str(d), "--prompt", "hi", "-m", "4"))
     assert "template" in err.lower() or "prompt" in err
+
+
+def test_adapter_path_fuses_peft_and_mlx_lm_adapters(tmp_path, tiny_model_dir):
+    """--adapter-path: a PEFT adapter gives the same tokens as the model converted with it
+    fused; an mlx-lm adapter with the same delta gives the same tokens too."""
+    import mlx.core as mx
+
+    from specstream_mlx.convert import ConvertOptions, convert
+
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    h, r = cfg["hidden_size"], 4
+    mx.random.seed(1)
+    peft, mlxlm = tmp_path / "peft", tmp_path / "mlxlm"
+    peft.mkdir()
+    mlxlm.mkdir()
+    A = {i: mx.random.normal((r, h)) * 0.3 for i in range(cfg["num_hidden_layers"])}  # (r, in)
+    B = {i: mx.random.normal((h, r)) * 0.3 for i in A}  # (out, r)
+    mx.save_safetensors(
+        str(peft / "adapter_model.safetensors"),
+        {
+            **{f"base_model.model.model.layers.{i}.self_attn.o_proj.lora_A.weight": A[i] for i in A},
+            **{f"base_model.model.model.layers.{i}.self_attn.o_proj.lora_B.weight": B[i] for i in A},
+        },
+    )
+    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r}))
+    # mlx-lm stores a = Aᵀ (in, r), b = Bᵀ (r, out) and its own scale.
+    mx.save_safetensors(
+        str(mlxlm / "adapters.safetensors"),
+        {
+            **{f"model.layers.{i}.self_attn.o_proj.lora_a": A[i].T for i in A},
+            **{f"model.layers.{i}.self_attn.o_proj.lora_b": B[i].T for i in A},
+        },
+    )
+    (mlxlm / "adapter_config.json").write_text(
+        json.dumps({"fine_tune_type": "lora", "lora_parameters": {"rank": r, "scale": 2.0}})
+    )
+    fused = convert(str(tiny_model_dir), str(tmp_path / "fused"), ConvertOptions(dtype="float32", adapter=str(peft)))
+
+    def tokens(model, *extra):
+        r = run("generate", "--model", str(model), "--prompt", "hello", "-m", "16", "--json", *extra)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["tokens"]
+
+    plain, want = tokens(tiny_model_dir), tokens(fused)
+    assert want != plain  # the adapter changes the model
+    assert tokens(tiny_model_dir, "--adapter-path", str(peft)) == want
+    assert tokens(tiny_model_dir, "--adapter-path", str(mlxlm)) == want
+    err = _one_line_error(
+        run("generate", "--model", str(tiny_model_dir), "--prompt", "x", "--adapter-path", str(tmp_path / "nowhere"))
+    )
+    assert "adapter" in err

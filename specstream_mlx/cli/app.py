@@ -34,7 +34,7 @@ def _err(msg: str, code: int = 1):
     raise typer.Exit(code)
 
 
-def _load_for_decoding(model: str, mode: Optional[str], report=None):
+def _load_for_decoding(model: str, mode: Optional[str], report=None, adapter_path: Optional[str] = None):
     """Load ``model`` (or exit with one line naming the problem) and settle the
     decoding mode: ``mode`` when given and available, else ss when the model
     has streams, else ar. Returns (model, tokenizer, mode, available modes).
@@ -54,7 +54,7 @@ def _load_for_decoding(model: str, mode: Optional[str], report=None):
     if mode is not None and mode not in MODES:
         _err(f"unknown --mode {mode!r}; available: {', '.join(MODES)}")
     try:
-        m, tok = load(model)
+        m, tok = load(model, adapter_path=adapter_path)
     except (ModelLoadError, UnsupportedModelError, ValueError) as e:
         _err(str(e))
     modes = [x for x in MODES if x != "ss" or m.streams is not None]
@@ -182,6 +182,9 @@ def generate(
     model: str = typer.Option("demo-chat", "--model", help="Model directory, bundled name or hub id."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens to generate."),
+    adapter_path: Optional[str] = typer.Option(
+        None, "--adapter-path", help="PEFT or mlx-lm LoRA adapter directory to fuse into the base weights."
+    ),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="System message before the prompt."),
     max_kv_size: Optional[int] = typer.Option(
         None, "--max-kv-size", help="Context limit in tokens (default: the model's max_position_embeddings)."
@@ -220,7 +223,7 @@ def generate(
         tree_spec = tree if tree == "auto" else TreeSpec.parse(tree)
     except ValueError as e:
         _err(str(e))
-    m, tok, mode, _ = _load_for_decoding(model, mode)
+    m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
     ss_log = lambda s: typer.echo(f"specstream-mlx: {s}", err=True)  # noqa: E731
     if system_prompt is not None and not ignore_chat_template:
         prompt = [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
@@ -301,6 +304,9 @@ def chat(
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
     max_tokens: int = typer.Option(512, "--max-tokens", "-m", help="Most tokens per reply."),
+    adapter_path: Optional[str] = typer.Option(
+        None, "--adapter-path", help="PEFT or mlx-lm LoRA adapter directory to fuse into the base weights."
+    ),
     system: Optional[str] = typer.Option(None, "--system-prompt", "--system", help="System prompt."),
     max_kv_size: Optional[int] = typer.Option(
         None,
@@ -319,7 +325,7 @@ def chat(
         _err(str(e))
     if max_tokens < 1:
         _err(f"--max-tokens must be at least 1, got {max_tokens}")
-    m, tok, mode, _ = _load_for_decoding(model, mode)
+    m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
     opts = ChatOptions(mode, temp, max_tokens, system, tree, top_p, context_limit(m, max_kv_size))
     raise typer.Exit(run_chat(m, tok, opts))
 
@@ -338,6 +344,9 @@ def serve(
     temp: float = typer.Option(0.0, "--temp", help="HTTP: default temperature of requests that give none."),
     top_p: float = typer.Option(1.0, "--top-p", help="HTTP: default top-p."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="HTTP: default max_tokens."),
+    adapter_path: Optional[str] = typer.Option(
+        None, "--adapter-path", help="PEFT or mlx-lm LoRA adapter directory to fuse into the base weights."
+    ),
     api_key: Optional[str] = typer.Option(
         None, "--api-key", envvar="SPECSTREAM_API_KEY", help="HTTP: require 'Authorization: Bearer KEY'."
     ),
@@ -361,7 +370,7 @@ def serve(
     report = None
     if stdio:
         from ..serve.stdio import emit_load_error as report
-    m, tok, mode, modes = _load_for_decoding(model, mode, report)
+    m, tok, mode, modes = _load_for_decoding(model, mode, report, adapter_path)
     ctx = max_context or m.args.max_position_embeddings or 4096
     if stdio:
         from ..serve.stdio import serve_stdio

@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.nn as nn
 
-from ..io.loading import load_model_dir
+from ..io.adapters import fuse_adapter_into
+from ..io.loading import ModelLoadError, load_model_dir
 from ..method.streams import StreamParams
 from ..models.base import ModelArgs
 from .autotune import AutoTree, auto_tree_for
@@ -72,7 +73,9 @@ def base_model(model: Any) -> nn.Module:
     return model.base if isinstance(model, SpeculativeModel) else model
 
 
-def load(path_or_name: str, dtype="auto", lazy: bool = False, warn: bool = True) -> Tuple[SpeculativeModel, Any]:
+def load(
+    path_or_name: str, dtype="auto", lazy: bool = False, warn: bool = True, adapter_path: Optional[str] = None
+) -> Tuple[SpeculativeModel, Any]:
     """Load ``(model, tokenizer)`` from a directory, bundled name or hub id.
 
     Args:
@@ -82,10 +85,16 @@ def load(path_or_name: str, dtype="auto", lazy: bool = False, warn: bool = True)
             None (stored) or an mlx dtype.
         lazy: leave parameters unevaluated.
         warn: warn on stderr when the streams are untrained.
+        adapter_path: a PEFT or mlx-lm LoRA adapter directory to fuse into the base.
 
     Returns:
         A :class:`SpeculativeModel` (``model.streams`` is None for a model
         without streams) and mlx-lm's tokenizer wrapper.
     """
     lm = load_model_dir(path_or_name, dtype=dtype, lazy=lazy, warn=warn)
+    if adapter_path is not None:
+        try:
+            fuse_adapter_into(lm.model, Path(adapter_path))
+        except (ValueError, OSError) as e:
+            raise ModelLoadError(str(e)) from e
     return SpeculativeModel(lm.model, lm.streams, lm.path), lm.tokenizer
