@@ -326,6 +326,21 @@ def test_http_errors_are_4xx_json_and_server_keeps_serving(http_server):
 
 def test_bench_writes_json_markdown_and_chart(ss_model, tmp_path):
     out = tmp_path / "b.json"
+    # Your own prompts, in train's formats (messages with a reference reply, plain prompt).
+    pf = tmp_path / "valid.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]},
+        {"prompt": "abc"},
+        {"prompt": "unused"},
+    ]
+    pf.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    bad = subprocess.run(
+        [*CLI, "bench", "--model", str(ss_model), "--prompts-file", str(tmp_path / "nope.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 1 and "nope.jsonl" in bad.stderr and "Traceback" not in bad.stderr
     r = subprocess.run(
         [
             *CLI,
@@ -340,6 +355,8 @@ def test_bench_writes_json_markdown_and_chart(ss_model, tmp_path):
             str(out),
             "--draft",
             "",
+            "--prompts-file",
+            str(pf),
         ],
         capture_output=True,
         text=True,
@@ -348,6 +365,7 @@ def test_bench_writes_json_markdown_and_chart(ss_model, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
+    assert res["settings"]["prompts"] == 2 and res["settings"]["prompts_file"] == "valid.jsonl"
     for k in ("cpu", "cores", "os", "mlx", "device", "blas"):
         assert k in res["machine"]
     methods = {x["method"]: x for x in res["results"]}

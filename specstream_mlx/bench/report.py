@@ -28,7 +28,13 @@ def markdown_table(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _reference(method: str) -> str:
+    """The plain-decoding row a method is compared with: ar@T for sampled rows."""
+    return "ar@" + method.split("@", 1)[1] if "@" in method else "ar"
+
+
 def write_chart(res: dict, path: Path) -> bool:
+    """Speedup over plain decoding per method (sampled rows next to their ar@T), with τ labels."""
     try:
         import matplotlib
 
@@ -37,16 +43,40 @@ def write_chart(res: dict, path: Path) -> bool:
     except ImportError:
         return False
     rs = res["results"]
-    names = [r["method"] for r in rs]
-    med = [r["tokens_per_second_median"] for r in rs]
-    lo = [r["tokens_per_second_median"] - r["tokens_per_second_min"] for r in rs]
-    hi = [r["tokens_per_second_max"] - r["tokens_per_second_median"] for r in rs]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.bar(names, med, yerr=[lo, hi], capsize=4, color=["#777" if "ss" not in n else "#2a7" for n in names])
-    ax.set_ylabel("tokens / s (median, min–max)")
-    ax.set_title(f"{res['model']} — {res['machine']['device']}, BLAS {res['machine']['blas'].split(' ')[0]}")
-    for i, r in enumerate(rs):
-        ax.text(i, med[i], f"τ {r['tokens_per_pass']:.2f}", ha="center", va="bottom", fontsize=8)
+    # Greedy methods first, then each sampled pair side by side.
+    order = [r for r in rs if "@" not in r["method"]] + sorted(
+        (r for r in rs if "@" in r["method"]), key=lambda r: (r["method"].split("@")[1], r["method"][:2] != "ar")
+    )
+    names = [r["method"] for r in order]
+    speed = [r["speedup_vs_ar"] or 0.0 for r in order]
+    by_name = {r["method"]: r for r in rs}
+    lo, hi = [], []
+    for r in order:
+        ref = by_name.get(_reference(r["method"]), {}).get("tokens_per_second_median") or 1.0
+        lo.append(max(0.0, (r["tokens_per_second_median"] - r["tokens_per_second_min"]) / ref))
+        hi.append(max(0.0, (r["tokens_per_second_max"] - r["tokens_per_second_median"]) / ref))
+    colors = ["#2a7" if n.startswith("ss") else "#bbb" if n.startswith("ar") else "#789" for n in names]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.bar(names, speed, yerr=[lo, hi], capsize=4, color=colors)
+    ax.axhline(1.0, color="#444", linewidth=0.8, linestyle="--")
+    ax.set_ylabel("speedup vs plain decoding (ar; ar@T for sampled rows)")
+    for i, r in enumerate(order):
+        ax.annotate(
+            f"τ {r['tokens_per_pass']:.2f}",
+            (i, speed[i] + hi[i]),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
+    st, m = res["settings"], res["machine"]
+    ax.set_title(
+        f"{res['model']} — {res['date'][:16].replace('T', ' ')} — {m['device']}, BLAS {m['blas'].split(' ')[0]}\n"
+        f"{st['prompts']} prompts × ≤{st['max_tokens']} tokens × {st.get('rounds', 1)} rounds, tree {st['tree']}",
+        fontsize=10,
+    )
+    ax.set_ylim(0, max(speed[i] + hi[i] for i in range(len(speed))) * 1.18 + 0.05)
     plt.xticks(rotation=20)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

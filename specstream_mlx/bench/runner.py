@@ -78,8 +78,51 @@ def _timed(stream: Iterator, tokens_of: Callable, is_pass: Callable) -> Run:
     return Run(toks, "".join(text), (first or t0) - t0, tps, passes, mx.get_peak_memory() / 1e9, eos)
 
 
-def load_bench_prompts(model_dir: Path, n: int) -> List[dict]:
-    """The first ``n`` held-out prompts shipped with a model (generic ones if none)."""
+def _prompt_row(row, where: str) -> dict:
+    """A bench prompt from one JSONL row: ``prompt`` (with an optional reference
+    ``completion``), ``messages`` (up to the last user message; a final assistant
+    message becomes the reference), or ``text``."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: each line must be a JSON object")
+    if isinstance(row.get("prompt"), str):
+        return row
+    msgs = row.get("messages")
+    if isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs):
+        out = {"prompt": msgs}
+        if msgs[-1].get("role") == "assistant":
+            out = {"prompt": msgs[:-1], "completion": msgs[-1].get("content", "")}
+        if out["prompt"]:
+            return out
+    if isinstance(row.get("text"), str):
+        return {"prompt": row["text"]}
+    raise ValueError(f"{where}: needs a 'prompt', 'messages' or 'text'")
+
+
+def read_prompts_file(path: Path, n: int) -> List[dict]:
+    """The first ``n`` prompts of a JSONL file in any format ``train`` reads."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such prompts file")
+    rows = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(_prompt_row(json.loads(line), f"{path}:{i}"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: invalid JSON ({e.msg})") from None
+        if len(rows) >= n:
+            break
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return rows
+
+
+def load_bench_prompts(model_dir: Path, n: int, prompts_file: Optional[Path] = None) -> List[dict]:
+    """The first ``n`` prompts of ``prompts_file``, else the held-out prompts shipped
+    with a model (generic ones if none)."""
+    if prompts_file is not None:
+        return read_prompts_file(prompts_file, n)
     f = model_dir / "bench_prompts.jsonl"
     if not f.exists():
         return [
@@ -239,11 +282,11 @@ def _summarize(runs: Dict[str, List[Run]], setup: BenchSetup, eos_ids) -> List[M
         if temp == 0 and name != "baseline-ar":
             matches = all(strip(a.tokens) == strip(b.tokens) for a, b in zip(rs, runs["ar"]))
         exact = None
-        if "completion" in prompts[0] and name in ("ss", "ar", "baseline-ar"):
-            # Runs are ordered round by round: run k decoded prompt k mod len(prompts).
-            exact = sum(
-                r.text.strip() == prompts[k % len(prompts)]["completion"].strip() for k, r in enumerate(rs)
-            ) / len(rs)
+        # Runs are ordered round by round: run k decoded prompt k mod len(prompts).
+        refs = [(r, prompts[k % len(prompts)].get("completion")) for k, r in enumerate(rs)]
+        refs = [(r, c) for r, c in refs if isinstance(c, str)]
+        if refs and name in ("ss", "ar", "baseline-ar"):
+            exact = sum(r.text.strip() == c.strip() for r, c in refs) / len(refs)
         total = sum(len(strip(r.tokens)) for r in rs)
         # τ counts every token a pass decided, the EOS that ends a reply included.
         decided = sum(len(strip(r.tokens)) + (len(strip(r.tokens)) < len(r.tokens) or r.eos) for r in rs)
@@ -281,11 +324,13 @@ def run_bench(
     progress: bool = True,
     log=print,
     rounds: int = 3,
+    prompts_file: Optional[str] = None,
 ) -> dict:
-    """Decode the model's held-out prompts with every method; returns the JSON-ready result."""
+    """Decode the model's held-out prompts (or ``prompts_file``'s) with every method;
+    returns the JSON-ready result."""
     path = resolve_model_path(model)
+    prompts = load_bench_prompts(path, n_prompts, Path(prompts_file) if prompts_file else None)
     _, tok = load(str(path), warn=False)
-    prompts = load_bench_prompts(path, n_prompts)
     ids = [encode_prompt(tok, p["prompt"], use_chat_template=True) for p in prompts]
     setup = BenchSetup(prompts, ids, max_tokens, temperature, seed)
     draft_path = _draft_path(path, draft)
@@ -301,6 +346,7 @@ def run_bench(
         "baseline_model": Path(baseline).name if baseline else None,
         "settings": {
             "prompts": len(prompts),
+            "prompts_file": Path(prompts_file).name if prompts_file else None,
             "rounds": rounds,
             "max_tokens": max_tokens,
             "temperature": temperature,

@@ -399,6 +399,9 @@ def bench(
         help="Next-token-only baseline model to compare exact match with (default: MODEL-baseline if present).",
     ),
     prompts: int = typer.Option(16, "--prompts", help="Held-out prompts to decode."),
+    prompts_file: Optional[str] = typer.Option(
+        None, "--prompts-file", help="Your own prompts: JSONL with prompt / messages / text (e.g. a valid.jsonl)."
+    ),
     rounds: int = typer.Option(
         3, "--rounds", help="Times each prompt is decoded per method (timings are medians over all)."
     ),
@@ -435,6 +438,7 @@ def bench(
             seed=seed,
             rounds=rounds,
             log=lambda s: typer.echo(s, err=True),
+            prompts_file=prompts_file,
         )
     except (ModelLoadError, UnsupportedModelError, ValueError, OSError) as e:
         _err(str(e))
