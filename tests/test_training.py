@@ -474,3 +474,59 @@ def test_crash_leftovers_are_cleaned_and_resume_uses_the_old_checkpoint(tmp_path
     assert any("checkpoint.old" in line for line in logs) and res.steps == 4
     assert not (out / ".ckpt-deadbeef").exists() and not (out / "checkpoint.old").exists()
     assert (out / "specstream.json").exists() and not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
+def test_distill_writes_the_models_own_replies(tmp_path, base_dir):
+    """Greedy distillation equals generate --temp 0 for the same prompt; the output is
+    train's format; a second run resumes (skips what is done); sampling gives K replies."""
+    import subprocess
+    import sys
+
+    from specstream_mlx import generate
+    from specstream_mlx.train.data import load_dataset
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rows = [
+        {"prompt": "abc"},
+        {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "human reply"}]},
+        {"prompt": "x", "completion": "old"},
+        {"text": "qq"},
+        {"prompt": "zz"},
+    ]
+    (src / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (src / "valid.jsonl").write_text(json.dumps({"prompt": "val"}) + "\n")
+    cli = [sys.executable, "-m", "specstream_mlx", "distill", "--model", str(base_dir), "--prompts", str(src)]
+    r = subprocess.run(
+        [*cli, "--out", str(tmp_path / "d"), "-m", "12", "--batch-size", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    out = [json.loads(line) for line in (tmp_path / "d" / "train.jsonl").read_text().splitlines()]
+    assert len(out) == 5 and out[2]["completion"] != "old" and out[1]["messages"][-1]["content"] != "human reply"
+    model, tok = load(str(base_dir), warn=False)
+    for row, rec in zip(rows, out):
+        prompt = row["messages"][:1] if "messages" in row else row.get("prompt", row.get("text"))
+        want = generate(model, tok, prompt, max_tokens=12).text
+        got = rec["completion"] if "completion" in rec else rec["messages"][-1]["content"]
+        assert got == want, (row, got, want)
+    train_ds, valid_ds, _ = load_dataset(tmp_path / "d", tok, 256)
+    assert len(train_ds) == 5 and len(valid_ds) == 1
+    # Resume: a run killed mid-line leaves a partial line; the next run cuts it and finishes.
+    f = tmp_path / "d" / "train.jsonl"
+    lines = f.read_text().splitlines(keepends=True)
+    f.write_text("".join(lines[:2]) + lines[2][:10])
+    r = subprocess.run([*cli, "--out", str(tmp_path / "d"), "-m", "12"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "2 prompts already done" in r.stderr, r.stderr
+    assert [json.loads(line) for line in f.read_text().splitlines()] == out
+    # Sampled: K replies per prompt.
+    r = subprocess.run(
+        [*cli, "--out", str(tmp_path / "s"), "-m", "8", "--temp", "0.7", "--samples-per-prompt", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert len((tmp_path / "s" / "train.jsonl").read_text().splitlines()) == 10

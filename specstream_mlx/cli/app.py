@@ -492,6 +492,34 @@ def calibrate_pruning_cmd(
         typer.echo(f"wrote pruning.threshold = {cal.threshold:.4g} to {path}", err=True)
 
 
+@app.command()
+def distill(
+    model: str = typer.Option(..., "--model", help="Model whose own replies become the training data."),
+    prompts: str = typer.Option(..., "--prompts", help="Prompts: a data directory (train/valid.jsonl) or one .jsonl."),
+    out: str = typer.Option(..., "--out", help="Output data directory (train/valid.jsonl in train's formats)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens per reply."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
+    samples_per_prompt: int = typer.Option(1, "--samples-per-prompt", help="Replies per prompt."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Prompts generated together."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+):
+    """Generate the model's own replies to prompts: self-distillation data for `train`."""
+    from ..io.loading import ModelLoadError
+    from ..train.data import DataError
+    from ..train.distill import DistillOptions
+    from ..train.distill import distill as _distill
+
+    opts = DistillOptions(max_tokens, temp, top_p, samples_per_prompt, batch_size, seed)
+    try:
+        counts = _distill(model, prompts, out, opts, log=lambda s: typer.echo(s, err=True))
+    except (ModelLoadError, DataError, ValueError, OSError) as e:
+        _err(str(e))
+    except KeyboardInterrupt:
+        _err("interrupted; finished replies are kept (run again to resume)", 130)
+    typer.echo(f"wrote {out}: " + ", ".join(f"{k} {v}" for k, v in counts.items()), err=True)
+
+
 @app.command("prepare-sharegpt")
 def prepare_sharegpt(
     out: str = typer.Option(..., "--out", help="Output data directory (train/valid/test.jsonl)."),
