@@ -214,7 +214,13 @@ def convert(
     from ..io.adapters import fuse_peft_adapter
     from .hf_layout import CONFIG_KEY, split_stream_weights, streams_from_hf
 
-    weights, stream_tensors = split_stream_weights(read_weights(src))
+    all_weights = read_weights(src)
+    sfile = (config.get(CONFIG_KEY) or {}).get("weights_file") if isinstance(config.get(CONFIG_KEY), dict) else None
+    if sfile and not any(k.startswith("speculative_streaming.") for k in all_weights):
+        if not (src / sfile).exists():
+            raise ConvertError(f"{src / sfile}: missing (named by config.json's {CONFIG_KEY}.weights_file)")
+        all_weights.update(_load_safetensors(str(src / sfile)))
+    weights, stream_tensors = split_stream_weights(all_weights)
     weights = model.sanitize(weights)
     check_shapes(model, weights, src)
     if opts.adapter:

@@ -1,9 +1,9 @@
 """``specstream-mlx export``: an MLX model with streams -> Hugging Face layout.
 
-Writes ``config.json`` (with ``speculative_streaming``), one
-``model.safetensors`` holding the base weights under their HF names and the
-stream tensors under ``speculative_streaming.*`` (see :mod:`.hf_layout`), and
-the tokenizer files. PyTorch trainers can produce the same layout, and
+Writes ``config.json`` (with ``speculative_streaming``), ``model.safetensors``
+holding the base weights under their HF names, ``speculative_streaming.safetensors``
+holding the stream tensors under ``speculative_streaming.*`` (see :mod:`.hf_layout`),
+and the tokenizer files. transformers and mlx-lm load the base as is. PyTorch trainers can produce the same layout, and
 ``specstream-mlx convert`` imports it.
 """
 
@@ -19,7 +19,7 @@ from ..io.files import atomic_directory, copy_tokenizer_files
 from ..io.loading import ModelLoadError, load_config, load_model, resolve_model_path
 from ..method.streams import load_streams
 from .converter import ConvertError
-from .hf_layout import CONFIG_KEY, streams_to_hf
+from .hf_layout import CONFIG_KEY, STREAMS_FILE, streams_to_hf
 
 
 def export_hf(model_path: str, hf_path: str, force: bool = False, log=lambda s: None) -> Path:
@@ -37,15 +37,20 @@ def export_hf(model_path: str, hf_path: str, force: bool = False, log=lambda s: 
     streams = load_streams(model, src, warn=False)
     weights = dict(tree_flatten(model.parameters()))
     out_config = dict(config)
+    stream_tensors = None
     if streams is not None:
         tensors, scfg = streams_to_hf(model, streams)
         dtype = model.model.norm.weight.dtype
-        weights.update({k: v.astype(dtype) for k, v in tensors.items()})
-        out_config[CONFIG_KEY] = scfg
+        stream_tensors = {k: v.astype(dtype) for k, v in tensors.items()}
+        # In a file of their own, named from config.json: model.safetensors stays the
+        # plain base that transformers and mlx-lm load without unexpected keys.
+        out_config[CONFIG_KEY] = {**scfg, "weights_file": STREAMS_FILE}
     if out_config.get("tie_word_embeddings", True):
         weights.pop("lm_head.weight", None)
     with atomic_directory(dst, force, ConvertError) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "pt"})
+        if stream_tensors is not None:
+            mx.save_safetensors(str(tmp / STREAMS_FILE), stream_tensors, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(out_config, indent=2, sort_keys=True))
         copy_tokenizer_files(src, tmp)
     log(f"[export] wrote {dst}" + (f" with {streams.num_streams} streams" if streams else ""))

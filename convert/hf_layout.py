@@ -32,6 +32,8 @@ from ..method.streams import StreamConfig, StreamParams, lora_key
 
 PREFIX = "speculative_streaming."
 CONFIG_KEY = "speculative_streaming"
+# Where export puts the stream tensors (named by config.json's speculative_streaming.weights_file).
+STREAMS_FILE = "speculative_streaming.safetensors"
 
 
 def _module_path(layer, name: str) -> str:

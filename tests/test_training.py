@@ -279,6 +279,14 @@ def test_train_export_convert_roundtrip(tmp_path, corpus, base_dir):
     hf = export_hf(str(tmp_path / "t"), str(tmp_path / "hf"))
     cfg_json = json.loads((hf / "config.json").read_text())
     assert cfg_json["speculative_streaming"]["num_streams"] == 3
+    # The base stays loadable by transformers (no unexpected keys) and by mlx-lm.
+    import transformers
+    from mlx_lm import convert as mlx_lm_convert
+
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(str(hf), output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"], info
+    mlx_lm_convert(str(hf), mlx_path=str(tmp_path / "mlxlm"))
+    assert (tmp_path / "mlxlm" / "config.json").exists()
     back = convert(str(hf), str(tmp_path / "back"))
     a, tok = load(str(tmp_path / "t"))
     b, _ = load(str(back))
