@@ -75,33 +75,41 @@ def main():
     from specstream_mlx.method.tree import TreeSpec
     from specstream_mlx.platform_info import runtime_info
     from specstream_mlx.runtime.autotune import measure_step_costs
+    from specstream_mlx.runtime.engine import SpeculativeModel
     from specstream_mlx.runtime.generation import generate
     from specstream_mlx.runtime.sampling import SamplingParams
 
     with tempfile.TemporaryDirectory() as d:
         path = build_dir(args.size, Path(d) / "m")
         model, tok = load(str(path))
-    streams = new_streams(model, StreamConfig(num_streams=4, stream_layers=4))
-    costs = measure_step_costs(model, streams, reps=args.reps, budgets=budgets)
+    streams = new_streams(model.base, StreamConfig(num_streams=4, stream_layers=4))
+    costs = measure_step_costs(model.base, streams, reps=args.reps, budgets=budgets)
     print("step cost (ss pass / plain step) by draft budget:", json.dumps({k: round(v, 3) for k, v in costs.items()}))
+    host_costs = measure_step_costs(model.base, streams, reps=args.reps, budgets=budgets, hosting=1)
+    print(
+        "step cost with streams at the root and 1 likely endpoint (@1):",
+        json.dumps({k: round(v, 3) for k, v in host_costs.items()}),
+    )
+    sm = SpeculativeModel(model.base, streams)
 
     prompt = list(range(3, 3 + 200))
     mem = {}
     for mode in ("ar", "ss"):
-        kw = dict(streams=streams, tree=TreeSpec("dynamic", budget=12)) if mode == "ss" else {}
+        tree = TreeSpec("dynamic", budget=12) if mode == "ss" else None
         mx.clear_cache()
-        r = generate(model, tok, prompt, max_tokens=48, sampling=SamplingParams(), mode=mode, **kw)
+        r = generate(sm, tok, prompt, max_tokens=48, sampling=SamplingParams(), mode=mode, tree=tree)
         mem[mode] = r.stats.peak_memory_gb
     print(f"peak memory: ar {mem['ar']:.3f} GB, ss {mem['ss']:.3f} GB, ratio {mem['ss'] / mem['ar']:.3f}")
     res = {
         "size": args.size,
         "step_cost_by_budget": costs,
+        "step_cost_by_budget_hosting_1": host_costs,
         "peak_memory_gb": mem,
         "default_tree": "dynamic:12",
         "runtime": runtime_info(),
         "projection": {},
     }
-    del model, streams
+    del model, streams, sm
     for name in args.tau_model:
         taus = tau_by_budget(name, budgets)
         proj = {b: taus[b] / costs[b] for b in budgets}
