@@ -15,7 +15,7 @@ Base weights are pretrained with PyTorch (:mod:`.torch_pretrain`: its CPU
 kernels train these shapes ~5x faster than MLX's CPU backend), saved as Hugging
 Face checkpoints and imported with our converter; the streams and both SQL
 fine-tunes are trained in MLX by :mod:`.training`. Weights are stored in
-float16 to keep each model small; on the CPU they run in float32 (docs/DESIGN.md §2.11).
+float16 to keep each model small; on the CPU they run in float32 (docs/DESIGN.md §2.13).
 Step counts are set so the whole build fits in about 80 minutes on a 2-core
 CPU; ``--scale`` multiplies every step count (``--scale 0.01`` is a smoke test).
 """

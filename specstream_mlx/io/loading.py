@@ -130,7 +130,7 @@ def load_weights(path: Path) -> Dict[str, mx.array]:
 
 
 def compute_dtype_for_device() -> Optional[mx.Dtype]:
-    """float32 on the CPU backend (no half-precision BLAS on x86; docs/DESIGN.md §2.11),
+    """float32 on the CPU backend (no half-precision BLAS on x86; docs/DESIGN.md §2.13),
     otherwise None: keep the stored dtype (the fast path on a GPU)."""
     if mx.default_device() == mx.cpu:
         return mx.float32
