@@ -538,3 +538,25 @@ def test_distill_writes_the_models_own_replies(tmp_path, base_dir):
     )
     assert r.returncode == 0, r.stderr
     assert len((tmp_path / "s" / "train.jsonl").read_text().splitlines()) == 10
+
+
+def test_batches_are_bucketed_by_length():
+    """Each batch is padded to its own longest sequence (rounded to 16), not the dataset's;
+    an epoch still visits every example, deterministically."""
+    from specstream_mlx.train.data import Dataset, Example, iterate_batches
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 300, size=203)
+    ds = Dataset([Example(list(range(3, 3 + int(n))), 2) for n in lengths])
+    batches = list(iterate_batches(ds, 8, 512, 4, seed=0, epoch=0))
+    widths = [b.tokens.shape[1] for b in batches]
+    assert len(set(widths)) > 3 and max(widths) <= 512 and all(w % 16 == 0 for w in widths)
+    assert sum(w * 8 for w in widths) < 0.7 * len(batches) * 8 * 304  # far less padding than one width
+    from collections import Counter
+
+    seen = Counter(int(n) for b in batches for n in b.lengths)  # the last batch repeats a few
+    assert all(seen[n] >= c for n, c in Counter(int(n) for n in lengths).items())
+    assert sum(seen.values()) == -(-len(lengths) // 8) * 8
+    assert all(int(b.lengths.max()) <= b.tokens.shape[1] for b in batches)
+    again = [b.tokens.shape[1] for b in iterate_batches(ds, 8, 512, 4, seed=0, epoch=0)]
+    assert again == widths

@@ -125,7 +125,7 @@ def pretrain(
     def masks(batch):
         x = torch.from_numpy(batch.tokens.astype(np.int64))
         if all_tokens:
-            ar = np.arange(seq_len)[None, :]
+            ar = np.arange(batch.tokens.shape[1])[None, :]
             m = (ar < (batch.lengths[:, None] - 1)).astype(np.float32)
         else:
             m = batch.loss_mask

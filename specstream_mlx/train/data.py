@@ -189,14 +189,43 @@ def make_batch(
     return Batch(toks, lengths, mask, spos, sw)
 
 
+BUCKET_CHUNK = 64  # batches per length-sorted chunk
+
+
+def _width(examples: Sequence[Example], cap: int, multiple: int = 16) -> int:
+    """Padded length of a batch: its longest sequence rounded up (few distinct shapes), at most ``cap``."""
+    longest = max(len(e.tokens) for e in examples)
+    return min(cap, -(-longest // multiple) * multiple)
+
+
 def iterate_batches(
-    ds: Dataset, batch_size: int, seq_len: int, stream_positions: int, seed: int, epoch: int
+    ds: Dataset, batch_size: int, seq_len: int, stream_positions: int, seed: int, epoch: int, bucket: bool = True
 ) -> Iterator[Batch]:
-    """One shuffled pass; the last partial batch is filled with repeats."""
+    """One shuffled pass; the last partial batch is filled with repeats.
+
+    With ``bucket`` (default), batches are formed from length-sorted chunks of the
+    shuffled order and padded to their own longest sequence (``seq_len`` caps it),
+    instead of every batch padded to the dataset's longest: far less padding on
+    real data. Batch order stays shuffled and deterministic for (seed, epoch)."""
     rng = np.random.default_rng((seed, epoch))
     order = rng.permutation(len(ds))
+    batches = []
     for i in range(0, len(order), batch_size):
         idx = order[i : i + batch_size]
         if len(idx) < batch_size:
             idx = np.concatenate([idx, order[: batch_size - len(idx)]])
-        yield make_batch([ds.examples[j] for j in idx], seq_len, stream_positions, rng)
+        batches.append(idx)
+    if bucket:
+        flat = np.concatenate(batches) if batches else order
+        chunk = batch_size * BUCKET_CHUNK
+        parts = []
+        for c in range(0, len(flat), chunk):
+            part = flat[c : c + chunk]
+            parts.append(part[np.argsort([len(ds.examples[j].tokens) for j in part], kind="stable")])
+        flat = np.concatenate(parts) if parts else flat
+        batches = [flat[i : i + batch_size] for i in range(0, len(flat), batch_size)]
+        batches = [batches[k] for k in rng.permutation(len(batches))]
+    for idx in batches:
+        exs = [ds.examples[j] for j in idx]
+        width = _width(exs, seq_len) if bucket else seq_len
+        yield make_batch(exs, width, stream_positions, rng)
