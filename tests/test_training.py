@@ -560,3 +560,23 @@ def test_batches_are_bucketed_by_length():
     assert all(int(b.lengths.max()) <= b.tokens.shape[1] for b in batches)
     again = [b.tokens.shape[1] for b in iterate_batches(ds, 8, 512, 4, seed=0, epoch=0)]
     assert again == widths
+
+
+def test_pruning_loss_does_not_move_the_head_in_full_weight_mode(base_dir):
+    """The pruning adapter's loss trains the adapter only: zero gradient on the LM head
+    (tied embeddings here) and the final norm, even when every base weight trains."""
+    import mlx.nn as nn
+
+    from specstream_mlx.train.objective import Trainable, compute_loss, frozen_head_logits
+
+    model = load(str(base_dir), warn=False)[0].base
+    h = mx.random.normal((1, 3, model.args.hidden_size))
+    assert mx.allclose(frozen_head_logits(model, h), model.lm_logits(h), atol=1e-5).item()
+    cfg = TrainConfig(mode="shared", full=True, num_streams=2, stream_layers=1)
+    tr = Trainable(model, cfg)
+    tokens = mx.array([[5, 9, 40, 77, 12, 8, 3, 2]])
+    args = (tokens, mx.ones((1, 8)), mx.array([[2, 4]]), mx.ones((1, 2)), mx.array([8]))
+    grad = nn.value_and_grad(tr, lambda *a: compute_loss(model, tr, cfg, *a)[1]["prune_ce"])(*args)[1]
+    assert float(mx.abs(grad["base"]["model"]["norm"]["weight"]).max()) == 0.0
+    assert float(mx.abs(grad["base"]["model"]["embed_tokens"]["weight"]).max()) == 0.0
+    assert float(mx.abs(grad["streams"]["pruning"]["up"]).max()) > 0

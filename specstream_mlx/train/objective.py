@@ -103,6 +103,18 @@ def main_pass(model, tokens: mx.array, base_lora: dict, s0: int):
     return h_s0, tapes, h
 
 
+def frozen_head_logits(model, h: mx.array) -> mx.array:
+    """The model's final norm and LM head applied to ``h`` with their weights held
+    fixed: the pruning adapter learns to read the head, and its loss must not move
+    the head or the norm (which it would when the base trains in full-weight mode)."""
+    norm = model.model.norm
+    head = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
+    if isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear)):
+        return model.lm_logits(h)  # quantized weights never train
+    h = mx.fast.rms_norm(h, mx.stop_gradient(norm.weight), norm.eps)
+    return h @ mx.stop_gradient(head.weight).T
+
+
 def stream_block_mask(n_pos: int, gamma: int) -> np.ndarray:
     """(R, R), R = n_pos·γ: stream (t, j) sees streams (t, 1..j) of its own position."""
     return np.kron(np.eye(n_pos, dtype=bool), np.tril(np.ones((gamma, gamma), dtype=bool)))
@@ -201,7 +213,7 @@ def compute_loss(model, trainable: Trainable, cfg: TrainConfig, tokens, loss_mas
         metrics["stream_kl"] = kl_sum / n
 
     # Pruning adapter: early-exit next-token prediction at the insertion layer.
-    ee = model.lm_logits(streams.pruning(mx.stop_gradient(h_s0[:, :-1])))
+    ee = frozen_head_logits(model, streams.pruning(mx.stop_gradient(h_s0[:, :-1])))
     prune_ce = (nn.losses.cross_entropy(ee, tokens[:, 1:]) * lm).sum() / n_main
     total = total + cfg.alpha_stream * prune_ce
     metrics["prune_ce"] = prune_ce
