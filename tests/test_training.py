@@ -580,3 +580,13 @@ def test_pruning_loss_does_not_move_the_head_in_full_weight_mode(base_dir):
     assert float(mx.abs(grad["base"]["model"]["norm"]["weight"]).max()) == 0.0
     assert float(mx.abs(grad["base"]["model"]["embed_tokens"]["weight"]).max()) == 0.0
     assert float(mx.abs(grad["streams"]["pruning"]["up"]).max()) > 0
+
+
+def test_validation_stream_positions_span_the_whole_completion():
+    from specstream_mlx.train.data import Example, make_batch
+
+    ex = Example(list(range(3, 403)), 100)  # a 300-token completion
+    b = make_batch([ex], 416, 64, None)
+    pos = b.stream_pos[0][b.stream_weight[0] > 0]
+    assert len(pos) == 64 and pos.min() == 99 and pos.max() == 398  # first to last completion position
+    assert len(set(pos.tolist())) == 64

@@ -179,11 +179,12 @@ def make_batch(
         # Prompt positions get no streams: candidates are completion positions only.
         cands = np.arange(start, n - 1)
         if len(cands) > stream_positions:
-            cands = (
-                np.sort(rng.choice(cands, stream_positions, replace=False))
-                if rng is not None
-                else cands[:stream_positions]
-            )
+            if rng is not None:
+                cands = np.sort(rng.choice(cands, stream_positions, replace=False))
+            else:
+                # Deterministic (validation): evenly spread over the whole completion, so
+                # late positions count as much as early ones.
+                cands = cands[np.linspace(0, len(cands) - 1, stream_positions).round().astype(int)]
         spos[b, : len(cands)] = cands
         sw[b, : len(cands)] = 1.0
     return Batch(toks, lengths, mask, spos, sw)
