@@ -590,3 +590,14 @@ def test_validation_stream_positions_span_the_whole_completion():
     pos = b.stream_pos[0][b.stream_weight[0] > 0]
     assert len(pos) == 64 and pos.min() == 99 and pos.max() == 398  # first to last completion position
     assert len(set(pos.tolist())) == 64
+
+
+def test_truncation_keeps_the_completion():
+    from specstream_mlx.train.data import Example, truncate
+
+    ex = Example(list(range(100)), 80)  # an 80-token prompt, a 20-token reply
+    t = truncate(ex, 32)
+    assert t.tokens == list(range(68, 100)) and t.tokens[t.completion_start :] == list(range(80, 100))
+    long_reply = truncate(Example(list(range(100)), 10), 32)  # a 90-token reply
+    assert long_reply.tokens == list(range(9, 41)) and long_reply.completion_start == 1
+    assert truncate(ex, 200) is ex

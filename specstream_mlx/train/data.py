@@ -101,6 +101,20 @@ def encode_record(record: dict, tokenizer) -> Example:
     raise DataError('unknown record format: expected "text", "prompt"/"completion" or "messages"')
 
 
+def truncate(ex: Example, max_len: int) -> Example:
+    """``ex`` cut to ``max_len`` tokens, keeping what is trained: the oldest prompt
+    tokens go first (a long conversation keeps its end and the whole reply); a reply
+    longer than ``max_len`` keeps its beginning, after one token of prompt."""
+    n = len(ex.tokens)
+    if n <= max_len:
+        return ex
+    if n - ex.completion_start + 1 <= max_len:
+        cut = n - max_len
+        return Example(ex.tokens[cut:], max(ex.completion_start - cut, 1))
+    s = max(ex.completion_start - 1, 0)
+    return Example(ex.tokens[s : s + max_len], 1)
+
+
 def load_split(path: Path, tokenizer, max_seq_len: int) -> Dataset:
     """Read one JSONL split; a malformed line stops with ``file:line: reason``."""
     examples, truncated = [], 0
@@ -118,7 +132,7 @@ def load_split(path: Path, tokenizer, max_seq_len: int) -> Dataset:
                 continue
             if len(ex.tokens) > max_seq_len:
                 truncated += 1
-                ex = Example(ex.tokens[:max_seq_len], min(ex.completion_start, max_seq_len - 1))
+                ex = truncate(ex, max_seq_len)
             examples.append(ex)
     return Dataset(examples, truncated, path.name)
 
