@@ -225,7 +225,9 @@ def generate(
         _err(str(e))
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
     ss_log = lambda s: typer.echo(f"specstream-mlx: {s}", err=True)  # noqa: E731
-    if system_prompt is not None and not ignore_chat_template:
+    if system_prompt is not None:
+        if ignore_chat_template:
+            _err("--system-prompt needs the chat template; drop --ignore-chat-template")
         prompt = [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
     max_tokens = _fit_context(m, tok, prompt, max_tokens, max_kv_size, not ignore_chat_template)
     text, tokens, last = [], [], None
