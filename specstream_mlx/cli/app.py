@@ -270,15 +270,19 @@ def generate(
         typer.echo(json.dumps(out))
     else:
         sys.stdout.write("\n")
-        s = last.stats
-        typer.echo(
-            f"[{s.mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
-            f"{s.tokens_per_pass:.2f} tokens/pass, prompt {s.prompt_seconds * 1000:.0f} ms, "
-            f"peak {s.peak_memory_gb:.2f} GB" + (f", tree {s.tree}" if s.tree else ""),
-            err=True,
-        )
-        if s.fallback:
-            typer.echo(f"[{s.mode}] {s.fallback}", err=True)
+        _summary(last.stats)
+
+
+def _summary(s) -> None:
+    """The one-line summary of a generation, on stderr."""
+    typer.echo(
+        f"[{s.mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
+        f"{s.tokens_per_pass:.2f} tokens/pass, prompt {s.prompt_seconds * 1000:.0f} ms, "
+        f"peak {s.peak_memory_gb:.2f} GB" + (f", tree {s.tree}" if s.tree else ""),
+        err=True,
+    )
+    if s.fallback:
+        typer.echo(f"[{s.mode}] {s.fallback}", err=True)
 
 
 @app.command()
