@@ -236,7 +236,10 @@ def iterate_batches(
         parts = []
         for c in range(0, len(flat), chunk):
             part = flat[c : c + chunk]
-            parts.append(part[np.argsort([len(ds.examples[j].tokens) for j in part], kind="stable")])
+            # Sort by padded width only (a stable sort of the shuffled order): examples of
+            # the same width stay shuffled, so a batch is not a run of near-duplicates.
+            width_class = [-(-len(ds.examples[j].tokens) // 16) for j in part]
+            parts.append(part[np.argsort(width_class, kind="stable")])
         flat = np.concatenate(parts) if parts else flat
         batches = [flat[i : i + batch_size] for i in range(0, len(flat), batch_size)]
         batches = [batches[k] for k in rng.permutation(len(batches))]
