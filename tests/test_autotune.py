@@ -77,7 +77,7 @@ def test_every_few_passes_host_all_streams():
     from specstream_mlx.runtime.autotune import EXPLORE_EVERY
 
     auto = AutoTree({0: 1.0, 2: 1.2, 8: 2.0}, depth=4, budget=2)
-    depths = [auto.hosted_depth() for _ in range(3 * EXPLORE_EVERY)]
+    depths = [auto.next_pass()[0] for _ in range(3 * EXPLORE_EVERY)]
     assert depths.count(4) == 3 and set(depths) == {2, 4}
 
 

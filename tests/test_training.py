@@ -144,6 +144,22 @@ def test_training_forward_matches_inference_forward(base_dir):
         assert np.allclose(np.array(hs[0, 0]), np.array(out.stream_hidden[0]), atol=1e-4)
 
 
+def _interrupt_at_batch(monkeypatch, n: int):
+    """Make training's batch iterator raise KeyboardInterrupt at batch ``n``; returns the real one."""
+    import specstream_mlx.train.trainer as T
+
+    real = T.iterate_batches
+
+    def interrupting(*a, **k):
+        for i, b in enumerate(real(*a, **k)):
+            if i == n:
+                raise KeyboardInterrupt
+            yield b
+
+    monkeypatch.setattr(T, "iterate_batches", interrupting)
+    return real
+
+
 def test_resume_after_interrupt(tmp_path, corpus, base_dir, monkeypatch):
     import specstream_mlx.train.trainer as T
 
@@ -158,15 +174,7 @@ def test_resume_after_interrupt(tmp_path, corpus, base_dir, monkeypatch):
         stream_positions=4,
         save_every=2,
     )
-    real = T.iterate_batches
-
-    def interrupting(*a, **k):
-        for i, b in enumerate(real(*a, **k)):
-            if i == 3:
-                raise KeyboardInterrupt
-            yield b
-
-    monkeypatch.setattr(T, "iterate_batches", interrupting)
+    real = _interrupt_at_batch(monkeypatch, 3)
     res = train(str(base_dir), str(data), str(tmp_path / "r"), cfg, progress=False, log=lambda s: None)
     assert res.interrupted and res.steps == 3
     assert json.loads((tmp_path / "r" / "checkpoint" / "state.json").read_text())["step"] == 3
@@ -462,15 +470,7 @@ def test_crash_leftovers_are_cleaned_and_resume_uses_the_old_checkpoint(tmp_path
         stream_positions=4,
         save_every=2,
     )
-    real = T.iterate_batches
-
-    def interrupting(*a, **k):
-        for i, b in enumerate(real(*a, **k)):
-            if i == 3:
-                raise KeyboardInterrupt
-            yield b
-
-    monkeypatch.setattr(T, "iterate_batches", interrupting)
+    real = _interrupt_at_batch(monkeypatch, 3)
     out = tmp_path / "r"
     res = train(str(base_dir), str(data), str(out), cfg, progress=False, log=lambda s: None)
     assert res.interrupted

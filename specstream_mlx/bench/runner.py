@@ -22,6 +22,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 import mlx.core as mx
 
 from ..io.loading import cast_floating, compute_dtype_for_device, resolve_model_path
+from ..io.prompts import read_prompt_rows
 from ..method.tree import TreeSpec
 from ..platform_info import runtime_info
 from ..runtime.engine import load
@@ -78,44 +79,19 @@ def _timed(stream: Iterator, tokens_of: Callable, is_pass: Callable) -> Run:
     return Run(toks, "".join(text), (first or t0) - t0, tps, passes, mx.get_peak_memory() / 1e9, eos)
 
 
-def _prompt_row(row, where: str) -> dict:
-    """A bench prompt from one JSONL row: ``prompt`` (with an optional reference
-    ``completion``), ``messages`` (up to the last user message; a final assistant
-    message becomes the reference), or ``text``."""
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: each line must be a JSON object")
-    if isinstance(row.get("prompt"), str):
-        return row
-    msgs = row.get("messages")
-    if isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs):
-        out = {"prompt": msgs}
-        if msgs[-1].get("role") == "assistant":
-            out = {"prompt": msgs[:-1], "completion": msgs[-1].get("content", "")}
-        if out["prompt"]:
-            return out
-    if isinstance(row.get("text"), str):
-        return {"prompt": row["text"]}
-    raise ValueError(f"{where}: needs a 'prompt', 'messages' or 'text'")
-
-
 def read_prompts_file(path: Path, n: int) -> List[dict]:
-    """The first ``n`` prompts of a JSONL file in any format ``train`` reads."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such prompts file")
-    rows = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(_prompt_row(json.loads(line), f"{path}:{i}"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: invalid JSON ({e.msg})") from None
-        if len(rows) >= n:
-            break
+    """The first ``n`` prompts of a JSONL file in any format ``train`` reads, as bench
+    rows ``{"prompt": text or messages, "completion": reference (when there is one)}``."""
+    rows = read_prompt_rows(path, n)
     if not rows:
         raise ValueError(f"{path}: no prompts")
-    return rows
+    out = []
+    for r in rows:
+        row = {"prompt": r.messages[-1]["content"] if r.as_prompt else r.messages}
+        if r.reference is not None:
+            row["completion"] = r.reference
+        out.append(row)
+    return out
 
 
 def load_bench_prompts(model_dir: Path, n: int, prompts_file: Optional[Path] = None) -> List[dict]:

@@ -377,7 +377,7 @@ def serve(
     if stdio:
         from ..serve.stdio import emit_load_error as report
     m, tok, mode, modes = _load_for_decoding(model, mode, report, adapter_path)
-    ctx = max_context or m.args.max_position_embeddings or 4096
+    ctx = context_limit(m, max_context)
     if stdio:
         from ..serve.stdio import serve_stdio
 

@@ -283,9 +283,6 @@ class AutoTree:
             return self.depth, 0
         return self.tree_depth(self.budget), self.hosting
 
-    def hosted_depth(self) -> int:
-        return self.next_pass()[0]
-
     def new_request(self) -> bool:
         """Halve the evidence at each new generation: averages are unchanged,
         recent requests weigh more, and after a fall-back to plain decoding the

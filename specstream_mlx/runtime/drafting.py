@@ -92,7 +92,7 @@ def draft_tree(
     if depth == 0:
         return Draft(Tree((root,), (-1,)))
     # --tree auto scores every budget on all the hosted streams, which may go
-    # deeper than this tree (see autotune.AutoTree.hosted_depth).
+    # deeper than this tree (see autotune.AutoTree.next_pass).
     all_depth = top.shape[0]
     scores = [c[2] for c in dynamic_candidates(top, ptop, score_budget)] if score_budget else None
     top, ptop = top[:depth], ptop[:depth]

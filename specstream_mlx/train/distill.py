@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional
 import mlx.core as mx
 
 from ..io.loading import cast_floating, compute_dtype_for_device, resolve_model_path
+from ..io.prompts import PromptRow, read_prompt_rows
 from .data import DataError
 
 SPLITS = ("train", "valid", "test")
@@ -53,33 +54,6 @@ class DistillOptions:
             raise ValueError("--temp must be >= 0 and --top-p in (0, 1]")
 
 
-@dataclass
-class PromptRow:
-    """One prompt: the conversation so far, and whether it came as prompt/completion."""
-
-    messages: List[Dict[str, str]]
-    as_prompt: bool
-
-
-def _row(record, where: str) -> PromptRow:
-    if not isinstance(record, dict):
-        raise DataError(f"{where}: each line must be a JSON object")
-    if isinstance(record.get("prompt"), str):
-        return PromptRow([{"role": "user", "content": record["prompt"]}], True)
-    msgs = record.get("messages")
-    if isinstance(msgs, list) and msgs:
-        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
-            raise DataError(f'{where}: "messages" must be a list of {{"role", "content"}} objects')
-        # The model answers the conversation up to its last user message.
-        last_user = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=-1)
-        if last_user < 0:
-            raise DataError(f"{where}: no user message to answer")
-        return PromptRow([dict(m) for m in msgs[: last_user + 1]], False)
-    if isinstance(record.get("text"), str):
-        return PromptRow([{"role": "user", "content": record["text"]}], True)
-    raise DataError(f'{where}: expected "prompt", "messages" or "text"')
-
-
 def read_prompts(path: Path) -> Dict[str, List[PromptRow]]:
     """Prompts per split: a directory's train/valid/test.jsonl, or one file as the train split."""
     path = Path(path)
@@ -88,17 +62,7 @@ def read_prompts(path: Path) -> Dict[str, List[PromptRow]]:
         files = {"train": path}
     if not files:
         raise DataError(f"{path}: no prompts (a .jsonl file, or a directory with train.jsonl)")
-    out = {}
-    for split, f in files.items():
-        rows = []
-        for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(_row(json.loads(line), f"{f}:{i}"))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{f}:{i}: invalid JSON ({e.msg})") from None
-        out[split] = rows
-    return out
+    return {split: read_prompt_rows(f) for split, f in files.items()}
 
 
 def _encode(tokenizer, messages: List[Dict[str, str]]) -> List[int]:
