@@ -122,10 +122,13 @@ def test_no_function_over_100_lines():
 
 def test_one_decoder_block():
     """Only models/base.py runs a block's sublayers (attention, MLP, norms) itself;
-    every other module calls the block."""
+    every other MLX module calls the block. The one exception is the PyTorch
+    backend's block over transformers' modules (train/torch_objective.py), which
+    test_torch_backend.py holds equal to this one."""
     offenders = []
+    allowed = {PKG / "models" / "base.py", PKG / "train" / "torch_objective.py"}
     for f in list(PKG.rglob("*.py")) + list(CONVERT.rglob("*.py")):
-        if f == PKG / "models" / "base.py":
+        if f in allowed:
             continue
         src = f.read_text()
         if ".post_attention_layernorm(" in src or ".input_layernorm(" in src or ".self_attn.project(" in src:

@@ -146,7 +146,7 @@ def test_training_forward_matches_inference_forward(base_dir):
 
 def _interrupt_at_batch(monkeypatch, n: int):
     """Make training's batch iterator raise KeyboardInterrupt at batch ``n``; returns the real one."""
-    import specstream_mlx.train.trainer as T
+    import specstream_mlx.train.loop as T
 
     real = T.iterate_batches
 
@@ -161,7 +161,7 @@ def _interrupt_at_batch(monkeypatch, n: int):
 
 
 def test_resume_after_interrupt(tmp_path, corpus, base_dir, monkeypatch):
-    import specstream_mlx.train.trainer as T
+    import specstream_mlx.train.loop as T
 
     data, _ = corpus
     cfg = TrainConfig(
@@ -448,7 +448,7 @@ def test_training_continues_from_existing_streams(tmp_path, corpus, base_dir):
 
 
 def test_crash_leftovers_are_cleaned_and_resume_uses_the_old_checkpoint(tmp_path, corpus, base_dir, monkeypatch):
-    import specstream_mlx.train.trainer as T
+    import specstream_mlx.train.loop as T
     from specstream_mlx.convert import ConvertOptions, convert
 
     data, _ = corpus

@@ -549,6 +549,11 @@ class TrainMode(str, Enum):
     shared = "shared"
 
 
+class TrainBackend(str, Enum):
+    mlx = "mlx"
+    torch = "torch"
+
+
 @app.command()
 def train(
     model: str = typer.Option(..., "--model", help="Base model directory (or bundled name)."),
@@ -578,6 +583,16 @@ def train(
         False, "--new-streams", help="Start from fresh streams even if the model has some (default: continue)."
     ),
     force: bool = typer.Option(False, "--force", help="Allow --out to be the model's own directory."),
+    backend: TrainBackend = typer.Option(
+        TrainBackend.mlx,
+        "--backend",
+        help="mlx, or torch: PyTorch on the transformers model (pip install 'specstream-mlx[torch]'; "
+        "several GPUs or machines under `accelerate launch -m specstream_mlx train ...`).",
+    ),
+    segment: int = typer.Option(32, "--segment", help="Stream positions per gradient segment (bounds memory)."),
+    export_hf: Optional[str] = typer.Option(
+        None, "--export-hf", help="Also write the trained model in Hugging Face layout here (as `export`)."
+    ),
 ):
     """Train speculative streams (and, in shared mode, a fused LoRA) on a dataset."""
     from ..io.loading import ModelLoadError
@@ -604,12 +619,22 @@ def train(
             seed=seed,
             new_streams=new_streams,
             force=force,
+            backend=backend.value,
+            segment=segment,
         )
         res = _train(model, data, out, cfg, resume=resume, log=lambda s: typer.echo(s, err=True))
     except (DataError, TrainError, ModelLoadError, ValueError) as e:
         _err(str(e))
     if res.interrupted:
         raise typer.Exit(130)
+    if export_hf and res.written:
+        from ..convert import ConvertError
+        from ..convert.export import export_hf as _export
+
+        try:
+            _export(out, export_hf, force=force, log=lambda s: typer.echo(s, err=True))
+        except (ConvertError, ValueError) as e:
+            _err(str(e))
 
 
 def main():

@@ -18,13 +18,18 @@ from ..method.streams import find_linear, lora_key, save_streams
 from .config import TrainConfig, TrainError
 
 
-def save_checkpoint(ckpt_dir: Path, trainable, optimizer, step: int, cfg: TrainConfig) -> None:
-    """Atomic: written to a temporary directory, then renamed over the old one."""
+def mlx_optimizer_arrays(optimizer) -> dict:
+    return {k: v for k, v in tree_flatten(optimizer.state) if isinstance(v, mx.array)}
+
+
+def save_checkpoint(ckpt_dir: Path, trainable, optimizer_arrays: dict, step: int, cfg: TrainConfig) -> None:
+    """Atomic: written to a temporary directory, then renamed over the old one.
+
+    ``optimizer_arrays``: the optimizer state as flat named arrays (the backend's own layout)."""
     ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=ckpt_dir.parent))
     mx.save_safetensors(str(tmp / "trainable.safetensors"), dict(tree_flatten(trainable.parameters())))
-    opt_state = {k: v for k, v in tree_flatten(optimizer.state) if isinstance(v, mx.array)}
-    mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt_state)
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), optimizer_arrays)
     (tmp / "state.json").write_text(json.dumps({"step": step, "config": asdict(cfg)}, indent=2))
     old = None
     if ckpt_dir.exists():
@@ -45,11 +50,18 @@ def find_checkpoint(ckpt_dir: Path):
     return None
 
 
-def load_checkpoint(ckpt_dir: Path, trainable, optimizer) -> int:
+def load_checkpoint(ckpt_dir: Path, trainable, backend: str) -> "tuple[int, dict]":
+    """Load the trained weights into ``trainable``; returns (step, the optimizer's flat arrays)."""
+    state = json.loads((ckpt_dir / "state.json").read_text())
+    written_by = state.get("config", {}).get("backend", "mlx")
+    if written_by != backend:
+        raise TrainError(f"{ckpt_dir}: written by the {written_by} backend; resume it with --backend {written_by}")
     trainable.load_weights(list(mx.load(str(ckpt_dir / "trainable.safetensors")).items()), strict=True)
-    opt = mx.load(str(ckpt_dir / "optimizer.safetensors"))
-    optimizer.state = tree_unflatten(list(opt.items()))
-    return int(json.loads((ckpt_dir / "state.json").read_text())["step"])
+    return int(state["step"]), mx.load(str(ckpt_dir / "optimizer.safetensors"))
+
+
+def restore_mlx_optimizer(optimizer, arrays: dict) -> None:
+    optimizer.state = tree_unflatten(list(arrays.items()))
 
 
 def fuse_base_lora(model, base_lora: dict) -> None:

@@ -28,6 +28,8 @@ class TrainConfig:
         distill: lossless only: add KL to the frozen main distribution at t+j. Default True.
         stream_positions: completion positions per sequence that host streams. Default 64.
         segment: stream positions per segment of the stream pass. Default 32.
+        backend: "mlx", or "torch" to optimise in PyTorch on the transformers model
+            (several processes under ``accelerate launch``).
         pruning_keep: calibrate the early-exit pruning threshold on the valid split so that
             this share of would-be-accepted children survives (0: keep ``pruning_threshold``).
     """
@@ -68,12 +70,18 @@ class TrainConfig:
     new_streams: bool = False
     # Allow the output directory to be the model's own.
     force: bool = False
+    # "mlx" or "torch" (PyTorch + transformers, see train/torch_backend.py).
+    backend: str = "mlx"
 
     def __post_init__(self):
         if self.mode not in ("lossless", "shared"):
             raise ValueError(f"mode must be lossless or shared, got {self.mode!r}")
         if self.full and self.mode != "shared":
             raise ValueError("full training of the base is only meaningful in shared mode")
+        if self.segment < 1:
+            raise ValueError(f"segment must be >= 1, got {self.segment}")
+        if self.backend not in ("mlx", "torch"):
+            raise ValueError(f"backend must be mlx or torch, got {self.backend!r}")
         if not self.streams and self.mode != "shared":
             raise ValueError("a no-streams baseline trains the base: use shared mode")
 
@@ -88,3 +96,5 @@ class TrainResult:
     tokens_per_second: float = 0.0
     peak_memory_gb: float = 0.0
     trainable_parameters: int = 0
+    # False in the processes of a multi-process run that do not write.
+    written: bool = False

@@ -18,49 +18,23 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-import numpy as np
 from mlx.utils import tree_flatten
 
 from ..io.files import atomic_directory, clean_stale_temporaries
 from ..io.loading import load_model_dir, resolve_model_path
 from .calibrate import calibrate_pruning
-from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, write_model_dir
+from .checkpoint import (
+    find_checkpoint,
+    load_checkpoint,
+    mlx_optimizer_arrays,
+    restore_mlx_optimizer,
+    save_checkpoint,
+    write_model_dir,
+)
 from .config import TrainConfig, TrainError, TrainResult
-from .data import Batch, Dataset, iterate_batches, load_dataset, make_batch
+from .data import Batch, Dataset, load_dataset
+from .loop import batch_arrays, evaluate, progress_text, run_epochs, to_py
 from .objective import Trainable, compute_loss
-
-
-def _batch_arrays(b: Batch):
-    return (
-        mx.array(b.tokens),
-        mx.array(b.loss_mask),
-        mx.array(b.stream_pos),
-        mx.array(b.stream_weight),
-        mx.array(b.lengths),
-    )
-
-
-def _to_py(metrics: dict) -> dict:
-    out = {}
-    for k, v in metrics.items():
-        a = np.array(v)
-        out[k] = a.tolist() if a.ndim else float(a)
-    return out
-
-
-def evaluate(model, trainable, cfg, ds: Dataset, seq_len: int, max_batches: int) -> dict:
-    """Mean metrics over up to ``max_batches`` batches of ``ds`` (fixed stream positions)."""
-    agg, n = None, 0
-    for i in range(0, len(ds), cfg.batch_size):
-        if n >= max_batches:
-            break
-        exs = ds.examples[i : i + cfg.batch_size]
-        b = make_batch(exs, seq_len, cfg.stream_positions, None)
-        _, m = compute_loss(model, trainable, cfg, *_batch_arrays(b))
-        m = _to_py(m)
-        agg = m if agg is None else {k: (np.add(agg[k], m[k])).tolist() for k in agg}
-        n += 1
-    return {k: (np.array(v) / n).tolist() for k, v in agg.items()} if agg else {}
 
 
 @dataclass
@@ -114,16 +88,6 @@ def _step_function(model, trainable: Trainable, optimizer, cfg: TrainConfig):
     return fn, state
 
 
-def _progress_text(loss: float, m: dict, tok_per_s: float) -> str:
-    return (
-        f"loss {loss:.3f} ce "
-        + "/".join(f"{c:.2f}" for c in m.get("stream_ce", []))
-        + " acc "
-        + "/".join(f"{a:.2f}" for a in m.get("stream_acc", []))
-        + f" {tok_per_s:,.0f} tok/s"
-    )
-
-
 class _Run:
     """The state of one training run while its loop executes."""
 
@@ -139,7 +103,7 @@ class _Run:
     def one_step(self, step: int, batch: Batch) -> None:
         """Run ``batch`` as step ``step`` (1-based): update, report, validate, checkpoint."""
         cfg, data = self.cfg, self.data
-        loss, metrics = self.step_fn(*_batch_arrays(batch))
+        loss, metrics = self.step_fn(*batch_arrays(batch))
         mx.eval(loss, metrics, self.state)
         lv = float(loss.item())
         if not math.isfinite(lv):
@@ -148,7 +112,7 @@ class _Run:
         self.tokens_seen += int(batch.lengths.sum())
         tps = self.tokens_seen / (time.perf_counter() - self.t_start)
         if step % cfg.steps_per_report == 0 or step == data.total_steps:
-            m = _to_py(metrics)
+            m = to_py(metrics)
             self.history.append(
                 {
                     "step": step,
@@ -160,7 +124,7 @@ class _Run:
                 }
             )
             if self.bar:
-                self.bar.set_postfix_str(_progress_text(lv, m, tps))
+                self.bar.set_postfix_str(progress_text(lv, m, tps))
         if self.bar:
             self.bar.update(1)
         if data.valid is not None and step % cfg.steps_per_eval == 0 and step < data.total_steps:
@@ -170,24 +134,16 @@ class _Run:
                 + " ".join(f"{a:.3f}" for a in v.get("stream_acc", []))
             )
         if step % cfg.save_every == 0 and step < data.total_steps:
-            save_checkpoint(self.ckpt, self.trainable, self.optimizer, step, cfg)
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        save_checkpoint(self.ckpt, self.trainable, mlx_optimizer_arrays(self.optimizer), step, self.cfg)
 
     def loop(self, step: int) -> None:
-        """Train from ``step`` to the end; ``self.step`` is the last completed step."""
-        cfg, data = self.cfg, self.data
-        self.step = step
-        epoch, skip = divmod(step, data.steps_per_epoch)
-        while step < data.total_steps:
-            batches = iterate_batches(data.train, cfg.batch_size, data.seq_len, cfg.stream_positions, cfg.seed, epoch)
-            for bi, batch in enumerate(batches):
-                if bi < skip:
-                    continue
-                if step >= data.total_steps:
-                    break
-                self.one_step(step + 1, batch)
-                step = self.step = step + 1
-            epoch += 1
-            skip = 0
+        run_epochs(self, step)
+
+    def peak_memory_gb(self) -> float:
+        return mx.get_peak_memory() / 1e9
 
 
 def _finish(run: _Run, result: TrainResult, base_dir: Path, out: Path, data_dir: str, n_train: int) -> None:
@@ -282,6 +238,27 @@ def _adopt_existing_streams(streams, cfg: TrainConfig, log):
     return streams
 
 
+def _torch_accelerator():
+    from .torch_backend import make_accelerator
+
+    return make_accelerator()
+
+
+def _make_run(model, trainable, cfg, data, ckpt, log, bar, config, acc, opt_arrays):
+    """The backend's run, its optimizer state restored when resuming."""
+    if cfg.backend == "torch":
+        from .torch_backend import TorchRun
+
+        run = TorchRun(model, trainable, cfg, data, ckpt, log, bar, config, acc)
+        if opt_arrays is not None:
+            run.load_optimizer_arrays(opt_arrays)
+        return run
+    optimizer = _optimizer(cfg, data.total_steps)
+    if opt_arrays is not None:
+        restore_mlx_optimizer(optimizer, opt_arrays)
+    return _Run(model, trainable, optimizer, cfg, data, ckpt, log, bar)
+
+
 def train(
     model_path: str,
     data_dir: str,
@@ -297,6 +274,10 @@ def train(
     ``cfg.new_streams``; ``out_dir`` may be the model's own directory only with
     ``cfg.force``. Everything that would make the end of a run fail is checked
     before the first step."""
+    acc = _torch_accelerator() if cfg.backend == "torch" else None
+    main = acc is None or acc.is_main_process
+    if not main:  # other processes of a multi-process run: silent, they never write
+        log, progress = (lambda *_: None), False
     base_dir = resolve_model_path(model_path)
     out = Path(out_dir)
     _check_destination(base_dir, out, cfg, resume)
@@ -315,45 +296,48 @@ def train(
     model.freeze()
     data = _load_data(data_dir, loaded.tokenizer, cfg, log)
     log(
-        f"[train] {cfg.mode} mode, {len(data.train)} train sequences ({data.train.num_tokens:,} tokens), "
+        f"[train] {cfg.mode} mode, {cfg.backend} backend"
+        + (f" ({acc.num_processes} processes)" if acc is not None and acc.num_processes > 1 else "")
+        + f", {len(data.train)} train sequences ({data.train.num_tokens:,} tokens), "
         f"{data.total_steps} steps of {cfg.batch_size} x {data.seq_len}, γ={cfg.num_streams}, Ns={cfg.stream_layers}"
     )
     trainable = Trainable(model, cfg)
     if existing is not None:
         trainable.streams.update(existing.parameters())
     n_train = sum(v.size for _, v in tree_flatten(trainable.trainable_parameters()))
-    optimizer = _optimizer(cfg, data.total_steps)
     ckpt = out / "checkpoint"
-    # Leftovers of a run that was killed: half-written checkpoints and model directories.
-    clean_stale_temporaries(out, (".ckpt-", ".model-"))
-    step = 0
+    if main:  # leftovers of a run that was killed: half-written checkpoints and model directories
+        clean_stale_temporaries(out, (".ckpt-", ".model-"))
+    step, opt_arrays = 0, None
     if resume:
         found = find_checkpoint(ckpt)
         if found is None:
             raise TrainError(f"--resume: no checkpoint at {ckpt}")
-        step = load_checkpoint(found, trainable, optimizer)
+        step, opt_arrays = load_checkpoint(found, trainable, cfg.backend)
         log(f"[train] resumed from {found} at step {step}")
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=data.total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
-    run = _Run(model, trainable, optimizer, cfg, data, ckpt, log, bar)
+    run = _make_run(model, trainable, cfg, data, ckpt, log, bar, loaded.config, acc, opt_arrays)
     result = TrainResult(out, step, trainable_parameters=n_train)
     mx.reset_peak_memory()
     try:
         run.loop(step)
     except KeyboardInterrupt:
         result.interrupted = True
-        save_checkpoint(ckpt, trainable, optimizer, run.step, cfg)
-        log(f"\n[train] interrupted at step {run.step}; checkpoint saved to {ckpt} (continue with --resume)")
+        if main:
+            run.save(run.step)
+            log(f"\n[train] interrupted at step {run.step}; checkpoint saved to {ckpt} (continue with --resume)")
     finally:
         if bar:
             bar.close()
     result.steps = run.step
     result.history = run.history
     result.tokens_per_second = run.tokens_seen / max(time.perf_counter() - run.t_start, 1e-9)
-    result.peak_memory_gb = mx.get_peak_memory() / 1e9
-    if not result.interrupted:
+    result.peak_memory_gb = run.peak_memory_gb()
+    if not result.interrupted and main:
         _finish(run, result, base_dir, out, data_dir, n_train)
+        result.written = True
     return result

@@ -1,0 +1,222 @@
+"""`train --backend torch`: parity with the MLX pass and objective, and training runs end to end."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from specstream_mlx.io.loading import load_model_dir
+from specstream_mlx.method.msa import ss_forward, stream_logits
+from specstream_mlx.method.tree import Tree
+from specstream_mlx.train import TrainConfig, train
+from specstream_mlx.train.data import make_batch
+from specstream_mlx.train.objective import Trainable, compute_loss
+
+pytest.importorskip("torch")
+from specstream_mlx.train import torch_backend  # noqa: E402
+
+
+def _load(path):
+    """Model and config of a directory without tokenizer files (the parity fixtures have none)."""
+    from types import SimpleNamespace
+
+    from specstream_mlx.io.loading import load_model
+
+    model, config = load_model(Path(path))
+    return SimpleNamespace(model=model, config=config)
+
+
+def _randomize(trainable, seed: int) -> None:
+    """Non-zero LoRA ``b`` and pruning ``up`` (both start at zero), so every term is exercised."""
+    rng = np.random.default_rng(seed)
+    flat = [
+        (k, mx.array(rng.normal(0, 0.05, v.shape).astype(np.float32)))
+        for k, v in tree_flatten(trainable.trainable_parameters())
+    ]
+    trainable.update(tree_unflatten(flat))
+
+
+def _trainable(loaded, mode: str, gamma=3, layers=2, seed=0):
+    cfg = TrainConfig(mode=mode, num_streams=gamma, stream_layers=layers, lora_rank=4, segment=3, stream_positions=8)
+    model = loaded.model
+    model.freeze()
+    t = Trainable(model, cfg)
+    _randomize(t, seed)
+    return t, cfg
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
+def test_torch_stream_logits_match_the_mlx_speculative_pass(hf_models, variant):
+    """Teacher-forced torch stream logits == the MLX inference pass's stream logits (float32)."""
+    _, _, mlx_dir = hf_models(variant)
+    loaded = _load(mlx_dir)
+    t, _ = _trainable(loaded, "lossless")
+    tokens = np.random.default_rng(1).integers(3, loaded.model.args.vocab_size, 11)
+    # MLX: a chain tree over the tokens, every node hosting all γ streams, no cache.
+    n = len(tokens)
+    out = ss_forward(loaded.model, t.streams, Tree(tuple(int(x) for x in tokens), tuple(range(-1, n - 1))), 0, None)
+    ref = np.stack([np.array(stream_logits(loaded.model, out, i)) for i in range(n)])
+    got = torch_backend.teacher_forced_stream_logits(loaded.model, t, loaded.config, tokens[None])[0]
+    assert got.shape == ref.shape
+    assert np.abs(got - ref).max() < 1e-4
+    # And the main logits: the torch block over the HF modules equals the MLX model.
+    assert np.abs(np.array(out.main_logits) - _torch_main_logits(loaded, tokens)).max() < 1e-4
+
+
+def _torch_main_logits(loaded, tokens):
+    import torch
+
+    from specstream_mlx.train import torch_objective as tobj
+
+    hf = torch_backend.hf_model_from_mlx(loaded.model, loaded.config)
+    params = tobj.TorchTrainable({}, 1.0)
+    with torch.no_grad():
+        main = tobj.main_pass(hf, params, torch.from_numpy(tokens[None].astype(np.int64)), 1)
+        return tobj.lm_logits(hf, main.h_final)[0].numpy()
+
+
+def _batch(loaded, seed=2):
+    from specstream_mlx.train.data import Example
+
+    rng = np.random.default_rng(seed)
+    V = loaded.model.args.vocab_size
+    exs = [Example(list(rng.integers(3, V, n)), completion_start=c) for n, c in ((20, 6), (14, 3), (17, 9))]
+    return make_batch(exs, 24, 8, None)
+
+
+@pytest.mark.parametrize("mode", ["lossless", "shared"])
+def test_torch_objective_matches_mlx_loss_and_gradients(hf_models, mode):
+    """Same loss terms and the same gradients (segment-wise in torch, one graph in MLX)."""
+    import mlx.nn as nn
+
+    _, _, mlx_dir = hf_models("qwen2")
+    loaded = _load(mlx_dir)
+    t, cfg = _trainable(loaded, mode)
+    b = _batch(loaded)
+    arrays = [mx.array(a) for a in (b.tokens, b.loss_mask, b.stream_pos, b.stream_weight, b.lengths)]
+    (loss, m), grads = nn.value_and_grad(t, lambda *a: compute_loss(loaded.model, t, cfg, *a))(*arrays)
+    got = torch_backend.backend_metrics(loaded.model, t, cfg, loaded.config, b)
+    assert abs(got["metrics"]["loss"] - float(loss)) < 1e-4
+    np.testing.assert_allclose(got["metrics"]["stream_acc"], np.array(m["stream_acc"]), atol=1e-6)
+    flat = dict(tree_flatten(grads))
+    assert set(got["grads"]) == set(flat)
+    for k, g in got["grads"].items():
+        ref = np.array(flat[k])
+        assert np.abs(g - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max()), k
+
+
+def _data_dir(root: Path) -> Path:
+    from specstream_mlx.demo.datagen import write_phrase_corpus
+
+    write_phrase_corpus(root / "data", n_keys=6, words_per_phrase=5)
+    return root / "data"
+
+
+def test_torch_backend_trains_and_writes_a_loadable_model(tmp_path, tiny_model_dir):
+    from specstream_mlx import load
+    from specstream_mlx.runtime.generation import generate
+
+    data = _data_dir(tmp_path)
+    cfg = TrainConfig(
+        mode="lossless", num_streams=3, stream_layers=2, lora_rank=4, iters=6, batch_size=4, backend="torch"
+    )
+    res = train(str(tiny_model_dir), str(data), str(tmp_path / "out"), cfg, log=lambda *_: None, progress=False)
+    assert res.steps == 6 and res.history and res.tokens_per_second > 0
+    log = json.loads((tmp_path / "out" / "training_log.json").read_text())
+    assert log["config"]["backend"] == "torch"
+    model, tok = load(str(tmp_path / "out"), warn=False)
+    base = load_model_dir(str(tiny_model_dir), warn=False)
+    # The streams moved from their initial values; the frozen base did not.
+    assert any(np.abs(np.array(v)).max() > 0 for k, v in tree_flatten(model.streams.parameters()) if k.endswith(".b"))
+    for (k, a), (_, b) in zip(tree_flatten(model.base.parameters()), tree_flatten(base.model.parameters())):
+        assert np.array_equal(np.array(a), np.array(b)), k
+    r = generate(model, tok, "abc", max_tokens=12, mode="ss")
+    assert r.tokens == generate(model, tok, "abc", max_tokens=12, mode="ar").tokens
+
+
+def test_torch_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypatch):
+    """Interrupted at step 3 and resumed: the same weights as 6 steps in one go (Adam state restored);
+    the MLX backend refuses the torch checkpoint with one clear error."""
+    import specstream_mlx.train.loop as T
+    from specstream_mlx.train import TrainError
+    from tests.test_training import _interrupt_at_batch
+
+    data = _data_dir(tmp_path)
+    kw = dict(mode="lossless", num_streams=2, stream_layers=1, lora_rank=4, iters=6, batch_size=4, stream_positions=4)
+    quiet = dict(progress=False, log=lambda *_: None)
+    train(str(tiny_model_dir), str(data), str(tmp_path / "whole"), TrainConfig(backend="torch", **kw), **quiet)
+    real = _interrupt_at_batch(monkeypatch, 3)
+    res = train(str(tiny_model_dir), str(data), str(tmp_path / "r"), TrainConfig(backend="torch", **kw), **quiet)
+    assert res.interrupted and res.steps == 3
+    monkeypatch.setattr(T, "iterate_batches", real)
+    with pytest.raises(TrainError, match="torch backend"):
+        train(str(tiny_model_dir), str(data), str(tmp_path / "r"), TrainConfig(**kw), resume=True, **quiet)
+    res = train(
+        str(tiny_model_dir), str(data), str(tmp_path / "r"), TrainConfig(backend="torch", **kw), resume=True, **quiet
+    )
+    assert res.steps == 6 and not res.interrupted
+    whole = mx.load(str(tmp_path / "whole" / "streams.safetensors"))
+    resumed = mx.load(str(tmp_path / "r" / "streams.safetensors"))
+    for k in whole:
+        assert np.abs(np.array(whole[k]) - np.array(resumed[k])).max() < 1e-5, k
+
+
+@pytest.mark.skipif(
+    shutil.which("accelerate", path=str(Path(sys.executable).parent)) is None, reason="needs accelerate"
+)
+def test_accelerate_launch_two_cpu_processes(tmp_path, tiny_model_dir):
+    """Two CPU processes under `accelerate launch` (torchrun; accelerate 1.x's `--cpu` starts one
+    process unless given an MPI host file) train one model, averaging gradients, written once."""
+    data = _data_dir(tmp_path)
+    out = tmp_path / "out"
+    exe = str(Path(sys.executable).parent / "accelerate")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
+    cmd = [
+        exe,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "specstream_mlx",
+        "train",
+        "--backend",
+        "torch",
+        "--model",
+        str(tiny_model_dir),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--mode",
+        "lossless",
+        "--num-streams",
+        "2",
+        "--stream-layers",
+        "1",
+        "--lora-rank",
+        "4",
+        "--iters",
+        "3",
+        "--batch-size",
+        "4",
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "(2 processes)" in p.stderr
+    assert "the 2 processes agree on the trained weights" in p.stderr
+    assert p.stderr.count("[train] wrote") == 1  # only the main process writes
+    assert json.loads((out / "training_log.json").read_text())["config"]["backend"] == "torch"
