@@ -14,6 +14,7 @@ the right token) the threshold removes: the rows it saves.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -45,22 +46,36 @@ class PruningCalibration:
         return asdict(self)
 
 
-def _positions(model, streams: StreamParams, tokens: mx.array, mask: np.ndarray):
-    """(P_ee of the main argmax, P_ee of the runners-up) at the masked positions."""
-    h_s0, _, h_final = main_pass(model, tokens, {}, streams.first_layer)
+def mlx_top4_probabilities(model, streams: StreamParams, tokens: np.ndarray) -> np.ndarray:
+    """(B, L, 4): early-exit probabilities of the main stream's four best choices, best first."""
+    h_s0, _, h_final = main_pass(model, mx.array(tokens), {}, streams.first_layer)
     main = model.lm_logits(h_final)
     ee = model.lm_logits(streams.pruning(h_s0))
     p_ee = mx.softmax(ee.astype(mx.float32), axis=-1)
     order = mx.argsort(-main, axis=-1)[..., :4]  # main's choices, best first
-    probs = mx.take_along_axis(p_ee, order, axis=-1)
-    probs = np.array(probs)[mask.astype(bool)]  # (positions, 4)
+    return np.array(mx.take_along_axis(p_ee, order, axis=-1))
+
+
+def _positions(top4: np.ndarray, mask: np.ndarray):
+    """(P_ee of the main argmax, P_ee of the runners-up) at the masked positions."""
+    probs = top4[mask.astype(bool)]  # (positions, 4)
     return probs[:, 0], probs[:, 1:].ravel()
 
 
 def calibrate_pruning(
-    model, streams: StreamParams, ds: Dataset, keep: float = 0.98, batch_size: int = 8, max_positions: int = 8192
+    model,
+    streams: StreamParams,
+    ds: Dataset,
+    keep: float = 0.98,
+    batch_size: int = 8,
+    max_positions: int = 8192,
+    top4: Optional[Callable[[np.ndarray], np.ndarray]] = None,
 ) -> PruningCalibration:
-    """Threshold keeping ``keep`` of the children greedy verification would accept."""
+    """Threshold keeping ``keep`` of the children greedy verification would accept.
+
+    ``top4(tokens) -> (B, L, 4)`` computes the probabilities (default: this MLX model;
+    the torch backend passes its own)."""
+    top4 = top4 or (lambda tokens: mlx_top4_probabilities(model, streams, tokens))
     if not 0 < keep <= 1:
         raise ValueError(f"keep must be in (0, 1], got {keep}")
     accepted, runners = [], []
@@ -69,7 +84,7 @@ def calibrate_pruning(
         exs = ds.examples[i : i + batch_size]
         seq_len = max(len(e.tokens) for e in exs)
         b = make_batch(exs, seq_len, 1, None)
-        a, r = _positions(model, streams, mx.array(b.tokens), b.loss_mask)
+        a, r = _positions(top4(b.tokens), b.loss_mask)
         accepted.append(a)
         runners.append(r)
         seen += len(a)

@@ -147,75 +147,106 @@ def stream_pass(
     return x.reshape(B, S, gamma, -1)
 
 
-def compute_loss(model, trainable: Trainable, cfg: TrainConfig, tokens, loss_mask, spos, sweight, lengths):
-    """(loss, metrics) of one batch; see the module docstring."""
-    streams = trainable.streams
-    gamma = streams.num_streams
-    s0 = streams.first_layer
-    B, L = tokens.shape
-    lossless = cfg.mode == "lossless"
-    h_s0, tapes, h_final = main_pass(model, tokens, trainable.base_lora, s0)
-    if lossless:
-        h_s0, h_final = mx.stop_gradient(h_s0), mx.stop_gradient(h_final)
-        tapes = [t.frozen() for t in tapes]
-    total = mx.array(0.0)
-    metrics = {}
+def main_loss(model, cfg: TrainConfig, h_final, tokens, loss_mask):
+    """(α0·CE of the main stream, metrics); zero in lossless mode (the base is frozen)."""
+    if cfg.mode == "lossless":
+        return mx.array(0.0), {}
     lm = loss_mask[:, :-1]
     n_main = mx.maximum(lm.sum(), 1.0)
-    if not lossless:
-        logits = model.lm_logits(h_final[:, :-1])
-        ce = nn.losses.cross_entropy(logits, tokens[:, 1:]) * lm
-        main_loss = ce.sum() / n_main
-        total = total + cfg.alpha_main * main_loss
-        metrics["main_ce"] = main_loss
-        metrics["main_acc"] = ((mx.argmax(logits, axis=-1) == tokens[:, 1:]) * lm).sum() / n_main
+    logits = model.lm_logits(h_final[:, :-1])
+    ce = nn.losses.cross_entropy(logits, tokens[:, 1:]) * lm
+    main_ce = ce.sum() / n_main
+    acc = ((mx.argmax(logits, axis=-1) == tokens[:, 1:]) * lm).sum() / n_main
+    return cfg.alpha_main * main_ce, {"main_ce": main_ce, "main_acc": acc}
 
-    if not cfg.streams:
-        metrics["loss"] = total
-        return total, metrics
+
+def stream_counts(spos, sweight, lengths, gamma: int) -> mx.array:
+    """(γ,) valid (position, stream) targets of a batch: every segment's loss normaliser."""
+    js = mx.arange(1, gamma + 1, dtype=mx.int32)
+    valid = (spos[..., None] + 1 + js < lengths[:, None, None]).astype(mx.float32) * sweight[..., None]
+    return mx.maximum(valid.sum(axis=(0, 1)), 1.0)
+
+
+def segment_loss(model, trainable: Trainable, cfg: TrainConfig, h_s0, tapes, h_final, tokens, sp, w, lengths, n):
+    """One segment's share of the stream loss, normalised by the batch's counts ``n``,
+    and its (ce, acc, kl) sums per stream."""
+    streams = trainable.streams
+    gamma = streams.num_streams
+    lossless = cfg.mode == "lossless"
     if lossless:
         lora_for_layer = streams.layer_lora
     else:
         lora_for_layer = lambda i: trainable.base_lora.get(lora_key(i))  # noqa: E731
+    B, L = tokens.shape
     js = mx.arange(1, gamma + 1, dtype=mx.int32)
-    ce_sum = mx.zeros((gamma,))
-    kl_sum = mx.zeros((gamma,))
-    acc_sum = mx.zeros((gamma,))
-    count = mx.zeros((gamma,))
-    S = spos.shape[1]
-    for s in range(0, S, cfg.segment):
-        sp, w = spos[:, s : s + cfg.segment], sweight[:, s : s + cfg.segment]
-        hs = stream_pass(model, streams, h_s0, tapes, sp, lora_for_layer)
-        logits = model.lm_logits(hs)  # (B, seg, γ, V)
-        tgt_pos = sp[..., None] + 1 + js  # stream (t, j) predicts token t+1+j
-        valid = (tgt_pos < lengths[:, None, None]).astype(mx.float32) * w[..., None]
-        seg = sp.shape[1]
-        tgt = mx.take_along_axis(tokens, mx.clip(tgt_pos, 0, L - 1).reshape(B, -1), axis=1).reshape(B, seg, gamma)
-        ce = nn.losses.cross_entropy(logits, tgt) * valid
-        ce_sum = ce_sum + ce.sum(axis=(0, 1))
-        acc_sum = acc_sum + ((mx.argmax(logits, axis=-1) == tgt) * valid).sum(axis=(0, 1))
-        count = count + valid.sum(axis=(0, 1))
-        if lossless and cfg.distill:
-            # The frozen main stream at t+j predicts the same token t+1+j.
-            teach_pos = mx.clip(sp[..., None] + js, 0, L - 1).reshape(B, -1)
-            th = mx.take_along_axis(h_final, teach_pos[..., None], axis=1).reshape(B, seg, gamma, -1)
-            t_logp = mx.stop_gradient(nn.log_softmax(model.lm_logits(th).astype(mx.float32), axis=-1))
-            s_logp = nn.log_softmax(logits.astype(mx.float32), axis=-1)
-            kl = (mx.exp(t_logp) * (t_logp - s_logp)).sum(axis=-1) * valid
-            kl_sum = kl_sum + kl.sum(axis=(0, 1))
-    n = mx.maximum(count, 1.0)
-    stream_ce = ce_sum / n
-    stream_loss = stream_ce + (cfg.distill_weight * kl_sum / n if lossless and cfg.distill else 0.0)
-    total = total + cfg.alpha_stream * stream_loss.sum()
-    metrics["stream_ce"] = stream_ce
-    metrics["stream_acc"] = acc_sum / n
+    hs = stream_pass(model, streams, h_s0, tapes, sp, lora_for_layer)
+    logits = model.lm_logits(hs)  # (B, seg, γ, V)
+    tgt_pos = sp[..., None] + 1 + js  # stream (t, j) predicts token t+1+j
+    valid = (tgt_pos < lengths[:, None, None]).astype(mx.float32) * w[..., None]
+    seg = sp.shape[1]
+    tgt = mx.take_along_axis(tokens, mx.clip(tgt_pos, 0, L - 1).reshape(B, -1), axis=1).reshape(B, seg, gamma)
+    ce = (nn.losses.cross_entropy(logits, tgt) * valid).sum(axis=(0, 1))
+    acc = ((mx.argmax(logits, axis=-1) == tgt) * valid).sum(axis=(0, 1))
+    kl = mx.zeros((gamma,))
+    loss = ce / n
     if lossless and cfg.distill:
-        metrics["stream_kl"] = kl_sum / n
+        # The frozen main stream at t+j predicts the same token t+1+j.
+        teach_pos = mx.clip(sp[..., None] + js, 0, L - 1).reshape(B, -1)
+        th = mx.take_along_axis(h_final, teach_pos[..., None], axis=1).reshape(B, seg, gamma, -1)
+        t_logp = mx.stop_gradient(nn.log_softmax(model.lm_logits(th).astype(mx.float32), axis=-1))
+        s_logp = nn.log_softmax(logits.astype(mx.float32), axis=-1)
+        kl = ((mx.exp(t_logp) * (t_logp - s_logp)).sum(axis=-1) * valid).sum(axis=(0, 1))
+        loss = loss + cfg.distill_weight * kl / n
+    return cfg.alpha_stream * loss.sum(), (ce, acc, kl)
 
-    # Pruning adapter: early-exit next-token prediction at the insertion layer.
-    ee = frozen_head_logits(model, streams.pruning(mx.stop_gradient(h_s0[:, :-1])))
-    prune_ce = (nn.losses.cross_entropy(ee, tokens[:, 1:]) * lm).sum() / n_main
-    total = total + cfg.alpha_stream * prune_ce
-    metrics["prune_ce"] = prune_ce
+
+def prune_loss(model, trainable: Trainable, cfg: TrainConfig, h_s0, tokens, loss_mask):
+    """(weighted loss, CE) of the pruning adapter: early-exit next-token prediction at the insertion layer."""
+    lm = loss_mask[:, :-1]
+    ee = frozen_head_logits(model, trainable.streams.pruning(mx.stop_gradient(h_s0[:, :-1])))
+    prune_ce = (nn.losses.cross_entropy(ee, tokens[:, 1:]) * lm).sum() / mx.maximum(lm.sum(), 1.0)
+    return cfg.alpha_stream * prune_ce, prune_ce
+
+
+def stream_metrics(sums, n, cfg: TrainConfig) -> dict:
+    """Per-stream means of the (ce, acc, kl) sums. Multiplied by ``1/n`` rather than divided
+    by ``n``: ``ce / n`` is also a term of the loss, and under ``mx.compile`` (MLX 0.32) that
+    same expression returned outside the gradient graph broke the compiled training step."""
+    inv = 1.0 / n
+    m = {"stream_ce": sums[0] * inv, "stream_acc": sums[1] * inv}
+    if cfg.mode == "lossless" and cfg.distill:
+        m["stream_kl"] = sums[2] * inv
+    return m
+
+
+def run_main(model, trainable: Trainable, cfg: TrainConfig, tokens):
+    """The main pass's outputs; held fixed (no gradient) in lossless mode."""
+    h_s0, tapes, h_final = main_pass(model, tokens, trainable.base_lora, trainable.streams.first_layer)
+    if cfg.mode == "lossless":
+        h_s0, h_final = mx.stop_gradient(h_s0), mx.stop_gradient(h_final)
+        tapes = [t.frozen() for t in tapes]
+    return h_s0, tapes, h_final
+
+
+def compute_loss(model, trainable: Trainable, cfg: TrainConfig, tokens, loss_mask, spos, sweight, lengths):
+    """(loss, metrics) of one batch as one graph; see the module docstring (training
+    takes the same terms segment by segment: train/segmented.py)."""
+    h_s0, tapes, h_final = run_main(model, trainable, cfg, tokens)
+    total, metrics = main_loss(model, cfg, h_final, tokens, loss_mask)
+    if not cfg.streams:
+        metrics["loss"] = total
+        return total, metrics
+    n = stream_counts(spos, sweight, lengths, trainable.streams.num_streams)
+    sums = None
+    for s in range(0, spos.shape[1], cfg.segment):
+        sl = slice(s, s + cfg.segment)
+        loss, parts = segment_loss(
+            model, trainable, cfg, h_s0, tapes, h_final, tokens, spos[:, sl], sweight[:, sl], lengths, n
+        )
+        total = total + loss
+        sums = parts if sums is None else tuple(a + b for a, b in zip(sums, parts))
+    metrics.update(stream_metrics(sums, n, cfg))
+    p_loss, metrics["prune_ce"] = prune_loss(model, trainable, cfg, h_s0, tokens, loss_mask)
+    total = total + p_loss
     metrics["loss"] = total
     return total, metrics

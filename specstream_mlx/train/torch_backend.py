@@ -36,7 +36,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from . import torch_objective as tobj
-from .loop import evaluate, progress_text, run_epochs
+from .data import make_batch
+from .loop import progress_text, run_epochs
 
 _DROP_KEYS = ("quantization", "quantization_config", "architectures", "transformers_version", "torch_dtype", "dtype")
 
@@ -225,14 +226,35 @@ class TorchRun:
         if not self.is_main:
             return
         if data.valid is not None and step % cfg.steps_per_eval == 0 and step < data.total_steps:
-            self.sync_to_mlx()
-            v = evaluate(self.model, self.trainable, cfg, data.valid, data.seq_len, cfg.val_batches)
+            v = self.evaluate()
             self.log(
                 f"[train] step {step}: valid loss {v['loss']:.3f}, stream top-1 "
                 + " ".join(f"{a:.3f}" for a in v.get("stream_acc", []))
             )
         if step % cfg.save_every == 0 and step < data.total_steps:
             self.save(step)
+
+    def evaluate(self) -> dict:
+        """Mean validation metrics over up to ``val_batches`` batches, computed in torch
+        (the process may run without the fast BLAS MLX would need)."""
+        cfg, d = self.cfg, self.data
+        agg, n = None, 0
+        for i in range(0, min(len(d.valid), cfg.val_batches * cfg.batch_size), cfg.batch_size):
+            b = make_batch(d.valid.examples[i : i + cfg.batch_size], d.seq_len, cfg.stream_positions, None)
+            m = tobj.backward_segments(self.hf, self.params, cfg, _batch_tensors(b, 0, 1, self.device), self.s0, False)
+            agg = m if agg is None else {k: np.add(agg[k], m[k]).tolist() for k in agg}
+            n += 1
+        return {k: (np.array(v) / n).tolist() for k, v in agg.items()} if agg else {}
+
+    def calibrate(self):
+        """The pruning threshold, from torch's early-exit probabilities."""
+        from .calibrate import calibrate_pruning
+
+        def top4(tokens: np.ndarray) -> np.ndarray:
+            t = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
+            return tobj.calibration_positions(self.hf, self.params, t, self.s0).cpu().numpy()
+
+        return calibrate_pruning(self.model, self.trainable.streams, self.data.valid, self.cfg.pruning_keep, top4=top4)
 
     def save(self, step: int) -> None:
         """A checkpoint after ``step`` completed steps (main process only)."""

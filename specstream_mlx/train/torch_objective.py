@@ -245,10 +245,16 @@ def segment_loss(hf_model, trainable, cfg, main: MainPass, tokens, spos, sweight
     return cfg.alpha_stream * loss.sum(), ce.detach(), acc.detach(), kl.detach()
 
 
-def backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str, torch.Tensor], s0: int) -> dict:
+def backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str, torch.Tensor], s0: int, train=True):
     """Compute the loss of one batch and accumulate its gradients, one segment at a time.
 
-    Returns the metrics (loss, stream_ce, stream_acc, ... as floats/lists), like the MLX objective."""
+    Returns the metrics (loss, stream_ce, stream_acc, ... as floats/lists), like the MLX
+    objective. ``train=False``: the metrics only (validation), no graph is built."""
+    with torch.set_grad_enabled(train):
+        return _backward_segments(hf_model, trainable, cfg, batch, s0, train)
+
+
+def _backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str, torch.Tensor], s0: int, train):
     tokens, loss_mask, spos, sweight, lengths = (
         batch[k] for k in ("tokens", "loss_mask", "spos", "sweight", "lengths")
     )
@@ -261,7 +267,9 @@ def backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str,
         leaves = main
     else:
         main = main_pass(hf_model, trainable, tokens, s0)
-        leaves = MainPass.from_tensors([t.detach().requires_grad_() for t in main.tensors()], main.h_final.detach())
+        leaves = MainPass.from_tensors(
+            [t.detach().requires_grad_(train) for t in main.tensors()], main.h_final.detach()
+        )
     lm = loss_mask[:, :-1]
     n_main = lm.sum().clamp(min=1.0)
     dev = tokens.device
@@ -281,7 +289,8 @@ def backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str,
             loss, *parts = segment_loss(
                 hf_model, trainable, cfg, leaves, tokens, spos[:, sl], sweight[:, sl], lengths, n, s0
             )
-            loss.backward()  # frees this segment's graph; gradients accumulate
+            if train:
+                loss.backward()  # frees this segment's graph; gradients accumulate
             total += float(loss.detach())
             sums = [a + b for a, b in zip(sums, parts)]
         metrics["stream_ce"] = (sums[0] / n).cpu().tolist()
@@ -293,10 +302,11 @@ def backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str,
         h = main.h_s0[:, :-1].detach()
         ee = frozen_head_logits(hf_model, h + (h @ down) @ up)
         prune_ce = (_masked_ce(ee, tokens[:, 1:]) * lm).sum() / n_main
-        (cfg.alpha_stream * prune_ce).backward()
+        if train:
+            (cfg.alpha_stream * prune_ce).backward()
         total += float(cfg.alpha_stream * prune_ce.detach())
         metrics["prune_ce"] = float(prune_ce.detach())
-    if not lossless:
+    if train and not lossless:
         # The gradients reaching the main pass's outputs, sent through it once.
         outs = [main_term] + main.tensors()
         grads = [torch.ones((), device=dev)] + [
@@ -332,3 +342,16 @@ def lr_lambda(total: int, warmup: int):
 
 def grad_norm(params) -> float:
     return math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params if p.grad is not None))
+
+
+def calibration_positions(hf_model, trainable: TorchTrainable, tokens: torch.Tensor, s0: int):
+    """Early-exit probabilities of the main stream's top-4 choices at every position
+    (B, L, 4): the torch side of :mod:`.calibrate`."""
+    with torch.no_grad():
+        main = main_pass(hf_model, trainable, tokens, s0)
+        logits = lm_logits(hf_model, main.h_final)
+        down, up = trainable.get("streams.pruning.down"), trainable.get("streams.pruning.up")
+        h = main.h_s0
+        p_ee = torch.softmax(lm_logits(hf_model, h + (h @ down) @ up).float(), dim=-1)
+        order = logits.argsort(dim=-1, descending=True)[..., :4]
+        return torch.gather(p_ee, -1, order)

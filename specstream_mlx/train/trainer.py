@@ -35,6 +35,7 @@ from .config import TrainConfig, TrainError, TrainResult
 from .data import Batch, Dataset, load_dataset
 from .loop import batch_arrays, evaluate, progress_text, run_epochs, to_py
 from .objective import Trainable, compute_loss
+from .segmented import SegmentedStep
 
 
 @dataclass
@@ -95,6 +96,7 @@ class _Run:
         self.model, self.trainable, self.optimizer = model, trainable, optimizer
         self.cfg, self.data, self.ckpt, self.log, self.bar = cfg, data, ckpt, log, bar
         self.step_fn, self.state = _step_function(model, trainable, optimizer, cfg)
+        self.segmented = SegmentedStep(model, trainable, optimizer, cfg)
         self.history = []
         self.step = 0  # last completed step
         self.tokens_seen = 0
@@ -103,7 +105,10 @@ class _Run:
     def one_step(self, step: int, batch: Batch) -> None:
         """Run ``batch`` as step ``step`` (1-based): update, report, validate, checkpoint."""
         cfg, data = self.cfg, self.data
-        loss, metrics = self.step_fn(*batch_arrays(batch))
+        if cfg.streams and batch.stream_pos.shape[1] > cfg.segment:
+            loss, metrics = self.segmented(*batch_arrays(batch))  # memory bounded by one segment
+        else:
+            loss, metrics = self.step_fn(*batch_arrays(batch))  # one segment: one compiled graph
         mx.eval(loss, metrics, self.state)
         lv = float(loss.item())
         if not math.isfinite(lv):
@@ -128,7 +133,7 @@ class _Run:
         if self.bar:
             self.bar.update(1)
         if data.valid is not None and step % cfg.steps_per_eval == 0 and step < data.total_steps:
-            v = evaluate(self.model, self.trainable, cfg, data.valid, data.seq_len, cfg.val_batches)
+            v = self.evaluate()
             self.log(
                 f"[train] step {step}: valid loss {v['loss']:.3f}, stream top-1 "
                 + " ".join(f"{a:.3f}" for a in v.get("stream_acc", []))
@@ -142,6 +147,14 @@ class _Run:
     def loop(self, step: int) -> None:
         run_epochs(self, step)
 
+    def evaluate(self) -> dict:
+        """Mean validation metrics over up to ``val_batches`` batches."""
+        d = self.data
+        return evaluate(self.model, self.trainable, self.cfg, d.valid, d.seq_len, self.cfg.val_batches)
+
+    def calibrate(self):
+        return calibrate_pruning(self.model, self.trainable.streams, self.data.valid, keep=self.cfg.pruning_keep)
+
     def peak_memory_gb(self) -> float:
         return mx.get_peak_memory() / 1e9
 
@@ -150,14 +163,14 @@ def _finish(run: _Run, result: TrainResult, base_dir: Path, out: Path, data_dir:
     """Final validation, the model directory and the training log."""
     cfg, data = run.cfg, run.data
     if data.valid is not None:
-        result.val = evaluate(run.model, run.trainable, cfg, data.valid, data.seq_len, cfg.val_batches)
+        result.val = run.evaluate()
         run.log(
             f"[train] final valid loss {result.val['loss']:.3f}, stream top-1 "
             + " ".join(f"{a:.3f}" for a in result.val.get("stream_acc", []))
         )
     calibration = None
     if cfg.streams and cfg.pruning_keep > 0 and data.valid is not None:
-        calibration = calibrate_pruning(run.model, run.trainable.streams, data.valid, keep=cfg.pruning_keep)
+        calibration = run.calibrate()
         run.trainable.streams.config.pruning_threshold = calibration.threshold
         run.log(
             f"[train] pruning threshold {calibration.threshold:.4g}: keeps {calibration.kept_accepted:.1%} of "
