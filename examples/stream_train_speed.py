@@ -8,8 +8,9 @@ the real CLI in its own process, alternating backends over ``--rounds`` rounds.
 Reported per backend: the training tokens/s the trainer logs (median over
 rounds) and the process's peak resident memory (max over rounds, from the OS:
 weights, data, activations and both frameworks' runtimes). MLX runs with the
-system OpenBLAS preloaded (as the CLI does on Linux). Data: ``--data`` or, by
-default, ShareGPT V3 conversations written by `prepare-sharegpt`.
+system OpenBLAS preloaded (as the CLI does on Linux), PyTorch without it (as
+the CLI runs the torch backend). Data: ``--data`` or, by default, ShareGPT V3
+conversations written by `prepare-sharegpt`.
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ def main() -> int:
         data = str(work / "data")
         subprocess.run(CLI + ["prepare-sharegpt", "--out", data, "--max-examples", "400"], check=True)
     lib = find_openblas()
-    env = dict(os.environ, **({"LD_PRELOAD": lib} if lib else {}))
+    # As the CLI runs them: MLX with OpenBLAS preloaded, PyTorch without (its kernels slow down
+    # when OpenBLAS's threads compete with its own).
+    plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    envs = {"mlx": dict(plain, **({"LD_PRELOAD": lib} if lib else {})), "torch": plain}
     common = ["--model", a.model, "--data", data, "--mode", "lossless", "--iters", str(a.iters)]
     common += ["--batch-size", str(a.batch_size), "--max-seq-length", str(a.max_seq_length), "--new-streams"]
     common += ["--steps-per-eval", "100000", "--save-every", "100000"]
@@ -67,7 +71,7 @@ def main() -> int:
         for backend in ("mlx", "torch") if r % 2 == 0 else ("torch", "mlx"):
             out = work / f"{backend}-{r}"
             t = time.perf_counter()
-            rc, rss = _run(CLI + ["train", "--backend", backend, "--out", str(out)] + common, env)
+            rc, rss = _run(CLI + ["train", "--backend", backend, "--out", str(out)] + common, envs[backend])
             if rc != 0:
                 print(f"{backend}: train failed (exit {rc})", file=sys.stderr)
                 return 1

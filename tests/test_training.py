@@ -501,6 +501,14 @@ def test_distill_writes_the_models_own_replies(tmp_path, base_dir):
         {"prompt": "x", "completion": "old"},
         {"text": "qq"},
         {"prompt": "zz"},
+        {
+            "messages": [
+                {"role": "system", "content": "sys"},
+                {"role": "user", "content": "one"},
+                {"role": "assistant", "content": "human 1"},
+                {"role": "user", "content": "two"},
+            ]
+        },
     ]
     (src / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (src / "valid.jsonl").write_text(json.dumps({"prompt": "val"}) + "\n")
@@ -513,15 +521,20 @@ def test_distill_writes_the_models_own_replies(tmp_path, base_dir):
     )
     assert r.returncode == 0, r.stderr
     out = [json.loads(line) for line in (tmp_path / "d" / "train.jsonl").read_text().splitlines()]
-    assert len(out) == 5 and out[2]["completion"] != "old" and out[1]["messages"][-1]["content"] != "human reply"
+    assert len(out) == 6 and out[2]["completion"] != "old" and out[1]["messages"][-1]["content"] != "human reply"
     model, tok = load(str(base_dir), warn=False)
-    for row, rec in zip(rows, out):
+    # Every assistant turn is the model's: the first answers "one", the second the conversation so far.
+    conv = out[5]["messages"]
+    assert [m["role"] for m in conv] == ["system", "user", "assistant", "user", "assistant"]
+    assert conv[2]["content"] == generate(model, tok, conv[:2], max_tokens=12).text != "human 1"
+    assert conv[4]["content"] == generate(model, tok, conv[:4], max_tokens=12).text
+    for row, rec in zip(rows[:5], out):
         prompt = row["messages"][:1] if "messages" in row else row.get("prompt", row.get("text"))
         want = generate(model, tok, prompt, max_tokens=12).text
         got = rec["completion"] if "completion" in rec else rec["messages"][-1]["content"]
         assert got == want, (row, got, want)
     train_ds, valid_ds, _ = load_dataset(tmp_path / "d", tok, 256)
-    assert len(train_ds) == 5 and len(valid_ds) == 1
+    assert len(train_ds) == 6 and len(valid_ds) == 1
     # Resume: a run killed mid-line leaves a partial line; the next run cuts it and finishes.
     f = tmp_path / "d" / "train.jsonl"
     lines = f.read_text().splitlines(keepends=True)
@@ -537,7 +550,7 @@ def test_distill_writes_the_models_own_replies(tmp_path, base_dir):
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
-    assert len((tmp_path / "s" / "train.jsonl").read_text().splitlines()) == 10
+    assert len((tmp_path / "s" / "train.jsonl").read_text().splitlines()) == 12
 
 
 def test_batches_are_bucketed_by_length():
@@ -635,3 +648,27 @@ def test_segmented_gradients_equal_the_one_graph_gradients(base_dir, mode):
     for k in ref:
         scale = max(1.0, float(np.abs(np.array(ref[k])).max()))
         assert np.abs(np.array(got[k]) - np.array(ref[k])).max() <= 1e-5 * scale, k
+
+
+def test_distill_skips_prompts_that_leave_no_room_for_a_reply(tmp_path, base_dir):
+    """A prompt longer than the context minus --max-tokens is skipped with a count, not answered with garbage."""
+    import shutil
+
+    from specstream_mlx.train.distill import DistillOptions, distill
+
+    model = tmp_path / "m"
+    shutil.copytree(base_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=64)))
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "short"}) + "\n" + json.dumps({"prompt": "long " * 40}) + "\n")
+    logs = []
+    counts = distill(
+        str(model), str(src), str(tmp_path / "d"), DistillOptions(max_tokens=16), log=logs.append, progress=False
+    )
+    assert counts == {"train": 1}
+    assert any("1 prompts longer than 48 tokens skipped" in line for line in logs), logs
+    with pytest.raises(DataError, match="no room"):
+        distill(
+            str(model), str(src), str(tmp_path / "e"), DistillOptions(max_tokens=64), log=logs.append, progress=False
+        )

@@ -570,6 +570,7 @@ def train(
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),
     max_seq_len: int = typer.Option(512, "--max-seq-len", "--max-seq-length", help="Longer sequences are truncated."),
     learning_rate: float = typer.Option(5e-4, "--learning-rate", help="Peak learning rate (linear decay)."),
+    warmup: int = typer.Option(0, "--warmup", help="Steps of linear warm-up to the peak learning rate."),
     alpha_stream: float = typer.Option(0.1, "--alpha-stream", help="Weight αj of each stream's loss."),
     no_distill: bool = typer.Option(False, "--no-distill", help="Lossless: train streams on data tokens only."),
     stream_positions: int = typer.Option(
@@ -611,6 +612,7 @@ def train(
             batch_size=batch_size,
             max_seq_len=max_seq_len,
             learning_rate=learning_rate,
+            warmup=warmup,
             alpha_stream=alpha_stream,
             distill=not no_distill,
             stream_positions=stream_positions,

@@ -7,14 +7,16 @@ Everything comes from this repository's own scripts and seeded data:
   shared-mode objective (main + 4 streams, all weights); ``demo-sql-baseline``
   is trained identically with the next-token loss only; ``demo-sql-draft`` is a
   smaller next-token model with the same tokenizer (the draft-model peer).
-* ``demo-chat``: a small Llama trained on ShareGPT V3 text (next-token), then
-  lossless streams trained on it (frozen base, self-distillation);
-  ``demo-chat-draft`` is the smaller draft model.
+* ``demo-chat``: a small Llama trained on ShareGPT V3 text (next-token); its own
+  replies to ShareGPT prompts (greedy and temperature 0.7, `distill`) are the
+  data of its lossless streams (frozen base, self-distillation), trained with
+  `train --backend torch`; ``demo-chat-draft`` is the smaller draft model,
+  pretrained on the same corpus and fine-tuned on the same replies.
 
 Base weights are pretrained with PyTorch (:mod:`.torch_pretrain`: its CPU
 kernels train these shapes ~5x faster than MLX's CPU backend), saved as Hugging
-Face checkpoints and imported with our converter; the streams and both SQL
-fine-tunes are trained in MLX by :mod:`.training`. Weights are stored in
+Face checkpoints and imported with our converter; demo-chat's streams are
+trained by the PyTorch backend of `train`, the SQL fine-tunes in MLX. Weights are stored in
 float16 to keep each model small; on the CPU they run in float32 (docs/DESIGN.md §2.13).
 Step counts are set so the whole build fits in about 80 minutes on a 2-core
 CPU; ``--scale`` multiplies every step count (``--scale 0.01`` is a smoke test).
@@ -44,7 +46,12 @@ SQL_FINETUNE_STEPS = 300
 SQL_FINETUNE_LR = 5e-4
 SQL_ALPHA_STREAM = 0.1
 CHAT_PRETRAIN_STEPS = 1200
-CHAT_STREAM_STEPS = 150
+# Self-distillation: the base's replies (≤ CHAT_REPLY_TOKENS) to this many ShareGPT prompts.
+CHAT_DISTILL_GREEDY = 1200
+CHAT_DISTILL_SAMPLED = 600
+CHAT_REPLY_TOKENS = 96
+CHAT_STREAM_STEPS = 1200
+CHAT_DRAFT_DISTILL_STEPS = 1000
 REUSE = False  # --reuse: keep finished PyTorch pretraining runs in runs/
 DRAFT = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
 
@@ -110,11 +117,30 @@ def _texts(data_dir: Path):
 def _train(base: Path, data: Path, out: Path, **cfg_kw):
     from ..train import TrainConfig, train
 
-    cfg = TrainConfig(**cfg_kw)
     t = time.time()
+    if cfg_kw.get("backend") == "torch":
+        _train_torch_cli(base, data, out, cfg_kw)
+        log(f"trained {out.name} in {time.time() - t:.0f} s")
+        return None
+    cfg = TrainConfig(**cfg_kw)
     res = train(str(base), str(data), str(out), cfg, log=log)
     log(f"trained {out.name} in {time.time() - t:.0f} s")
     return res
+
+
+def _train_torch_cli(base: Path, data: Path, out: Path, cfg_kw: dict) -> None:
+    """`specstream-mlx train --backend torch` in its own process, as a user runs it (without
+    the OpenBLAS preload this build process has: it halves PyTorch's speed)."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "specstream_mlx", "train", "--model", str(base), "--data", str(data)]
+    cmd += ["--out", str(out), "--force", "--new-streams"]
+    names = {"max_seq_len": "max-seq-length"}
+    for k, v in cfg_kw.items():
+        cmd += [f"--{names.get(k, k.replace('_', '-'))}", str(v)]
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    subprocess.run(cmd, env=env, check=True)
 
 
 def _finalize(src: Path, name: str) -> Path:
@@ -196,7 +222,10 @@ def _pretrain_hf(init: Path, data: Path, name: str, steps: int, **kw) -> Path:
             str(steps),
         ]
         for k, v in kw.items():
-            cmd += [f"--{k.replace('_', '-')}", str(v)]
+            if isinstance(v, bool):  # a flag
+                cmd += [f"--{k.replace('_', '-')}"] if v else []
+            else:
+                cmd += [f"--{k.replace('_', '-')}", str(v)]
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
         subprocess.run(cmd, env=env, check=True)
     summary = json.loads(done.read_text())["summary"]
@@ -289,7 +318,52 @@ def build_sql(scale: float = 1.0, seed: int = 0) -> None:
     log(f"exact match on the test split: {em}")
 
 
-def build_chat(scale: float = 1.0, seed: int = 0) -> None:
+def _distill_prompts(data: Path, out: Path, n_greedy: int, n_sampled: int, n_valid: int) -> dict:
+    """Prompt files for self-distillation: train prompts (greedy and sampled parts, disjoint)
+    and valid prompts, from the chat corpus (the bench prompts come from its test split)."""
+    rows = [json.loads(line) for line in (data / "train.jsonl").open()]
+    valid = [json.loads(line) for line in (data / "valid.jsonl").open()][:n_valid]
+    parts = {
+        "greedy": {"train": rows[:n_greedy], "valid": valid},
+        "sampled": {"train": rows[n_greedy : n_greedy + n_sampled]},
+    }
+    dirs = {}
+    for name, splits in parts.items():
+        d = out / name
+        d.mkdir(parents=True, exist_ok=True)
+        for split, rs in splits.items():
+            (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+        dirs[name] = d
+    return dirs
+
+
+def _distill_chat(base: Path, data: Path, scale: float) -> Path:
+    """The base's own replies (greedy and temperature 0.7) as the streams' training data."""
+    from ..train.distill import DistillOptions, distill
+
+    n_greedy, n_sampled = int(CHAT_DISTILL_GREEDY * scale), int(CHAT_DISTILL_SAMPLED * scale)
+    src = _distill_prompts(data, RUNS / "data" / "chat-distill-prompts", max(n_greedy, 1), max(n_sampled, 1), 40)
+    out = RUNS / "data" / "chat-distill"
+    t = time.time()
+    for name, opts in (
+        ("greedy", DistillOptions(max_tokens=CHAT_REPLY_TOKENS, batch_size=16)),
+        ("sampled", DistillOptions(max_tokens=CHAT_REPLY_TOKENS, batch_size=16, temperature=0.7, seed=1)),
+    ):
+        counts = distill(str(base), str(src[name]), str(out / name), opts, log=log)  # resumable
+        log(f"distilled {name}: {counts}")
+    mix = out / "mix"
+    mix.mkdir(parents=True, exist_ok=True)
+    with open(mix / "train.jsonl", "w") as f:
+        for name in ("greedy", "sampled"):
+            f.write((out / name / "train.jsonl").read_text())
+    shutil.copy2(out / "greedy" / "valid.jsonl", mix / "valid.jsonl")
+    log(f"self-distillation data in {time.time() - t:.0f} s")
+    return mix
+
+
+def build_chat(scale: float = 1.0, seed: int = 0, base: Optional[Path] = None, draft_base: Optional[Path] = None):
+    """demo-chat and demo-chat-draft. ``base`` / ``draft_base``: start from these (already
+    pretrained) models instead of pretraining them, e.g. to retrain only the streams."""
     from ..train.sharegpt import write_sharegpt_jsonl
     from .byte_tokenizer import train_bpe_tokenizer
 
@@ -297,51 +371,77 @@ def build_chat(scale: float = 1.0, seed: int = 0) -> None:
     counts = write_sharegpt_jsonl(data, max_examples=30000, valid_fraction=0.01, seed=seed, max_turns=2, max_chars=1200)
     log(f"chat corpus: {counts}")
     tok = RUNS / "tok-chat"
-    train_bpe_tokenizer(_texts(data), 4096, tok)
-    init = init_model_dir(RUNS / "chat-init", tok, CHAT_BASE, seed)
-    base = _pretrain_hf(
-        init,
-        data,
-        "chat-base",
-        int(CHAT_PRETRAIN_STEPS * scale),
-        batch_size=16,
-        max_seq_len=256,
-        learning_rate=1e-3,
-        warmup=200,
-        seed=seed,
-    )
-    # Lossless streams on the frozen base (self-distillation to its own outputs).
+    if base is None or draft_base is None:
+        train_bpe_tokenizer(_texts(data), 4096, tok)
+    if base is None:
+        init = init_model_dir(RUNS / "chat-init", tok, CHAT_BASE, seed)
+        base = _pretrain_hf(
+            init,
+            data,
+            "chat-base",
+            int(CHAT_PRETRAIN_STEPS * scale),
+            batch_size=16,
+            max_seq_len=256,
+            learning_rate=1e-3,
+            warmup=200,
+            seed=seed,
+        )
+    else:
+        log(f"demo-chat's base: {base} (--chat-base)")
+    # Lossless streams on the frozen base, trained on the base's own replies (what the
+    # streams must predict) with self-distillation, in PyTorch (train --backend torch).
+    mix = _distill_chat(base, data, scale)
     _train(
         base,
-        data,
+        mix,
         RUNS / "demo-chat",
         mode="lossless",
+        backend="torch",
         num_streams=4,
         stream_layers=2,
         lora_rank=16,
         iters=int(CHAT_STREAM_STEPS * scale),
         batch_size=16,
-        max_seq_len=256,
+        max_seq_len=384,
         learning_rate=1e-3,
-        warmup=20,
+        warmup=50,
         seed=seed,
-        stream_positions=32,
+        stream_positions=64,
         alpha_stream=1.0,
-        steps_per_eval=100,
-        save_every=100,
+        steps_per_eval=500,
+        save_every=250,
     )
     write_bench_prompts(_finalize(RUNS / "demo-chat", "demo-chat"), data)
-    dinit = init_model_dir(RUNS / "chat-draft-init", tok, DRAFT, seed + 1)
+    # The draft-model peer: pretrained on the same corpus, then fine-tuned on the same
+    # self-distilled replies for a comparable budget, so the comparison stays fair.
+    if draft_base is None:
+        dinit = init_model_dir(RUNS / "chat-draft-init", tok, DRAFT, seed + 1)
+        _pretrain_hf(
+            dinit,
+            data,
+            "chat-draft-pre",
+            int(CHAT_PRETRAIN_STEPS * scale) // 2,
+            batch_size=16,
+            max_seq_len=256,
+            learning_rate=2e-3,
+            warmup=200,
+            seed=seed,
+        )
+        draft_base = RUNS / "chat-draft-pre-hf"
+    else:
+        log(f"demo-chat-draft's pretrained start: {draft_base} (--chat-draft-base)")
     draft = _pretrain_hf(
-        dinit,
-        data,
+        draft_base,
+        mix,
         "chat-draft",
-        int(CHAT_PRETRAIN_STEPS * scale) // 2,
+        int(CHAT_DRAFT_DISTILL_STEPS * scale),
         batch_size=16,
-        max_seq_len=256,
-        learning_rate=2e-3,
-        warmup=200,
+        max_seq_len=384,
+        learning_rate=5e-4,
+        warmup=50,
         seed=seed,
+        completion_only=True,
+        from_weights=True,
     )
     _finalize(draft, "demo-chat-draft")
 
@@ -359,13 +459,42 @@ def main(argv: Optional[list] = None) -> int:
         action="store_true",
         help="reuse finished PyTorch pretraining checkpoints in --runs (same step count)",
     )
+    ap.add_argument(
+        "--chat-base", type=Path, default=None, help="demo-chat: start from this base instead of pretraining"
+    )
+    ap.add_argument(
+        "--chat-draft-base",
+        type=Path,
+        default=None,
+        help="demo-chat-draft: fine-tune this model instead of pretraining",
+    )
     args = ap.parse_args(argv)
     REUSE = args.reuse
     RUNS, MODELS = args.runs.resolve(), args.models.resolve()
 
     for which in args.which:
-        (build_sql if which == "sql" else build_chat)(args.scale, args.seed)
+        t = time.time()
+        if which == "sql":
+            build_sql(args.scale, args.seed)
+        else:
+            build_chat(args.scale, args.seed, _staged(args.chat_base, "base"), _staged(args.chat_draft_base, "draft"))
+        log(f"{which} models built in {(time.time() - t) / 60:.1f} minutes")
     return 0
+
+
+def _staged(model: Optional[Path], name: str) -> Optional[Path]:
+    """A copy of ``model`` in the runs directory (the build replaces models/ as it goes),
+    its weights only: speculative streams and logs stay behind."""
+    if model is None:
+        return None
+    dst = RUNS / f"given-chat-{name}"
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for f in Path(model).iterdir():
+        if f.is_file() and f.name not in ("specstream.json", "streams.safetensors", "training_log.json"):
+            shutil.copy2(f, dst / f.name)
+    return dst
 
 
 if __name__ == "__main__":

@@ -88,9 +88,11 @@ def pretrain(
     all_tokens: bool = True,
     seed: int = 0,
     threads: Optional[int] = None,
+    from_weights: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Train the Llama described by ``init_dir/config.json`` from random weights.
+    """Train the Llama described by ``init_dir/config.json`` from random weights
+    (``from_weights``: from the checkpoint in ``init_dir``).
 
     ``init_dir`` also holds the tokenizer files, which are copied to ``out_dir``.
     With ``all_tokens`` the loss covers every real token (prompt included: more
@@ -108,7 +110,10 @@ def pretrain(
     torch.manual_seed(seed)
     cfg = json.loads((init_dir / "config.json").read_text())
     hf_cfg = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("torch_dtype", "model_type")})
-    model = LlamaForCausalLM(hf_cfg)
+    if from_weights:  # continue from the checkpoint in init_dir (fine-tuning)
+        model = LlamaForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
+    else:
+        model = LlamaForCausalLM(hf_cfg)
     tokenizer = load_tokenizer(init_dir)
     train_ds, valid_ds, _ = load_dataset(data_dir, tokenizer, max_seq_len)
     longest = max(len(e.tokens) for e in train_ds.examples)
@@ -189,6 +194,7 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--completion-only", action="store_true", help="loss on completions only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--from-weights", action="store_true", help="start from the checkpoint in --init")
     a = ap.parse_args(argv)
     pretrain(
         a.init,
@@ -202,6 +208,7 @@ def main(argv: Optional[list] = None) -> int:
         all_tokens=not a.completion_only,
         seed=a.seed,
         threads=a.threads,
+        from_weights=a.from_weights,
     )
     return 0
 
