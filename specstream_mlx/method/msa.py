@@ -118,6 +118,8 @@ class SSOutput:
     pruned: int
     offset: int = 0
     hosts: Optional[np.ndarray] = None
+    # (n_hosts, g, V) stream logits when the pass computed them with the main logits.
+    stream_logits: Optional[mx.array] = None
 
     def sources(self) -> "tuple[np.ndarray, np.ndarray]":
         """Per kept node: the host slot its next draft comes from, and the stream shift."""
@@ -194,9 +196,16 @@ def ss_forward(
         loras = streams.layer_lora(i)
         adapter = LoRAAdapter(loras, row_mask) if loras else None
         x = layers[i](x, mask, cache[i] if cache else None, pos_all, adapter, cached_rows=nk)
-    main_logits = model.lm_logits(x[:, :nk])[0]
     stream_hidden = x[0, nk:].reshape(len(host_idx), gamma, x.shape[-1])
-    return SSOutput(kept_tree, kept_buf, kept, main_logits, stream_hidden, n - nk, offset, host_idx)
+    s_logits = None
+    if len(host_idx) == 1:
+        # One host: its γ stream rows are the only ones the next draft can use, so one LM-head
+        # call over every row computes exactly what two calls would, in one dispatch.
+        logits = model.lm_logits(x)[0]
+        main_logits, s_logits = logits[:nk], logits[nk:].reshape(1, gamma, -1)
+    else:
+        main_logits = model.lm_logits(x[:, :nk])[0]
+    return SSOutput(kept_tree, kept_buf, kept, main_logits, stream_hidden, n - nk, offset, host_idx, s_logits)
 
 
 def _early_exit_keep(model, streams: StreamParams, h, tree: Tree, buf: TreeBuffers, threshold: float) -> np.ndarray:
@@ -214,7 +223,14 @@ def _early_exit_keep(model, streams: StreamParams, h, tree: Tree, buf: TreeBuffe
 def stream_logits(model, out: SSOutput, slot) -> mx.array:
     """(g, V) logits of the streams of host ``slot`` (int or device scalar; with every
     node hosting, the slot is the kept node index)."""
+    if out.stream_logits is not None:
+        return out.stream_logits[slot]
     return model.lm_logits(out.stream_hidden[slot][None])[0]
+
+
+def all_stream_logits(model, out: SSOutput) -> mx.array:
+    """(n_hosts, g, V) logits of every hosted stream."""
+    return out.stream_logits if out.stream_logits is not None else model.lm_logits(out.stream_hidden)
 
 
 def commit_ss(cache, streams: StreamParams, out: SSOutput, path) -> None:

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..method.acceptance import Verdict, greedy_accepted_node
-from ..method.msa import SSOutput, commit_ss, ss_forward, stream_logits
+from ..method.msa import SSOutput, all_stream_logits, commit_ss, ss_forward, stream_logits
 from ..method.streams import NoStreamsError, StreamParams
 from ..method.tree import Tree, TreeSpec, hosting_nodes
 from .autotune import AutoTree
@@ -121,7 +121,7 @@ def verify_sampled(
     n_stream_logits = out.stream_hidden.shape[0] * out.stream_hidden.shape[1] * sm.args.vocab_size
     eager = 0 < n_stream_logits <= EAGER_STREAM_LOGITS
     target = verification_target(out.main_logits, sampling)
-    cand = stream_candidates(sm.base.lm_logits(out.stream_hidden), K, sampling) if eager else None
+    cand = stream_candidates(all_stream_logits(sm.base, out), K, sampling) if eager else None
     mx.eval(target, *(cand or ()))
     verdict = verify(out.tree, out.buffers, sampling, np.array(target), draft.draft_q, rng)
     node = verdict.path[-1]
