@@ -95,6 +95,42 @@ def maybe_reexec_with_openblas(argv: Optional[list[str]] = None) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "specstream_mlx", *args], env)
 
 
+def _openblas_symbols():
+    """This process's OpenBLAS thread controls (a preloaded OpenBLAS exports them), or None."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(None)
+        get, put = lib.openblas_get_num_threads, lib.openblas_set_num_threads
+    except (OSError, AttributeError):
+        return None
+    get.restype = ctypes.c_int
+    put.argtypes = [ctypes.c_int]
+    return get, put
+
+
+def blas_threads() -> Optional[int]:
+    """Threads the BLAS in this process uses for a matrix product, when it can be controlled."""
+    syms = _openblas_symbols()
+    return int(syms[0]()) if syms else None
+
+
+def blas_max_threads() -> Optional[int]:
+    """The most threads this process's BLAS can use (its processors), when it has a thread control."""
+    if _openblas_symbols() is None:
+        return None
+    return os.cpu_count() or 1
+
+
+def set_blas_threads(n: int) -> bool:
+    """Set the BLAS thread count (OpenBLAS); False when this process's BLAS has no such control."""
+    syms = _openblas_symbols()
+    if syms is None or n < 1:
+        return False
+    syms[1](int(n))
+    return True
+
+
 def blas_in_use() -> str:
     """Which BLAS serves MLX's CPU matrix products in this process."""
     if sys.platform == "darwin":
@@ -140,6 +176,7 @@ def runtime_info() -> dict:
         "device": str(device),
         "metal_available": bool(getattr(mx, "metal", None) and mx.metal.is_available()),
         "blas": blas_in_use(),
+        "blas_threads": blas_threads(),
     }
 
 

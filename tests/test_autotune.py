@@ -125,3 +125,38 @@ def test_hosting_policy_is_an_arm_judged_by_its_own_acceptance():
         auto.observe(sum(scores), accepted=0.5, path_scores=scores, hosting=HOSTING, budget=4)
     assert auto.choose() == 4 and auto.hosting == 0
     assert auto.spec().hosts == 0
+
+
+def test_blas_threads_are_chosen_by_measurement_and_restored_with_the_costs(tmp_path, monkeypatch, tiny_model_dir):
+    """Where the BLAS has a thread control (OpenBLAS, preloaded by `make test`), the faster
+    count wins the timing, is stored with the step costs, and is set again when they are read."""
+    import json
+
+    import specstream_mlx.runtime.autotune as A
+    from specstream_mlx import load
+    from specstream_mlx.platform_info import blas_threads, set_blas_threads
+
+    default = blas_threads()
+    assert default is not None, "run with OpenBLAS preloaded (make test does)"
+    from specstream_mlx.method.streams import StreamConfig, new_streams
+
+    model, _ = load(str(tiny_model_dir), warn=False)
+    model.streams = new_streams(model.base, StreamConfig(num_streams=2, stream_layers=1, lora_rank=2))
+    if default < 2:
+        set_blas_threads(default := 2)
+    # Fake timings: one thread is three times faster (what a loaded 2-core machine can show).
+    monkeypatch.setattr(A, "_plain_step_seconds", lambda *a, **k: 1.0 if blas_threads() == 1 else 3.0)
+    monkeypatch.setattr(A, "_timed", lambda fn, reps: 1.0 if blas_threads() == 1 else 3.0)
+    try:
+        assert A.choose_blas_threads(model.base, model.streams) == 1 and blas_threads() == 1
+        monkeypatch.setattr(A, "CACHE_FILE", tmp_path / "costs.json")
+        monkeypatch.setattr(A, "measure_step_costs", lambda *a, **k: {0: 1.0, 2: 1.5})
+        A.load_or_measure_costs(model.base, model.streams)
+        entries = list(json.loads((tmp_path / "costs.json").read_text()).values())
+        assert [e["blas_threads"] for e in entries if "costs" in e] == [1]
+        assert [e["threads"] for e in entries if "threads" in e] == [1]
+        set_blas_threads(default)
+        A.load_or_measure_costs(model.base, model.streams)  # from the cache: the stored count again
+        assert blas_threads() == 1
+    finally:
+        set_blas_threads(default)

@@ -9,7 +9,9 @@ def markdown_table(res: dict) -> str:
     m = res["machine"]
     lines = [
         f"`{res['model']}` — {res['date']} — {m['cpu']} ({m['cores']} cores), {m['os']}, MLX {m['mlx']} "
-        f"({m['device']}), BLAS: {m['blas']}; {res['settings']['prompts']} prompts × "
+        f"({m['device']}), BLAS: {m['blas']}"
+        + (f", {m['blas_threads']} threads" if m.get("blas_threads") else "")
+        + f"; {res['settings']['prompts']} prompts × "
         f"{res['settings']['max_tokens']} tokens × {res['settings'].get('rounds', 1)} rounds",
         "",
         "| method | temp | tok/s (median) | range | speedup vs ar | τ (tokens/pass) | TTFT ms | peak GB "

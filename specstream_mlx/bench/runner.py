@@ -316,7 +316,9 @@ def run_bench(
     info = runtime_info()
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {k: info[k] for k in ("cpu", "cores", "os", "machine", "mlx", "mlx_lm", "device", "blas")},
+        "machine": {
+            k: info[k] for k in ("cpu", "cores", "os", "machine", "mlx", "mlx_lm", "device", "blas", "blas_threads")
+        },
         "model": str(path.name),
         "draft_model": draft_path.name if draft_path else None,
         "baseline_model": Path(baseline).name if baseline else None,

@@ -2,6 +2,9 @@
 
 Two measurements combine:
 
+* **BLAS threads**: where the BLAS exposes a thread count (OpenBLAS on Linux),
+  one thread and the default are timed on a plain step and a small pass, and the
+  faster count is used (and stored with the costs, which are measured with it).
 * **Step cost** (per model, device, BLAS, dtype and decoding kind; cached on
   disk): the time of one ``ss`` pass over a tree of ``b`` draft nodes divided
   by one pipelined plain step, for a few budgets ``b``. Greedy and sampled
@@ -39,7 +42,7 @@ import numpy as np
 from ..method.acceptance import greedy_accepted_node
 from ..method.msa import ss_forward, stream_logits
 from ..method.tree import Tree, TreeSpec, dynamic_tree, tree_buffers
-from ..platform_info import blas_in_use
+from ..platform_info import blas_in_use, blas_max_threads, set_blas_threads
 from .cache import make_cache
 from .drafting import stream_candidates
 from .sampling import SamplingParams, target_probs
@@ -55,14 +58,14 @@ HOSTING = 1
 MAX_COST_AGE_S = 30 * 24 * 3600
 LOADED = 0.5
 # Bump when the pass changes what it computes per sync: cached costs are then re-measured.
-COST_VERSION = 3
+COST_VERSION = 4
 
 
-def _model_key(model, streams, sampled: bool = False) -> str:
+def _model_key(model, streams, kind: str = "greedy") -> str:
     a = model.args
     ident = [
         COST_VERSION,
-        "sampled" if sampled else "greedy",
+        kind,
         a.model_type,
         a.hidden_size,
         a.num_hidden_layers,
@@ -192,28 +195,47 @@ def _fresh(entry, now: float, load_now: float) -> bool:
     return not (entry.get("load", 0.0) > LOADED and load_now <= LOADED)
 
 
-def load_or_measure_costs(
-    model, streams, log=None, sampled: bool = False
-) -> "tuple[Dict[int, float], Dict[int, float]]":
-    """(costs with streams at every node, costs with the hosting policy), from the
-    on-disk cache when fresh, else measured now."""
-    key = _model_key(model, streams, sampled)
-    table = {}
+def choose_blas_threads(model, streams, context: int = 128, reps: int = 5, log=None) -> Optional[int]:
+    """The BLAS thread count that decodes fastest here, set for this process; None when the
+    BLAS has no thread control (Accelerate, a GPU) or runs one thread anyway.
+
+    Speculative passes multiply a few rows by each weight matrix, where extra BLAS threads
+    can cost more in synchronisation than they save (more so on a loaded machine), so
+    each candidate count is timed on a plain step and on a hosted budget-4 pass; the
+    count with the smaller geometric mean of the two wins."""
+    default = blas_max_threads()
+    if default is None or default <= 1:
+        return None
+    cache = make_cache(model)
+    model(mx.array([[1] * context]), cache=cache)
+    mx.eval([c.keys for c in cache])
+    times = {}
+    for n in sorted({1, default}):
+        set_blas_threads(n)
+        plain = _plain_step_seconds(model, cache, context, reps)
+        spec = _timed(_pass_fn(model, streams, cache, context, 4, False, HOSTING), reps)
+        times[n] = (plain * spec) ** 0.5
+    best = min(times, key=times.get)
+    set_blas_threads(best)
+    if log:
+        log(
+            f"BLAS threads: {best} (of {default}; "
+            + ", ".join(f"{n}: {t * 1e3:.2f} ms" for n, t in times.items())
+            + ")"
+        )
+    return best
+
+
+def _read_table() -> dict:
     if CACHE_FILE.exists():
         try:
-            table = json.loads(CACHE_FILE.read_text())
+            return json.loads(CACHE_FILE.read_text())
         except (OSError, json.JSONDecodeError):
-            table = {}
-    now, load_now = time.time(), _load_per_core()
-    entry = table.get(key)
-    if _fresh(entry, now, load_now):
-        return ({int(k): v for k, v in entry["costs"].items()}, {int(k): v for k, v in entry["host_costs"].items()})
-    if log:
-        kind = "sampled" if sampled else "greedy"
-        log(f"measuring {kind} draft-tree step costs on this machine (cached per model)...")
-    costs = measure_step_costs(model, streams, sampled=sampled)
-    host_costs = measure_step_costs(model, streams, sampled=sampled, hosting=HOSTING)
-    table[key] = {"costs": costs, "host_costs": host_costs, "measured_at": now, "load": max(load_now, _load_per_core())}
+            pass
+    return {}
+
+
+def _write_table(table: dict) -> None:
     try:
         CACHE_FILE.parent.mkdir(parents=True, exist_ok=True)
         tmp = CACHE_FILE.with_suffix(".tmp")
@@ -221,6 +243,48 @@ def load_or_measure_costs(
         os.replace(tmp, CACHE_FILE)
     except OSError:
         pass  # a read-only home only costs a re-measurement next time
+
+
+def _threads_for(model, streams, table: dict, now: float, load_now: float, log) -> Optional[int]:
+    """The BLAS thread count for this model (one per model, shared by greedy and sampled
+    decoding), set for this process: from the cache when fresh, else measured and stored."""
+    key = _model_key(model, streams, kind="blas-threads")
+    entry = table.get(key)
+    fresh = isinstance(entry, dict) and _fresh(dict(entry, costs={}, host_costs={}), now, load_now)
+    if fresh:
+        if entry.get("threads"):
+            set_blas_threads(int(entry["threads"]))
+        return entry.get("threads")
+    threads = choose_blas_threads(model, streams, log=log)
+    table[key] = {"threads": threads, "measured_at": now, "load": max(load_now, _load_per_core())}
+    return threads
+
+
+def load_or_measure_costs(
+    model, streams, log=None, sampled: bool = False
+) -> "tuple[Dict[int, float], Dict[int, float]]":
+    """(costs with streams at every node, costs with the hosting policy), from the
+    on-disk cache when fresh (and measured with this BLAS thread count), else measured now."""
+    kind = "sampled" if sampled else "greedy"
+    key = _model_key(model, streams, kind=kind)
+    table = _read_table()
+    now, load_now = time.time(), _load_per_core()
+    threads = _threads_for(model, streams, table, now, load_now, log)
+    entry = table.get(key)
+    if _fresh(entry, now, load_now) and entry.get("blas_threads") == threads:
+        return ({int(k): v for k, v in entry["costs"].items()}, {int(k): v for k, v in entry["host_costs"].items()})
+    if log:
+        log(f"measuring {kind} draft-tree step costs on this machine (cached per model)...")
+    costs = measure_step_costs(model, streams, sampled=sampled)
+    host_costs = measure_step_costs(model, streams, sampled=sampled, hosting=HOSTING)
+    table[key] = {
+        "costs": costs,
+        "host_costs": host_costs,
+        "measured_at": now,
+        "load": max(load_now, _load_per_core()),
+        "blas_threads": threads,
+    }
+    _write_table(table)
     return costs, host_costs
 
 
