@@ -49,6 +49,9 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-seq-length", type=int, default=384)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--segment", type=int, default=32, help="Stream positions per gradient segment.")
+    ap.add_argument("--stream-positions", type=int, default=64)
+    ap.add_argument("--backends", default="mlx,torch", help="Comma-separated backends to compare.")
     ap.add_argument("--json", default=None, help="Write the results here.")
     a = ap.parse_args()
     from specstream_mlx.platform_info import find_openblas, runtime_info
@@ -66,9 +69,11 @@ def main() -> int:
     common = ["--model", a.model, "--data", data, "--mode", "lossless", "--iters", str(a.iters)]
     common += ["--batch-size", str(a.batch_size), "--max-seq-length", str(a.max_seq_length), "--new-streams"]
     common += ["--steps-per-eval", "100000", "--save-every", "100000"]
-    results = {"mlx": [], "torch": []}
+    common += ["--segment", str(a.segment), "--stream-positions", str(a.stream_positions)]
+    backends = a.backends.split(",")
+    results = {b: [] for b in backends}
     for r in range(a.rounds):
-        for backend in ("mlx", "torch") if r % 2 == 0 else ("torch", "mlx"):
+        for backend in backends if r % 2 == 0 else backends[::-1]:
             out = work / f"{backend}-{r}"
             t = time.perf_counter()
             rc, rss = _run(CLI + ["train", "--backend", backend, "--out", str(out)] + common, envs[backend])
@@ -87,16 +92,20 @@ def main() -> int:
         }
         for b, v in results.items()
     }
-    ratio = summary["torch"]["tokens_per_second"] / summary["mlx"]["tokens_per_second"]
+    ratio = None
+    if {"mlx", "torch"} <= set(summary):
+        ratio = summary["torch"]["tokens_per_second"] / summary["mlx"]["tokens_per_second"]
     info = runtime_info()
     print(
-        f"{a.model}, lossless streams, {a.batch_size} x ≤{a.max_seq_length} tokens, {a.iters} steps, "
+        f"{a.model}, lossless streams, {a.batch_size} x ≤{a.max_seq_length} tokens, "
+        f"{a.stream_positions} stream positions in segments of {a.segment}, {a.iters} steps, "
         f"{a.rounds} rounds; load {os.getloadavg()[0]:.2f}; {info['cpu']} ({info['cores']} cores); "
         f"MLX {info['mlx']} with BLAS {lib or 'the wheel reference BLAS'}; PyTorch with its own kernels"
     )
     for b, s in summary.items():
         print(f"  {b:5s} {s['tokens_per_second']:8,.0f} tok/s   peak RSS {s['peak_rss_gb']:.2f} GB")
-    print(f"  torch / mlx: {ratio:.2f}x")
+    if ratio is not None:
+        print(f"  torch / mlx: {ratio:.2f}x")
     if a.json:
         Path(a.json).write_text(
             json.dumps(

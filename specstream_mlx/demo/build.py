@@ -50,7 +50,7 @@ CHAT_PRETRAIN_STEPS = 1200
 CHAT_DISTILL_GREEDY = 1200
 CHAT_DISTILL_SAMPLED = 600
 CHAT_REPLY_TOKENS = 96
-CHAT_STREAM_STEPS = 1200
+CHAT_STREAM_STEPS = 2000
 CHAT_DRAFT_DISTILL_STEPS = 1000
 REUSE = False  # --reuse: keep finished PyTorch pretraining runs in runs/
 DRAFT = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)

@@ -75,6 +75,17 @@ def _save(model, init_dir: Path, out_dir: Path, log_obj: dict) -> None:
     tmp.rename(out_dir)
 
 
+def _make_model(init_dir: Path, from_weights: bool):
+    """The Llama of ``init_dir/config.json``: random, or its checkpoint (``from_weights``)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if from_weights:  # continue from the checkpoint in init_dir (fine-tuning)
+        return LlamaForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
+    cfg = json.loads((init_dir / "config.json").read_text())
+    return LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("torch_dtype", "model_type")}))
+
+
 def pretrain(
     init_dir: Path,
     data_dir: Path,
@@ -101,19 +112,13 @@ def pretrain(
     """
     import torch
     from tqdm import tqdm
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from ..io.loading import load_tokenizer
 
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    cfg = json.loads((init_dir / "config.json").read_text())
-    hf_cfg = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("torch_dtype", "model_type")})
-    if from_weights:  # continue from the checkpoint in init_dir (fine-tuning)
-        model = LlamaForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
-    else:
-        model = LlamaForCausalLM(hf_cfg)
+    model = _make_model(init_dir, from_weights)
     tokenizer = load_tokenizer(init_dir)
     train_ds, valid_ds, _ = load_dataset(data_dir, tokenizer, max_seq_len)
     longest = max(len(e.tokens) for e in train_ds.examples)

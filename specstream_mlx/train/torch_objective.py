@@ -278,8 +278,8 @@ def _backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str
         logits = lm_logits(hf_model, main.h_final[:, :-1])
         main_ce = (_masked_ce(logits, tokens[:, 1:]) * lm).sum() / n_main
         main_term = cfg.alpha_main * main_ce
-        metrics["main_ce"] = float(main_ce)
-        metrics["main_acc"] = float(((logits.argmax(-1) == tokens[:, 1:]).float() * lm).sum() / n_main)
+        metrics["main_ce"] = float(main_ce.detach())
+        metrics["main_acc"] = float(((logits.detach().argmax(-1) == tokens[:, 1:]).float() * lm).sum() / n_main)
     total = float(main_term)
     if cfg.streams:
         n = stream_counts(spos, sweight, lengths, gamma).clamp(min=1.0)
