@@ -213,6 +213,8 @@ def test_accelerate_launch_two_cpu_processes(tmp_path, tiny_model_dir):
         "3",
         "--batch-size",
         "4",
+        "--export-hf",
+        str(tmp_path / "hf"),
     ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -220,3 +222,8 @@ def test_accelerate_launch_two_cpu_processes(tmp_path, tiny_model_dir):
     assert "the 2 processes agree on the trained weights" in p.stderr
     assert p.stderr.count("[train] wrote") == 1  # only the main process writes
     assert json.loads((out / "training_log.json").read_text())["config"]["backend"] == "torch"
+    # --export-hf: the Hugging Face layout, written once, loadable by transformers.
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert hf.config.model_type == "llama"

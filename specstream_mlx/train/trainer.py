@@ -1,8 +1,10 @@
-"""Training speculative streams (lossless and shared modes), in MLX.
+"""Training speculative streams (lossless and shared modes).
 
-The objective lives in :mod:`.objective`, checkpoints and the output
-directory in :mod:`.checkpoint`; this module runs the loop: data, optimizer,
-compiled steps, validation, progress, interruption and resumption.
+The objective lives in :mod:`.objective` (segment by segment: :mod:`.segmented`),
+checkpoints and the output directory in :mod:`.checkpoint`; this module sets a
+run up (model, checks, data, streams, resumption) and runs the MLX loop:
+optimizer, compiled steps, validation, progress, interruption. With
+``backend="torch"`` the same set-up drives :class:`.torch_backend.TorchRun`.
 """
 
 from __future__ import annotations
