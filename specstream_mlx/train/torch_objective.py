@@ -280,7 +280,7 @@ def _backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str
         main_term = cfg.alpha_main * main_ce
         metrics["main_ce"] = float(main_ce.detach())
         metrics["main_acc"] = float(((logits.detach().argmax(-1) == tokens[:, 1:]).float() * lm).sum() / n_main)
-    total = float(main_term)
+    total = float(main_term.detach())
     if cfg.streams:
         n = stream_counts(spos, sweight, lengths, gamma).clamp(min=1.0)
         sums = [torch.zeros(gamma, device=dev) for _ in range(3)]
