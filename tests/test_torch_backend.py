@@ -52,7 +52,7 @@ def _trainable(loaded, mode: str, gamma=3, layers=2, seed=0):
     return t, cfg
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "llama3-scaled", "mistral"])
 def test_torch_stream_logits_match_the_mlx_speculative_pass(hf_models, variant):
     """Teacher-forced torch stream logits == the MLX inference pass's stream logits (float32)."""
     _, _, mlx_dir = hf_models(variant)
@@ -139,6 +139,31 @@ def test_torch_backend_trains_and_writes_a_loadable_model(tmp_path, tiny_model_d
         assert np.array_equal(np.array(a), np.array(b)), k
     r = generate(model, tok, "abc", max_tokens=12, mode="ss")
     assert r.tokens == generate(model, tok, "abc", max_tokens=12, mode="ar").tokens
+
+
+def test_torch_backend_shared_mode_fuses_its_lora_and_stays_exact(tmp_path, tiny_model_dir):
+    """Shared mode through the torch backend: the base LoRA trained in torch is fused into the
+    written base weights, and greedy ss still equals ar on the result."""
+    from specstream_mlx import load
+    from specstream_mlx.runtime.generation import generate
+
+    data = _data_dir(tmp_path)
+    cfg = TrainConfig(
+        mode="shared", num_streams=2, stream_layers=1, lora_rank=4, iters=4, batch_size=4, backend="torch"
+    )
+    train(str(tiny_model_dir), str(data), str(tmp_path / "out"), cfg, log=lambda *_: None, progress=False)
+    model, tok = load(str(tmp_path / "out"), warn=False)
+    base = load_model_dir(str(tiny_model_dir), warn=False)
+    changed = [
+        k
+        for (k, a), (_, b) in zip(tree_flatten(model.base.parameters()), tree_flatten(base.model.parameters()))
+        if not np.array_equal(np.array(a), np.array(b))
+    ]
+    assert any("q_proj" in k for k in changed), changed
+    assert (
+        generate(model, tok, "abc", max_tokens=12, mode="ss").tokens
+        == generate(model, tok, "abc", max_tokens=12, mode="ar").tokens
+    )
 
 
 def test_torch_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypatch):
