@@ -160,3 +160,48 @@ def test_blas_threads_are_chosen_by_measurement_and_restored_with_the_costs(tmp_
         assert blas_threads() == 1
     finally:
         set_blas_threads(default)
+
+
+def test_auto_chooses_pruning_by_measured_seconds_per_token():
+    """Each threshold is tried, the cheaper one per decided token wins, the other is re-tried
+    periodically, and the choice follows when the costs change."""
+    from specstream_mlx.runtime.autotune import PRUNE_EXPLORE, PRUNE_MIN_PASSES
+
+    auto = AutoTree({0: 1.0, 4: 1.5}, depth=4, budget=4)
+    assert auto.pruning_threshold() == 0.0  # one level until told otherwise
+    auto.set_pruning_levels((0.0, 0.2))
+    cost = {0.0: 2.0, 0.2: 1.0}  # seconds per pass; one token decided per pass
+
+    def run(n):
+        seen = []
+        for _ in range(n):
+            level = auto.pruning_threshold()
+            seen.append(level)
+            auto.observe_pruning(level, cost[level], 1)
+        return seen
+
+    first = run(2 * PRUNE_MIN_PASSES)
+    assert sorted(set(first)) == [0.0, 0.2]  # both measured before choosing
+    later = run(4 * PRUNE_EXPLORE)
+    assert later.count(0.2) > later.count(0.0) > 0  # the cheaper wins; the other is re-tried
+    cost[0.0], cost[0.2] = 0.5, 3.0  # pruning became the expensive one
+    run(20 * PRUNE_EXPLORE)
+    assert run(4 * PRUNE_EXPLORE).count(0.0) > 2 * PRUNE_EXPLORE
+    auto.set_pruning_levels((0.0,))
+    assert auto.pruning_threshold() == 0.0 and set(auto.prune_cost) == {0.0}
+
+
+def test_auto_with_a_calibrated_threshold_stays_exact(tiny_model_dir):
+    """Greedy ss with --tree auto and the model's pruning threshold equals ar, and the
+    tuner was offered both pruning levels."""
+    from specstream_mlx import SamplingParams, generate, load
+    from specstream_mlx.method.streams import StreamConfig, new_streams
+
+    model, tok = load(str(tiny_model_dir), warn=False)
+    model.streams = new_streams(model.base, StreamConfig(num_streams=2, stream_layers=1, lora_rank=2))
+    model.streams.config.pruning_threshold = 0.05
+    ar = generate(model, tok, "hello there", max_tokens=24, mode="ar").tokens
+    ss = generate(model, tok, "hello there", max_tokens=24, mode="ss", tree="auto")
+    assert ss.tokens == ar
+    auto = model.tuner(SamplingParams(), None)
+    assert auto.prune_levels == (0.0, 0.05)

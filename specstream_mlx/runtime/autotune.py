@@ -22,7 +22,11 @@ Two measurements combine:
   is credited only from passes whose candidates were as deep as it allows.
 
 Expected tokens/s of budget b ∝ (1 + c·E_b) / cost(b); plain decoding scores
-1. When no budget beats plain decoding after a warm-up, decoding switches to
+1. Early-exit pruning (greedy decoding, when the model has a calibrated
+threshold) is chosen online: its benefit depends on how many nodes it drops and
+what the early-exit head and its mid-pass sync cost here, so passes with and
+without it are timed (seconds per decided token) and the cheaper one is used,
+the other re-tried periodically. When no budget beats plain decoding after a warm-up, decoding switches to
 plain ``ar`` on the same cache and the stats say so.
 """
 
@@ -57,6 +61,10 @@ EXPLORE_EVERY = 4
 HOSTING = 1
 MAX_COST_AGE_S = 30 * 24 * 3600
 LOADED = 0.5
+# Early-exit pruning: passes per threshold before choosing, re-try period, EMA weight.
+PRUNE_MIN_PASSES = 4
+PRUNE_EXPLORE = 8
+PRUNE_EMA = 0.1
 # Bump when the pass changes what it computes per sync: cached costs are then re-measured.
 COST_VERSION = 4
 
@@ -330,6 +338,12 @@ class AutoTree:
     mode_actual: Dict[int, float] = field(default_factory=dict)
     mode_ref: Dict[int, float] = field(default_factory=dict)
     mode_n: Dict[int, float] = field(default_factory=dict)
+    # Early-exit pruning (greedy): the thresholds to choose between, and per threshold the
+    # measured seconds per decided token of its passes (exponential moving average).
+    prune_levels: tuple = (0.0,)
+    prune_cost: Dict[float, float] = field(default_factory=dict)
+    prune_n: Dict[float, int] = field(default_factory=dict)
+    prune_passes: int = 0
 
     def spec(self) -> TreeSpec:
         return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosts=self.hosting)
@@ -346,6 +360,42 @@ class AutoTree:
         if self.passes % EXPLORE_EVERY == 0:
             return self.depth, 0
         return self.tree_depth(self.budget), self.hosting
+
+    def set_pruning_levels(self, levels) -> None:
+        """Thresholds auto chooses between (e.g. 0 and the calibrated one); evidence of
+        levels no longer offered is dropped."""
+        levels = tuple(sorted(set(float(x) for x in levels)))
+        if levels != self.prune_levels:
+            self.prune_levels = levels
+            self.prune_cost = {k: v for k, v in self.prune_cost.items() if k in levels}
+            self.prune_n = {k: v for k, v in self.prune_n.items() if k in levels}
+
+    def pruning_threshold(self) -> float:
+        """The pruning threshold of the next pass: each level for PRUNE_MIN_PASSES passes,
+        then the one with the lowest measured seconds per decided token, the other
+        re-tried every PRUNE_EXPLORE-th pass (costs drift with load and budget)."""
+        levels = self.prune_levels
+        if len(levels) == 1:
+            return levels[0]
+        self.prune_passes += 1
+        for level in levels:
+            if self.prune_n.get(level, 0) < PRUNE_MIN_PASSES:
+                return level
+        best = min(levels, key=lambda k: self.prune_cost[k])
+        if self.prune_passes % PRUNE_EXPLORE == 0:
+            others = [k for k in levels if k != best]
+            return others[(self.prune_passes // PRUNE_EXPLORE) % len(others)]
+        return best
+
+    def observe_pruning(self, level: float, seconds: float, tokens: int) -> None:
+        """A pass at ``level`` took ``seconds`` (forward to verdict) and decided ``tokens``."""
+        if level not in self.prune_levels or tokens < 1:
+            return
+        per_token = seconds / tokens
+        n = self.prune_n.get(level, 0)
+        old = self.prune_cost.get(level, per_token)
+        self.prune_cost[level] = per_token if n == 0 else old + PRUNE_EMA * (per_token - old)
+        self.prune_n[level] = n + 1
 
     def new_request(self) -> bool:
         """Halve the evidence at each new generation: averages are unchanged,

@@ -13,6 +13,7 @@ rejection sampling; small stream logits are computed eagerly for every node).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Generator, Optional, Union
 
@@ -189,6 +190,9 @@ def ss_steps(
     threshold = sm.streams.config.pruning_threshold if pruning_threshold is None else pruning_threshold
     if not sampling.greedy:
         threshold = 0.0  # lossless sampling: see the docstring
+    if plan.auto is not None:
+        # auto with the model's own threshold chooses between it and no pruning, by measurement.
+        plan.auto.set_pruning_levels((0.0, threshold) if pruning_threshold is None else (threshold,))
     rng = np.random.default_rng(sampling.seed)
     prefill(sm.base, prompt[:-1], cache, prefill_chunk)
     draft = Draft(Tree((int(prompt[-1].item()),), (-1,)))
@@ -200,11 +204,15 @@ def ss_steps(
         hosts = None
         if hosting and draft.reach is not None and len(draft.tree) > hosting + 1:
             hosts = hosting_nodes(draft.tree.parents, draft.reach, hosting)
-        out = ss_forward(sm.base, sm.streams, draft.tree, cache[0].offset, cache, threshold, hosted, hosts)
+        thr = plan.auto.pruning_threshold() if plan.auto is not None else threshold
+        t_pass = time.perf_counter()
+        out = ss_forward(sm.base, sm.streams, draft.tree, cache[0].offset, cache, thr, hosted, hosts)
         if sampling.greedy:
             res = verify_greedy(sm, out, plan.candidates, sampling)
         else:
             res = verify_sampled(sm, out, plan.candidates, sampling, draft, rng)
+        if plan.auto is not None and len(draft.tree) > 1:
+            plan.auto.observe_pruning(thr, time.perf_counter() - t_pass, res.verdict.accepted + 1)
         commit_ss(cache, sm.streams, out, res.verdict.path)
         tokens = [out.tree.tokens[i] for i in res.verdict.path[1:]] + [res.verdict.bonus]
         info = StepInfo(
