@@ -43,7 +43,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Rebuild the bundled demo models from scratch (about 75 minutes on a 2-core CPU; needs
+# Rebuild the bundled demo models from scratch (about 100 minutes on a 2-core CPU; needs
 # the dev extras, PyTorch included, which `make install` installs).
 demo-models: install
 	LD_PRELOAD="$(OPENBLAS)" $(PY) -m specstream_mlx.demo.build sql chat

@@ -18,7 +18,7 @@ kernels train these shapes ~5x faster than MLX's CPU backend), saved as Hugging
 Face checkpoints and imported with our converter; demo-chat's streams are
 trained by the PyTorch backend of `train`, the SQL fine-tunes in MLX. Weights are stored in
 float16 to keep each model small; on the CPU they run in float32 (docs/DESIGN.md §2.13).
-Step counts are set so the whole build fits in about 80 minutes on a 2-core
+Step counts are set so the whole build fits in about 100 minutes on a 2-core
 CPU; ``--scale`` multiplies every step count (``--scale 0.01`` is a smoke test).
 """
 
