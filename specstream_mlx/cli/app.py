@@ -65,6 +65,18 @@ def _load_for_decoding(model: str, mode: Optional[str], report=None, adapter_pat
     return m, tok, mode, modes
 
 
+def _check_sampling_flags(temp: float, top_p: float, max_tokens: int) -> None:
+    """One line and exit 1 for a temperature, top-p or --max-tokens no request could use."""
+    from ..runtime.sampling import SamplingParams
+
+    try:
+        SamplingParams(temperature=temp, top_p=top_p)
+    except ValueError as e:
+        _err(str(e))
+    if max_tokens < 1:
+        _err(f"--max-tokens must be at least 1, got {max_tokens}")
+
+
 def context_limit(m, max_kv_size: Optional[int]) -> int:
     """Tokens of context: --max-kv-size, else the model's max_position_embeddings (4096 if unset)."""
     return max_kv_size or m.args.max_position_embeddings or 4096
@@ -322,15 +334,9 @@ def chat(
     tree: str = typer.Option("auto", "--tree", help="Draft tree for ss (see generate)."),
 ):
     """Chat with a model: streaming replies, multi-turn KV reuse, /commands."""
-    from ..runtime.sampling import SamplingParams
     from .chat import ChatOptions, run_chat
 
-    try:
-        SamplingParams(temperature=temp, top_p=top_p)
-    except ValueError as e:
-        _err(str(e))
-    if max_tokens < 1:
-        _err(f"--max-tokens must be at least 1, got {max_tokens}")
+    _check_sampling_flags(temp, top_p, max_tokens)
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
     opts = ChatOptions(mode, temp, max_tokens, system, tree, top_p, context_limit(m, max_kv_size))
     raise typer.Exit(run_chat(m, tok, opts))
@@ -363,16 +369,9 @@ def serve(
     max_connections: int = typer.Option(32, "--max-connections", help="HTTP: open connections served at once."),
 ):
     """Serve a model to other programs: --stdio (JSON lines) or --http (OpenAI API)."""
-    from ..runtime.sampling import SamplingParams
-
     if stdio == http:
         _err("choose exactly one of --stdio or --http")
-    try:
-        SamplingParams(temperature=temp, top_p=top_p)
-    except ValueError as e:
-        _err(str(e))
-    if max_tokens < 1:
-        _err(f"--max-tokens must be at least 1, got {max_tokens}")
+    _check_sampling_flags(temp, top_p, max_tokens)
     report = None
     if stdio:
         from ..serve.stdio import emit_load_error as report

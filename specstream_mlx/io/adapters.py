@@ -28,10 +28,7 @@ def fuse_peft_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tuple[
     r = cfg["r"]
     alpha = cfg.get("lora_alpha", r)
     scale = alpha / (r**0.5) if cfg.get("use_rslora") else alpha / r
-    try:
-        ad = mx.load(str(w_path))
-    except Exception as e:  # corrupt file
-        raise ValueError(f"{w_path}: cannot read safetensors ({e})") from e
+    ad = _read_adapter(w_path)
     weights = dict(weights)
     fused = 0
     for k, A in ad.items():
@@ -45,18 +42,28 @@ def fuse_peft_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tuple[
             if target.startswith(prefix):
                 target = target[len(prefix) :]
                 break
-        wk = target + ".weight"
-        if wk not in weights:
-            raise ValueError(f"{w_path}: adapter targets {wk}, which the base model does not have")
-        W = weights[wk]
-        delta = (scale * (B.astype(mx.float32) @ A.astype(mx.float32))).astype(W.dtype)
-        if delta.shape != W.shape:
-            raise ValueError(f"{w_path}: {k} gives a {delta.shape} update for {wk} of shape {W.shape}")
-        weights[wk] = W + delta
+        _add_delta(weights, target + ".weight", scale * (B.astype(mx.float32) @ A.astype(mx.float32)), w_path, k)
         fused += 1
     if not fused:
         raise ValueError(f"{w_path}: no lora_A/lora_B pairs found")
     return weights, fused
+
+
+def _read_adapter(w_path: Path) -> Dict[str, mx.array]:
+    try:
+        return mx.load(str(w_path))
+    except Exception as e:  # corrupt file
+        raise ValueError(f"{w_path}: cannot read safetensors ({e})") from e
+
+
+def _add_delta(weights: Dict[str, mx.array], wk: str, delta: mx.array, w_path: Path, key: str) -> None:
+    """weights[wk] += delta, after checking the base has ``wk`` with the delta's shape."""
+    if wk not in weights:
+        raise ValueError(f"{w_path}: adapter targets {wk}, which the base model does not have")
+    W = weights[wk]
+    if delta.shape != W.shape:
+        raise ValueError(f"{w_path}: {key} gives a {delta.shape} update for {wk} of shape {W.shape}")
+    weights[wk] = W + delta.astype(W.dtype)
 
 
 def fuse_mlx_lm_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tuple[Dict[str, mx.array], int]:
@@ -74,10 +81,7 @@ def fuse_mlx_lm_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tupl
         raise ValueError(f"{cfg_path}: fine_tune_type {kind!r} is not supported (only lora)")
     params = cfg.get("lora_parameters") or {}
     scale = float(params.get("scale", 20.0))  # mlx-lm's default
-    try:
-        ad = mx.load(str(w_path))
-    except Exception as e:  # corrupt file
-        raise ValueError(f"{w_path}: cannot read safetensors ({e})") from e
+    ad = _read_adapter(w_path)
     weights = dict(weights)
     fused = 0
     for k, a in ad.items():
@@ -87,13 +91,7 @@ def fuse_mlx_lm_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tupl
         if b is None:
             raise ValueError(f"{w_path}: {k} has no matching lora_b")
         wk = k[: -len(".lora_a")] + ".weight"
-        if wk not in weights:
-            raise ValueError(f"{w_path}: adapter targets {wk}, which the base model does not have")
-        W = weights[wk]
-        delta = (scale * (a.astype(mx.float32) @ b.astype(mx.float32))).T.astype(W.dtype)
-        if delta.shape != W.shape:
-            raise ValueError(f"{w_path}: {k} gives a {delta.shape} update for {wk} of shape {W.shape}")
-        weights[wk] = W + delta
+        _add_delta(weights, wk, (scale * (a.astype(mx.float32) @ b.astype(mx.float32))).T, w_path, k)
         fused += 1
     if not fused:
         raise ValueError(f"{w_path}: no lora_a/lora_b pairs found")

@@ -17,8 +17,8 @@ writes. Run as a plain command it is one process.
 
 from __future__ import annotations
 
-import math
 import resource
+import sys
 import time
 from typing import Dict
 
@@ -36,8 +36,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from . import torch_objective as tobj
-from .data import make_batch
-from .loop import progress_text, run_epochs
+from .loop import after_step, mean_metrics, run_epochs
 
 _DROP_KEYS = ("quantization", "quantization_config", "architectures", "transformers_version", "torch_dtype", "dtype")
 
@@ -91,6 +90,13 @@ def hf_model_from_mlx(model, config: dict):
     return hf
 
 
+def torch_trainable(trainable, lora_scale: float) -> tobj.TorchTrainable:
+    """The MLX trainable's streams and LoRAs as torch parameters (full-weight ``base.*``
+    tensors stay in the HF model)."""
+    flat = {k: v for k, v in tree_flatten(trainable.trainable_parameters()) if not k.startswith("base.")}
+    return tobj.TorchTrainable(flat, lora_scale)
+
+
 def _batch_tensors(b, rank: int, world: int, device="cpu") -> Dict[str, torch.Tensor]:
     """This process's rows of a batch: every ``world``-th sequence from ``rank``."""
     rows = slice(rank, None, world)
@@ -106,8 +112,6 @@ def _batch_tensors(b, rank: int, world: int, device="cpu") -> Dict[str, torch.Te
 
 def peak_rss_gb() -> float:
     """This process's peak resident memory (Linux reports KiB, macOS bytes)."""
-    import sys
-
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r / 1e9 if sys.platform == "darwin" else r * 1024 / 1e9
 
@@ -125,9 +129,8 @@ class TorchRun:
         torch.manual_seed(cfg.seed)
         self.device = acc.device if acc is not None else torch.device("cpu")
         self.hf = hf_model_from_mlx(model, config).to(self.device)
-        flat = dict(tree_flatten(trainable.trainable_parameters()))
-        self.base_names = [k for k in flat if k.startswith("base.")]  # full mode: the HF weights train
-        self.params = tobj.TorchTrainable({k: v for k, v in flat.items() if not k.startswith("base.")}, cfg.lora_scale)
+        self.base_names = [k for k, _ in tree_flatten(trainable.trainable_parameters()) if k.startswith("base.")]
+        self.params = torch_trainable(trainable, cfg.lora_scale)  # full mode: the HF weights train too
         self.params.to(self.device)
         hf_params = dict(self.hf.named_parameters())
         for k in self.base_names:
@@ -193,7 +196,7 @@ class TorchRun:
             i += g.numel()
 
     def one_step(self, step: int, batch) -> None:
-        cfg, data = self.cfg, self.data
+        cfg = self.cfg
         for p in self.trained:
             p.grad = None
         rows = _batch_tensors(batch, self.rank, self.world, self.device)
@@ -202,49 +205,18 @@ class TorchRun:
         for g in self.optimizer.param_groups:
             g["lr"] = cfg.learning_rate * self.schedule(step - 1)
         self.optimizer.step()
-        lv = metrics["loss"]
-        if not math.isfinite(lv):
-            where = f"; the last good checkpoint is {self.ckpt}" if self.ckpt.exists() else ""
-            raise TrainError(f"loss became {lv} at step {step}; stopping{where}. Try a lower --learning-rate.")
-        self.tokens_seen += int(batch.lengths.sum())
-        tps = self.tokens_seen / (time.perf_counter() - self.t_start)
-        if step % cfg.steps_per_report == 0 or step == data.total_steps:
-            self.history.append(
-                {
-                    "step": step,
-                    "loss": lv,
-                    "stream_acc": metrics.get("stream_acc", []),
-                    "stream_ce": metrics.get("stream_ce", []),
-                    "main_acc": metrics.get("main_acc"),
-                    "tokens_per_second": tps,
-                }
-            )
-            if self.bar:
-                self.bar.set_postfix_str(progress_text(lv, metrics, tps))
-        if self.bar:
-            self.bar.update(1)
-        if not self.is_main:
-            return
-        if data.valid is not None and step % cfg.steps_per_eval == 0 and step < data.total_steps:
-            v = self.evaluate()
-            self.log(
-                f"[train] step {step}: valid loss {v['loss']:.3f}, stream top-1 "
-                + " ".join(f"{a:.3f}" for a in v.get("stream_acc", []))
-            )
-        if step % cfg.save_every == 0 and step < data.total_steps:
-            self.save(step)
+        after_step(self, step, metrics["loss"], lambda: metrics, int(batch.lengths.sum()))
 
     def evaluate(self) -> dict:
         """Mean validation metrics over up to ``val_batches`` batches, computed in torch
         (the process may run without the fast BLAS MLX would need)."""
         cfg, d = self.cfg, self.data
-        agg, n = None, 0
-        for i in range(0, min(len(d.valid), cfg.val_batches * cfg.batch_size), cfg.batch_size):
-            b = make_batch(d.valid.examples[i : i + cfg.batch_size], d.seq_len, cfg.stream_positions, None)
-            m = tobj.backward_segments(self.hf, self.params, cfg, _batch_tensors(b, 0, 1, self.device), self.s0, False)
-            agg = m if agg is None else {k: np.add(agg[k], m[k]).tolist() for k in agg}
-            n += 1
-        return {k: (np.array(v) / n).tolist() for k, v in agg.items()} if agg else {}
+
+        def metrics_of(b) -> dict:
+            rows = _batch_tensors(b, 0, 1, self.device)
+            return tobj.backward_segments(self.hf, self.params, cfg, rows, self.s0, train=False)
+
+        return mean_metrics(d.valid, cfg, d.seq_len, cfg.val_batches, metrics_of)
 
     def calibrate(self):
         """The pruning threshold, from torch's early-exit probabilities."""
@@ -286,8 +258,7 @@ class TorchRun:
 def teacher_forced_stream_logits(model, trainable, config: dict, tokens: np.ndarray) -> np.ndarray:
     """(B, L, γ, V) torch stream logits at every position (the parity tests' torch side)."""
     hf = hf_model_from_mlx(model, config)
-    flat = {k: v for k, v in tree_flatten(trainable.trainable_parameters()) if not k.startswith("base.")}
-    params = tobj.TorchTrainable(flat, trainable.streams.config.lora_scale)
+    params = torch_trainable(trainable, trainable.streams.config.lora_scale)
     lossless = trainable.streams.config.mode == "lossless"
     s0 = trainable.streams.first_layer
     out = tobj.teacher_forced_stream_logits(hf, params, torch.from_numpy(tokens.astype(np.int64)), s0, lossless)
@@ -297,8 +268,7 @@ def teacher_forced_stream_logits(model, trainable, config: dict, tokens: np.ndar
 def backend_metrics(model, trainable, cfg: TrainConfig, config: dict, batch) -> Dict[str, object]:
     """One batch's metrics and gradients from the torch objective (the parity tests' torch side)."""
     hf = hf_model_from_mlx(model, config)
-    flat = {k: v for k, v in tree_flatten(trainable.trainable_parameters()) if not k.startswith("base.")}
-    params = tobj.TorchTrainable(flat, cfg.lora_scale)
+    params = torch_trainable(trainable, cfg.lora_scale)
     s0 = len(model.layers) - cfg.stream_layers
     metrics = tobj.backward_segments(hf, params, cfg, _batch_tensors(batch, 0, 1), s0)
     grads = {n: params.get(n).grad.numpy() for n in params.names if params.get(n).grad is not None}

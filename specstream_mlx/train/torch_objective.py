@@ -18,7 +18,6 @@ accumulated and sent through the main pass in one final backward call.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -338,10 +337,6 @@ def lr_lambda(total: int, warmup: int):
         return max(0.0, 1.0 - (step - warmup) / max(total, 1))
 
     return f
-
-
-def grad_norm(params) -> float:
-    return math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params if p.grad is not None))
 
 
 def calibration_positions(hf_model, trainable: TorchTrainable, tokens: torch.Tensor, s0: int):

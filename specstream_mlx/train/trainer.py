@@ -35,7 +35,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig, TrainError, TrainResult
 from .data import Batch, Dataset, load_dataset
-from .loop import batch_arrays, evaluate, progress_text, run_epochs, to_py
+from .loop import after_step, batch_arrays, evaluate, run_epochs, to_py
 from .objective import Trainable, compute_loss
 from .segmented import SegmentedStep
 
@@ -106,42 +106,15 @@ class _Run:
 
     def one_step(self, step: int, batch: Batch) -> None:
         """Run ``batch`` as step ``step`` (1-based): update, report, validate, checkpoint."""
-        cfg, data = self.cfg, self.data
+        cfg = self.cfg
         if cfg.streams and batch.stream_pos.shape[1] > cfg.segment:
             loss, metrics = self.segmented(*batch_arrays(batch))  # memory bounded by one segment
         else:
             loss, metrics = self.step_fn(*batch_arrays(batch))  # one segment: one compiled graph
         mx.eval(loss, metrics, self.state)
-        lv = float(loss.item())
-        if not math.isfinite(lv):
-            where = f"; the last good checkpoint is {self.ckpt}" if self.ckpt.exists() else ""
-            raise TrainError(f"loss became {lv} at step {step}; stopping{where}. Try a lower --learning-rate.")
-        self.tokens_seen += int(batch.lengths.sum())
-        tps = self.tokens_seen / (time.perf_counter() - self.t_start)
-        if step % cfg.steps_per_report == 0 or step == data.total_steps:
-            m = to_py(metrics)
-            self.history.append(
-                {
-                    "step": step,
-                    "loss": lv,
-                    "stream_acc": m.get("stream_acc", []),
-                    "stream_ce": m.get("stream_ce", []),
-                    "main_acc": m.get("main_acc"),
-                    "tokens_per_second": tps,
-                }
-            )
-            if self.bar:
-                self.bar.set_postfix_str(progress_text(lv, m, tps))
-        if self.bar:
-            self.bar.update(1)
-        if data.valid is not None and step % cfg.steps_per_eval == 0 and step < data.total_steps:
-            v = self.evaluate()
-            self.log(
-                f"[train] step {step}: valid loss {v['loss']:.3f}, stream top-1 "
-                + " ".join(f"{a:.3f}" for a in v.get("stream_acc", []))
-            )
-        if step % cfg.save_every == 0 and step < data.total_steps:
-            self.save(step)
+        after_step(self, step, float(loss.item()), lambda: to_py(metrics), int(batch.lengths.sum()))
+
+    is_main = True  # one process
 
     def save(self, step: int) -> None:
         save_checkpoint(self.ckpt, self.trainable, mlx_optimizer_arrays(self.optimizer), step, self.cfg)
