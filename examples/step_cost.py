@@ -64,6 +64,9 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--tau-model", action="append", default=[], help="bundled model whose τ per budget to project")
     ap.add_argument("--budgets", default="2,4,8,12,16,24")
+    ap.add_argument(
+        "--compiled", action="store_true", help="also time compiled passes (SSPass, compiled=True), interleaved"
+    )
     args = ap.parse_args()
     budgets = tuple(int(b) for b in args.budgets.split(","))
 
@@ -90,6 +93,13 @@ def main():
         "step cost with streams at the root and 1 likely endpoint (@1):",
         json.dumps({k: round(v, 3) for k, v in host_costs.items()}),
     )
+    compiled_costs = {}
+    if args.compiled:
+        # Interleaved with a second op-by-op measurement, so both see the same machine load.
+        for kind in ("eager", "compiled", "eager-again"):
+            c = measure_step_costs(model.base, streams, reps=args.reps, budgets=budgets, compiled=kind == "compiled")
+            compiled_costs[kind] = c
+            print(f"step cost, {kind}:", json.dumps({k: round(v, 3) for k, v in c.items()}))
     sm = SpeculativeModel(model.base, streams)
 
     prompt = list(range(3, 3 + 200))
@@ -104,6 +114,7 @@ def main():
         "size": args.size,
         "step_cost_by_budget": costs,
         "step_cost_by_budget_hosting_1": host_costs,
+        "step_cost_compiled_vs_eager": compiled_costs,
         "peak_memory_gb": mem,
         "default_tree": "dynamic:12",
         "runtime": runtime_info(),

@@ -87,7 +87,7 @@ def test_greedy_and_sampled_decoding_keep_separate_tuners(monkeypatch):
 
     made = []
 
-    def fake(model, streams, log=None, sampled=False):
+    def fake(model, streams, log=None, sampled=False, compiled=False):
         made.append(sampled)
         return AutoTree({0: 1.0, 2: 1.2}, depth=4)
 

@@ -40,7 +40,7 @@ def prefix_tree_mask(offset: int, tree_part: np.ndarray) -> Optional[mx.array]:
 
 
 @lru_cache(maxsize=256)
-def _msa_part_cached(parents: tuple, gamma: int, hosts: Optional[tuple]) -> mx.array:
+def msa_part_for(parents: tuple, gamma: int, hosts: Optional[tuple]) -> mx.array:
     anc = tree_buffers(parents).ancestor_mask
     return mx.array(msa_tree_part(anc, gamma, None if hosts is None else np.array(hosts)))
 
@@ -48,7 +48,7 @@ def _msa_part_cached(parents: tuple, gamma: int, hosts: Optional[tuple]) -> mx.a
 def msa_mask(offset: int, buffers: TreeBuffers, gamma: int, hosts: np.ndarray) -> mx.array:
     """The fused MSA mask [prefix | tree part]; the tree part is built once per tree shape."""
     key = None if len(hosts) == len(buffers.parents) else tuple(int(h) for h in hosts)
-    part = _msa_part_cached(tuple(int(p) for p in buffers.parents), gamma, key)
+    part = msa_part_for(tuple(int(p) for p in buffers.parents), gamma, key)
     if offset == 0:
         return part
     return mx.concatenate([mx.ones((part.shape[0], offset), dtype=mx.bool_), part], axis=1)
@@ -154,14 +154,10 @@ def ss_forward(
     endpoints only cuts top-layer rows; verification (main rows) is unchanged."""
     buf = tree_buffers(tree.parents)
     n = len(tree)
-    gamma = streams.num_streams if num_streams is None else max(1, min(num_streams, streams.num_streams))
-    layers = model.layers
-    s0 = streams.first_layer
+    gamma = pass_gamma(streams, num_streams)
     positions = mx.array((offset + buf.depths)[None].astype(np.int32))
-    h = model.model.embed_tokens(mx.array(tree.tokens, dtype=mx.int32)[None])
-    mask = prefix_tree_mask(offset, buf.ancestor_mask)
-    for i in range(s0):
-        h = layers[i](h, mask, cache[i] if cache else None, positions)
+    tokens = mx.array(tree.tokens, dtype=mx.int32)[None]
+    h = lower_layers(model, streams, tokens, positions, prefix_tree_mask(offset, buf.ancestor_mask), cache)
 
     kept = np.arange(n)
     kept_tree, kept_buf = tree, buf
@@ -174,38 +170,76 @@ def ss_forward(
             h = h[:, idx]
             positions = positions[:, idx]
     nk = len(kept)
-    if hosts is None:
-        host_idx = np.arange(nk)
-    else:
-        host_idx = np.flatnonzero(np.isin(kept, np.asarray(hosts)))  # kept indices that host
+    host_idx = host_slots(kept, hosts)
+    every = len(host_idx) == nk  # no gather when every kept node hosts
+    hi = None if every else mx.array(host_idx.astype(np.int32))
+    x = msa_layers(
+        model, streams, h, positions, hi, len(host_idx), gamma, msa_mask(offset, kept_buf, gamma, host_idx), cache
+    )
+    main_logits, stream_hidden, s_logits = pass_outputs(model, x, nk, len(host_idx), gamma)
+    return SSOutput(kept_tree, kept_buf, kept, main_logits, stream_hidden, n - nk, offset, host_idx, s_logits)
 
-    # Stream insertion: S[t, j] = M[t] + P[j], host-major.
-    if len(host_idx):
-        every = len(host_idx) == nk  # no gather when every kept node hosts
-        hi = None if every else mx.array(host_idx.astype(np.int32))
-        M, P = (h[0], positions[0]) if every else (h[0][hi], positions[0][hi])
-        S = (M[:, None, :] + streams.embeddings[None, :gamma]).reshape(1, len(host_idx) * gamma, -1)
+
+def pass_gamma(streams: StreamParams, num_streams: Optional[int]) -> int:
+    """How many streams a pass hosts per node (all γ by default)."""
+    return streams.num_streams if num_streams is None else max(1, min(num_streams, streams.num_streams))
+
+
+def host_slots(kept: np.ndarray, hosts: Optional[np.ndarray]) -> np.ndarray:
+    """Kept-node indices of the nodes that host streams (every kept node by default)."""
+    if hosts is None:
+        return np.arange(len(kept))
+    return np.flatnonzero(np.isin(kept, np.asarray(hosts)))
+
+
+def lower_layers(model, streams: StreamParams, tokens: mx.array, positions: mx.array, mask, cache) -> mx.array:
+    """The tree's main rows through layers 0 .. N-Ns-1 (the input of the stream-insertion layer)."""
+    h = model.model.embed_tokens(tokens)
+    for i in range(streams.first_layer):
+        h = model.layers[i](h, mask, cache[i] if cache else None, positions)
+    return h
+
+
+def msa_layers(
+    model,
+    streams: StreamParams,
+    h: mx.array,
+    positions: mx.array,
+    host_idx: Optional[mx.array],
+    n_hosts: int,
+    gamma: int,
+    mask: mx.array,
+    cache,
+) -> mx.array:
+    """Insert the streams of the hosts (``host_idx``, None for every row) and run the
+    top Ns layers on ``[main rows | streams]``; only main rows are cached."""
+    nk = h.shape[1]
+    if n_hosts:
+        # Stream insertion: S[t, j] = M[t] + P[j], host-major.
+        M, P = (h[0], positions[0]) if host_idx is None else (h[0][host_idx], positions[0][host_idx])
+        S = (M[:, None, :] + streams.embeddings[None, :gamma]).reshape(1, n_hosts * gamma, -1)
         x = mx.concatenate([h, S], axis=1)
         stream_pos = (P[:, None] + mx.arange(1, gamma + 1, dtype=mx.int32)[None]).reshape(1, -1)
         pos_all = mx.concatenate([positions, stream_pos], axis=1)
     else:  # no node hosts streams: the top layers run the main rows only
         x, pos_all = h, positions
-    mask = msa_mask(offset, kept_buf, gamma, host_idx)
     row_mask = stream_row_mask(nk, x.shape[1], x.dtype) if streams.lora else None
-    for i in range(s0, len(layers)):
+    for i in range(streams.first_layer, len(model.layers)):
         loras = streams.layer_lora(i)
         adapter = LoRAAdapter(loras, row_mask) if loras else None
-        x = layers[i](x, mask, cache[i] if cache else None, pos_all, adapter, cached_rows=nk)
-    stream_hidden = x[0, nk:].reshape(len(host_idx), gamma, x.shape[-1])
-    s_logits = None
-    if len(host_idx) == 1:
+        x = model.layers[i](x, mask, cache[i] if cache else None, pos_all, adapter, cached_rows=nk)
+    return x
+
+
+def pass_outputs(model, x: mx.array, nk: int, n_hosts: int, gamma: int):
+    """(main logits, stream hidden states, stream logits or None) of the top layers' output."""
+    stream_hidden = x[0, nk:].reshape(n_hosts, gamma, x.shape[-1])
+    if n_hosts == 1:
         # One host: its γ stream rows are the only ones the next draft can use, so one LM-head
         # call over every row computes exactly what two calls would, in one dispatch.
         logits = model.lm_logits(x)[0]
-        main_logits, s_logits = logits[:nk], logits[nk:].reshape(1, gamma, -1)
-    else:
-        main_logits = model.lm_logits(x[:, :nk])[0]
-    return SSOutput(kept_tree, kept_buf, kept, main_logits, stream_hidden, n - nk, offset, host_idx, s_logits)
+        return logits[:nk], stream_hidden, logits[nk:].reshape(1, gamma, -1)
+    return model.lm_logits(x[:, :nk])[0], stream_hidden, None
 
 
 def _early_exit_keep(model, streams: StreamParams, h, tree: Tree, buf: TreeBuffers, threshold: float) -> np.ndarray:

@@ -5,6 +5,8 @@ Two measurements combine:
 * **BLAS threads**: where the BLAS exposes a thread count (OpenBLAS on Linux),
   one thread and the default are timed on a plain step and a small pass, and the
   faster count is used (and stored with the costs, which are measured with it).
+* **Pass kind**: op-by-op and compiled passes (:mod:`.compiled_pass`) are timed
+  the same way; compiling is used when it is at least ``COMPILE_MARGIN`` faster.
 * **Step cost** (per model, device, BLAS, dtype and decoding kind; cached on
   disk): the time of one ``ss`` pass over a tree of ``b`` draft nodes divided
   by one pipelined plain step, for a few budgets ``b``. Greedy and sampled
@@ -44,10 +46,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..method.acceptance import greedy_accepted_node
-from ..method.msa import ss_forward, stream_logits
+from ..method.msa import stream_logits
 from ..method.tree import Tree, TreeSpec, dynamic_tree, tree_buffers
 from ..platform_info import blas_in_use, blas_max_threads, set_blas_threads
 from .cache import make_cache
+from .compiled_pass import SSPass
 from .drafting import stream_candidates
 from .sampling import SamplingParams, target_probs
 
@@ -59,6 +62,8 @@ EXPLORE_EVERY = 4
 # The hosting policy auto weighs against hosting everywhere: streams at the root and
 # this many other likely endpoints.
 HOSTING = 1
+# Compiled passes must be this much faster than op-by-op ones to be used.
+COMPILE_MARGIN = 0.03
 MAX_COST_AGE_S = 30 * 24 * 3600
 LOADED = 0.5
 # Early-exit pruning: passes per threshold before choosing, re-try period, EMA weight.
@@ -66,10 +71,10 @@ PRUNE_MIN_PASSES = 4
 PRUNE_EXPLORE = 8
 PRUNE_EMA = 0.1
 # Bump when the pass changes what it computes per sync: cached costs are then re-measured.
-COST_VERSION = 4
+COST_VERSION = 5
 
 
-def _model_key(model, streams, kind: str = "greedy") -> str:
+def _model_key(model, streams, kind: str = "greedy", compiled: bool = False) -> str:
     a = model.args
     ident = [
         COST_VERSION,
@@ -87,6 +92,7 @@ def _model_key(model, streams, kind: str = "greedy") -> str:
         blas_in_use(),
         str(model.model.norm.weight.dtype),
         "quantized" if "Quantized" in str(type(model.layers[0].mlp.down_proj)) else "float",
+        "compiled" if compiled else "eager",
     ]
     return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
 
@@ -133,9 +139,10 @@ def _plain_step_seconds(model, cache, context: int, reps: int) -> float:
     return _timed(plain, reps) / 9
 
 
-def _pass_fn(model, streams, cache, context: int, b: int, sampled: bool, hosting: int = 0):
+def _pass_fn(forward: SSPass, cache, context: int, b: int, sampled: bool, hosting: int = 0):
     """One pass of budget ``b`` as ss_steps runs it: forward, its syncs, commit, next tree.
     ``hosting``: streams at the root and this many other nodes (0: every node)."""
+    model, streams = forward.model, forward.streams
     depth = streams.num_streams
     tree = _synthetic_tree(b, depth)
     kind = SamplingParams(temperature=1.0 if sampled else 0.0)
@@ -146,7 +153,7 @@ def _pass_fn(model, streams, cache, context: int, b: int, sampled: bool, hosting
         hosts = np.unique(np.concatenate([[0], deepest]))
 
     def step():
-        out = ss_forward(model, streams, tree, context, cache, num_streams=min(depth, b), hosts=hosts)
+        out = forward(tree, context, cache, num_streams=min(depth, b), hosts=hosts)
         if sampled:
             # Target probabilities, host-side rejection sampling, then the accepted node's streams.
             target = target_probs(out.main_logits, kind)
@@ -179,9 +186,12 @@ def measure_step_costs(
     budgets=CANDIDATE_BUDGETS,
     sampled: bool = False,
     hosting: int = 0,
+    compiled: bool = False,
 ) -> Dict[int, float]:
     """Cost of one ss pass with ``b`` draft nodes relative to one plain step
-    (``hosting``: streams at the root and this many other nodes; 0 every node)."""
+    (``hosting``: streams at the root and this many other nodes; 0 every node;
+    ``compiled``: passes as :class:`SSPass` runs them, else op by op)."""
+    forward = SSPass(model, streams, compiled)
     cache = make_cache(model)
     model(mx.array([[1] * context]), cache=cache)
     mx.eval([c.keys for c in cache])
@@ -190,7 +200,7 @@ def measure_step_costs(
     for b in budgets:
         if hosting and b <= hosting:
             continue  # every node hosts anyway
-        costs[b] = _timed(_pass_fn(model, streams, cache, context, b, sampled, hosting), reps) / base
+        costs[b] = _timed(_pass_fn(forward, cache, context, b, sampled, hosting), reps) / base
     return costs
 
 
@@ -203,7 +213,9 @@ def _fresh(entry, now: float, load_now: float) -> bool:
     return not (entry.get("load", 0.0) > LOADED and load_now <= LOADED)
 
 
-def choose_blas_threads(model, streams, context: int = 128, reps: int = 5, log=None) -> Optional[int]:
+def choose_blas_threads(
+    model, streams, context: int = 128, reps: int = 5, log=None, compiled: bool = False
+) -> Optional[int]:
     """The BLAS thread count that decodes fastest here, set for this process; None when the
     BLAS has no thread control (Accelerate, a GPU) or runs one thread anyway.
 
@@ -217,11 +229,12 @@ def choose_blas_threads(model, streams, context: int = 128, reps: int = 5, log=N
     cache = make_cache(model)
     model(mx.array([[1] * context]), cache=cache)
     mx.eval([c.keys for c in cache])
+    forward = SSPass(model, streams, compiled)
     times = {}
     for n in sorted({1, default}):
         set_blas_threads(n)
         plain = _plain_step_seconds(model, cache, context, reps)
-        spec = _timed(_pass_fn(model, streams, cache, context, 4, False, HOSTING), reps)
+        spec = _timed(_pass_fn(forward, cache, context, 4, False, HOSTING), reps)
         times[n] = (plain * spec) ** 0.5
     best = min(times, key=times.get)
     set_blas_threads(best)
@@ -253,38 +266,68 @@ def _write_table(table: dict) -> None:
         pass  # a read-only home only costs a re-measurement next time
 
 
-def _threads_for(model, streams, table: dict, now: float, load_now: float, log) -> Optional[int]:
-    """The BLAS thread count for this model (one per model, shared by greedy and sampled
-    decoding), set for this process: from the cache when fresh, else measured and stored."""
-    key = _model_key(model, streams, kind="blas-threads")
+def choose_compiled(model, streams, context: int = 128, reps: int = 5, log=None) -> bool:
+    """Whether compiled passes (:class:`SSPass`) are faster here than op-by-op ones.
+
+    What compiling saves is per-operation overhead (graph building, dispatch, unfused
+    element-wise kernels), which depends on the device and the model's size; so both
+    are timed on a hosted budget-4 pass, interleaved twice, and compiling must win by
+    ``COMPILE_MARGIN`` (the op-by-op pass is the simpler path)."""
+    cache = make_cache(model)
+    model(mx.array([[1] * context]), cache=cache)
+    mx.eval([c.keys for c in cache])
+    fns = {c: _pass_fn(SSPass(model, streams, c), cache, context, 4, False, HOSTING) for c in (False, True)}
+    times = {False: [], True: []}
+    for _ in range(2):
+        for c, fn in fns.items():
+            times[c].append(_timed(fn, reps))
+    eager, compiled = min(times[False]), min(times[True])
+    choice = compiled < eager * (1 - COMPILE_MARGIN)
+    if log:
+        kind = "compiled" if choice else "op by op"
+        log(f"speculative pass: {kind} (compiled {compiled * 1e3:.2f} ms, op by op {eager * 1e3:.2f} ms)")
+    return choice
+
+
+def _machine_choices(model, streams, table: dict, now: float, load_now: float, log, compiled: Optional[bool]):
+    """(BLAS thread count, compiled passes) for this model on this machine (one per model,
+    shared by greedy and sampled decoding; the thread count is set for this process):
+    from the cache when fresh, else measured and stored. ``compiled`` not None is a
+    choice already made (``SPECSTREAM_COMPILE``), not measured."""
+    key = _model_key(model, streams, kind="machine")
     entry = table.get(key)
     fresh = isinstance(entry, dict) and _fresh(dict(entry, costs={}, host_costs={}), now, load_now)
-    if fresh:
+    if fresh and (compiled is None or "compiled" in entry):
         if entry.get("threads"):
             set_blas_threads(int(entry["threads"]))
-        return entry.get("threads")
+        return entry.get("threads"), entry.get("compiled", False) if compiled is None else compiled
     threads = choose_blas_threads(model, streams, log=log)
+    measured = choose_compiled(model, streams, log=log) if compiled is None else None
     table[key] = {"threads": threads, "measured_at": now, "load": max(load_now, _load_per_core())}
-    return threads
+    if measured is not None:
+        table[key]["compiled"] = measured
+    return threads, measured if compiled is None else compiled
 
 
 def load_or_measure_costs(
-    model, streams, log=None, sampled: bool = False
-) -> "tuple[Dict[int, float], Dict[int, float]]":
-    """(costs with streams at every node, costs with the hosting policy), from the
-    on-disk cache when fresh (and measured with this BLAS thread count), else measured now."""
+    model, streams, log=None, sampled: bool = False, compiled: Optional[bool] = None
+) -> "tuple[Dict[int, float], Dict[int, float], bool]":
+    """(costs with streams at every node, costs with the hosting policy, compiled passes),
+    from the on-disk cache when fresh (and measured with this BLAS thread count and pass
+    kind), else measured now. ``compiled`` None lets the measurement choose."""
     kind = "sampled" if sampled else "greedy"
-    key = _model_key(model, streams, kind=kind)
     table = _read_table()
     now, load_now = time.time(), _load_per_core()
-    threads = _threads_for(model, streams, table, now, load_now, log)
+    threads, compiled = _machine_choices(model, streams, table, now, load_now, log, compiled)
+    key = _model_key(model, streams, kind=kind, compiled=compiled)
     entry = table.get(key)
     if _fresh(entry, now, load_now) and entry.get("blas_threads") == threads:
-        return ({int(k): v for k, v in entry["costs"].items()}, {int(k): v for k, v in entry["host_costs"].items()})
+        costs = {int(k): v for k, v in entry["costs"].items()}
+        return costs, {int(k): v for k, v in entry["host_costs"].items()}, compiled
     if log:
         log(f"measuring {kind} draft-tree step costs on this machine (cached per model)...")
-    costs = measure_step_costs(model, streams, sampled=sampled)
-    host_costs = measure_step_costs(model, streams, sampled=sampled, hosting=HOSTING)
+    costs = measure_step_costs(model, streams, sampled=sampled, compiled=compiled)
+    host_costs = measure_step_costs(model, streams, sampled=sampled, hosting=HOSTING, compiled=compiled)
     table[key] = {
         "costs": costs,
         "host_costs": host_costs,
@@ -293,17 +336,17 @@ def load_or_measure_costs(
         "blas_threads": threads,
     }
     _write_table(table)
-    return costs, host_costs
+    return costs, host_costs, compiled
 
 
-def auto_tree_for(model, streams, log=None, sampled: bool = False) -> "AutoTree":
+def auto_tree_for(model, streams, log=None, sampled: bool = False, compiled: Optional[bool] = None) -> "AutoTree":
     """A fresh :class:`AutoTree` with this machine's step costs for ``model``
     (measured once, then read from the on-disk cache). The caller keeps it
     (:class:`~specstream_mlx.runtime.engine.SpeculativeModel` does, per
     decoding kind) so acceptance statistics carry over between requests.
     Each generation starts with :meth:`AutoTree.new_request`."""
-    costs, host_costs = load_or_measure_costs(model, streams, log, sampled)
-    return AutoTree(costs, depth=streams.num_streams, host_costs=host_costs)
+    costs, host_costs, compiled = load_or_measure_costs(model, streams, log, sampled, compiled)
+    return AutoTree(costs, depth=streams.num_streams, host_costs=host_costs, compiled=compiled)
 
 
 @dataclass
@@ -344,6 +387,8 @@ class AutoTree:
     prune_cost: Dict[float, float] = field(default_factory=dict)
     prune_n: Dict[float, int] = field(default_factory=dict)
     prune_passes: int = 0
+    # Passes run compiled (measured faster on this machine, or asked for).
+    compiled: bool = False
 
     def spec(self) -> TreeSpec:
         return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosts=self.hosting)

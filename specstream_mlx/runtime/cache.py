@@ -58,6 +58,17 @@ class KVCache:
         self._last_start, self._last_len = start, n
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
+    def reserve(self, n: int, like_k: mx.array, like_v: mx.array) -> None:
+        """Make room for ``n`` more rows after the offset (the compiled pass writes in place)."""
+        if self.keys is None or self.offset + n > self.capacity:
+            self._grow(self.offset + n, like_k, like_v)
+
+    def adopt(self, keys: mx.array, values: mx.array, n: int) -> None:
+        """Take buffers in which a step wrote ``n`` rows at the offset (see :class:`OffsetWriter`)."""
+        self.keys, self.values = keys, values
+        self._last_start, self._last_len = self.offset, n
+        self.offset += n
+
     def trim(self, n: int) -> int:
         """Forget the last ``n`` rows; returns how many were trimmed."""
         n = max(0, min(self.offset, n))
@@ -79,6 +90,22 @@ class KVCache:
             self.values[..., start : start + a, :] = mx.take(self.values, src, axis=2)
         self.offset = start + a
         self._last_len = a
+
+
+class OffsetWriter:
+    """A layer's whole KV buffers, written at an offset held on the device.
+
+    What a compiled pass uses instead of :class:`KVCache`: the offset is an input
+    array, not a Python int, so one compiled graph serves every offset; keys are
+    returned at full capacity and the caller's mask hides rows past the written ones."""
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.keys = mx.slice_update(self.keys, keys, self.offset, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.offset, axes=(2,))
+        return self.keys, self.values
 
 
 def make_cache(model) -> List[KVCache]:

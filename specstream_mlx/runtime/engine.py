@@ -8,6 +8,7 @@ be used wherever a plain MLX language model is expected.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -19,6 +20,7 @@ from ..io.loading import ModelLoadError, load_model_dir
 from ..method.streams import StreamParams
 from ..models.base import ModelArgs
 from .autotune import AutoTree, auto_tree_for
+from .compiled_pass import SSPass
 from .sampling import SamplingParams
 
 
@@ -32,12 +34,18 @@ class SpeculativeModel:
         path: the model directory, when loaded from one.
         tuners: ``--tree auto`` state per decoding kind ("greedy", "sampled"):
             greedy and sampled passes draft different trees and cost differently.
+        compiled: run speculative passes as compiled graphs where possible
+            (:mod:`.compiled_pass`): True or False, or None (default) to let
+            ``--tree auto`` measure which is faster here (fixed trees then run op
+            by op). ``SPECSTREAM_COMPILE=1`` / ``0`` sets it.
     """
 
     base: nn.Module
     streams: Optional[StreamParams] = None
     path: Optional[Path] = None
     tuners: Dict[str, AutoTree] = field(default_factory=dict)
+    compiled: Optional[bool] = field(default_factory=lambda: _compile_setting(os.environ.get("SPECSTREAM_COMPILE")))
+    _passes: Dict[bool, SSPass] = field(default_factory=dict, repr=False)
 
     def __call__(self, *args, **kwargs):
         return self.base(*args, **kwargs)
@@ -50,12 +58,28 @@ class SpeculativeModel:
     def layers(self):
         return self.base.layers
 
+    def ss_pass(self, compiled: Optional[bool] = None) -> SSPass:
+        """The speculative pass of this model and its streams, compiled or op by op
+        (default: as ``self.compiled`` says, op by op when undecided). Kept here, so
+        compiled graphs are traced once per shape for the life of the model."""
+        compiled = bool(self.compiled if compiled is None else compiled)
+        p = self._passes.get(compiled)
+        if p is None or p.streams is not self.streams:
+            p = self._passes[compiled] = SSPass(self.base, self.streams, compiled)
+        return p
+
     def tuner(self, sampling: SamplingParams, log: Optional[Callable[[str], None]] = None) -> AutoTree:
         """The auto-tuner for this decoding kind, created (and costs measured) on first use."""
         kind = "greedy" if sampling.greedy else "sampled"
         if kind not in self.tuners:
-            self.tuners[kind] = auto_tree_for(self.base, self.streams, log, sampled=kind == "sampled")
+            self.tuners[kind] = auto_tree_for(
+                self.base, self.streams, log, sampled=kind == "sampled", compiled=self.compiled
+            )
         return self.tuners[kind]
+
+
+def _compile_setting(value: Optional[str]) -> Optional[bool]:
+    return {"1": True, "0": False}.get((value or "").strip())
 
 
 def as_speculative(model: Any, streams: Optional[StreamParams] = None) -> SpeculativeModel:
@@ -64,7 +88,7 @@ def as_speculative(model: Any, streams: Optional[StreamParams] = None) -> Specul
     if isinstance(model, SpeculativeModel):
         if streams is None or streams is model.streams:
             return model
-        return SpeculativeModel(model.base, streams, model.path)
+        return SpeculativeModel(model.base, streams, model.path, compiled=model.compiled)
     return SpeculativeModel(model, streams)
 
 

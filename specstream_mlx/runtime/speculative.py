@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..method.acceptance import Verdict, greedy_accepted_node
-from ..method.msa import SSOutput, all_stream_logits, commit_ss, ss_forward, stream_logits
+from ..method.msa import SSOutput, all_stream_logits, commit_ss, stream_logits
 from ..method.streams import NoStreamsError, StreamParams
 from ..method.tree import Tree, TreeSpec, hosting_nodes
 from .autotune import AutoTree
@@ -194,6 +194,7 @@ def ss_steps(
         # auto with the model's own threshold chooses between it and no pruning, by measurement.
         plan.auto.set_pruning_levels((0.0, threshold) if pruning_threshold is None else (threshold,))
     rng = np.random.default_rng(sampling.seed)
+    forward = sm.ss_pass(plan.auto.compiled if plan.auto is not None else None)
     prefill(sm.base, prompt[:-1], cache, prefill_chunk)
     draft = Draft(Tree((int(prompt[-1].item()),), (-1,)))
     spec = plan.spec
@@ -206,7 +207,7 @@ def ss_steps(
             hosts = hosting_nodes(draft.tree.parents, draft.reach, hosting)
         thr = plan.auto.pruning_threshold() if plan.auto is not None else threshold
         t_pass = time.perf_counter()
-        out = ss_forward(sm.base, sm.streams, draft.tree, cache[0].offset, cache, thr, hosted, hosts)
+        out = forward(draft.tree, cache[0].offset, cache, thr, hosted, hosts)
         if sampling.greedy:
             res = verify_greedy(sm, out, plan.candidates, sampling)
         else:

@@ -1,0 +1,140 @@
+"""The compiled speculative pass computes what the op-by-op pass computes."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from specstream_mlx.io.loading import load_model
+from specstream_mlx.method.msa import commit_ss, ss_forward
+from specstream_mlx.method.streams import StreamConfig, new_streams
+from specstream_mlx.method.tree import Tree, TreeSpec
+from specstream_mlx.runtime.cache import make_cache
+from specstream_mlx.runtime.compiled_pass import SSPass
+from specstream_mlx.runtime.engine import SpeculativeModel
+from specstream_mlx.runtime.sampling import SamplingParams
+from specstream_mlx.runtime.speculative import ss_steps
+from specstream_mlx.runtime.steps import ar_steps
+from tests.test_speculative import pretend_trained, take
+
+TREE = Tree((7, 9, 11, 12, 30), (-1, 0, 0, 1, 1))
+
+
+@pytest.fixture(scope="module")
+def model_streams(hf_models):
+    _, _, dst = hf_models("qwen2")  # q/k/v biases: every projection kind in the pass
+    model, _ = load_model(dst)
+    streams = pretend_trained(new_streams(model, StreamConfig(num_streams=3, stream_layers=2, lora_rank=4)))
+    return model, streams
+
+
+def _prefilled(model, n):
+    cache = make_cache(model)
+    model(mx.array([[(5 * i) % 90 + 3 for i in range(n)]]), cache=cache)
+    return cache
+
+
+@pytest.mark.parametrize("hosts", [None, np.array([0, 3])], ids=["every-node", "two-hosts"])
+def test_compiled_pass_equals_the_op_by_op_pass_across_capacity_growth(model_streams, hosts):
+    """Passes after each other, committing a path each time, across the cache's 256-row
+    growth (a new compiled shape): logits, stream states and cached rows agree."""
+    model, streams = model_streams
+    fwd = SSPass(model, streams, compiled=True)
+    assert fwd.usable(_prefilled(model, 4), 0.0, len(TREE))
+    caches = {"eager": _prefilled(model, 250), "compiled": _prefilled(model, 250)}
+    for step in range(5):  # 250 + 5 per pass + 2 kept: crosses 256
+        offset = caches["eager"][0].offset
+        ref = ss_forward(model, streams, TREE, offset, caches["eager"], num_streams=2, hosts=hosts)
+        out = fwd(TREE, offset, caches["compiled"], num_streams=2, hosts=hosts)
+        assert np.array_equal(ref.hosts, out.hosts)
+        assert mx.allclose(ref.main_logits, out.main_logits, atol=1e-4).item()
+        assert mx.allclose(ref.stream_hidden, out.stream_hidden, atol=1e-4).item()
+        path = [0, 1, 3] if step % 2 else [0, 2]
+        for c in caches.values():
+            commit_ss(c, streams, ref, path)
+        for a, b in zip(caches["eager"], caches["compiled"]):
+            assert a.offset == b.offset
+            assert mx.allclose(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :], atol=1e-4).item()
+    assert caches["compiled"][0].capacity == 512
+
+
+def test_compiled_pass_sees_weights_changed_after_compiling(model_streams):
+    """Weights are inputs of the compiled graph, not constants: updating the streams
+    (as training does) changes the next compiled pass like the op-by-op one."""
+    model, streams = model_streams
+    fwd = SSPass(model, streams, compiled=True)
+    fwd(TREE, 12, _prefilled(model, 12))
+    old = streams.embeddings
+    try:
+        streams.embeddings = old * 3.0
+        ref = ss_forward(model, streams, TREE, 12, _prefilled(model, 12))
+        out = fwd(TREE, 12, _prefilled(model, 12))
+        assert mx.allclose(ref.stream_hidden, out.stream_hidden, atol=1e-4).item()
+    finally:
+        streams.embeddings = old
+
+
+def test_pruned_passes_run_op_by_op(model_streams):
+    model, streams = model_streams
+    fwd = SSPass(model, streams, compiled=True)
+    assert not fwd.usable(_prefilled(model, 4), 0.5, len(TREE))
+    assert fwd.usable(_prefilled(model, 4), 0.5, 1)  # a root-only tree has nothing to prune
+    assert not fwd.usable(make_cache(model), 0.0, len(TREE))  # nothing cached yet: no buffers
+
+
+@pytest.mark.parametrize("spec", ["dynamic:6", "dynamic:6@1", "cartesian:2x2x1"])
+def test_compiled_greedy_ss_equals_plain_decoding(model_streams, spec):
+    model, streams = model_streams
+    sm = SpeculativeModel(model, streams, compiled=True)
+    rng = np.random.RandomState(3)
+    for L in (1, 9, 30):  # a 1-token prompt starts with an empty cache (first pass op by op)
+        prompt = mx.array(rng.randint(3, 90, size=L).tolist())
+        ref, _ = take(ar_steps(model, prompt, SamplingParams()), 40)
+        out, _ = take(ss_steps(sm, prompt, SamplingParams(), tree=TreeSpec.parse(spec)), 40)
+        assert out == ref
+
+
+def test_compiled_sampling_draws_what_the_op_by_op_pass_draws(model_streams):
+    """Same seed, same draws: the compiled pass changes no probability the sampler sees
+    (beyond float rounding, which these logits do not reach)."""
+    model, streams = model_streams
+    prompt = mx.array([5, 17, 33, 2, 90, 41])
+    runs = []
+    for compiled in (False, True):
+        sm = SpeculativeModel(model, streams, compiled=compiled)
+        sampling = SamplingParams(temperature=0.8, seed=11)
+        runs.append(take(ss_steps(sm, prompt, sampling, tree=TreeSpec.parse("dynamic:6")), 40)[0])
+    assert runs[0] == runs[1]
+
+
+def test_auto_compiles_passes_only_when_measured_faster(model_streams, monkeypatch, tmp_path):
+    """--tree auto times both pass kinds; compiling must win by the margin, the choice is
+    stored with the machine's other choices, and decoding then uses that pass kind."""
+    import specstream_mlx.runtime.autotune as A
+
+    model, streams = model_streams
+
+    def fake_pass_fn(forward, *a, **k):
+        def fn():
+            pass
+
+        fn.compiled = forward.compiled
+        return fn
+
+    monkeypatch.setattr(A, "_pass_fn", fake_pass_fn)
+    monkeypatch.setattr(A, "_timed", lambda fn, reps: 0.5 if fn.compiled else 1.0)
+    assert A.choose_compiled(model, streams)
+    monkeypatch.setattr(A, "_timed", lambda fn, reps: 0.99 if fn.compiled else 1.0)
+    assert not A.choose_compiled(model, streams)  # within the margin: op by op
+
+    monkeypatch.setattr(A, "_timed", lambda fn, reps: 0.5 if fn.compiled else 1.0)
+    monkeypatch.setattr(A, "_plain_step_seconds", lambda *a, **k: 1.0)
+    monkeypatch.setattr(A, "CACHE_FILE", tmp_path / "costs.json")
+    monkeypatch.setattr(A, "measure_step_costs", lambda *a, **k: {0: 1.0, 2: 0.9, 4: 0.9})
+    assert A.load_or_measure_costs(model, streams)[2] is True
+    monkeypatch.setattr(A, "_timed", lambda fn, reps: 1.0)  # the stored choice is reused, not re-measured
+    assert A.load_or_measure_costs(model, streams)[2] is True
+    assert A.load_or_measure_costs(model, streams, compiled=False)[2] is False  # an explicit choice wins
+
+    sm = SpeculativeModel(model, streams, compiled=None)
+    list(zip(range(12), ss_steps(sm, mx.array([5, 17, 33, 2]), SamplingParams(), tree="auto")))
+    assert sm.tuners["greedy"].compiled and list(sm._passes) == [True]
