@@ -9,6 +9,9 @@ budgets the time of one ss pass divided by one plain step (median of reps, at
 a 128-token context), then the peak memory of `ss` and `ar` generation on the
 same prompt.
 
+With ``--compiled`` it also times compiled passes (one ``mx.compile``d graph per
+tree shape) between two op-by-op measurements.
+
 With ``--tau-model demo-sql`` (repeatable) it also measures, on that model's
 held-out bench prompts, the tokens per pass τ of greedy ``ss`` with each
 budget, and prints the speedup that τ would give at this shape's step costs:

@@ -141,7 +141,7 @@ class SSPass:
             def body(tokens, positions, offset, anc, msa_part, host_idx, keys, values):
                 n, capacity = tokens.shape[1], keys[0].shape[2]
                 n_hosts = host_idx.shape[0]
-                gamma = (msa_part.shape[0] - n) // n_hosts
+                gamma = (msa_part.shape[0] - n) // max(n_hosts, 1)
                 writers = [OffsetWriter(k, v, offset) for k, v in zip(keys, values)]
                 h = lower_layers(model, streams, tokens, positions, capacity_mask(offset, anc, n, capacity), writers)
                 mask = capacity_mask(offset, msa_part, n, capacity)
