@@ -62,8 +62,10 @@ EXPLORE_EVERY = 4
 # The hosting policy auto weighs against hosting everywhere: streams at the root and
 # this many other likely endpoints.
 HOSTING = 1
-# Compiled passes must be this much faster than op-by-op ones to be used.
-COMPILE_MARGIN = 0.03
+# Compiled passes must be this much faster than op-by-op ones to be used: the timing
+# leaves out tracing, which every new tree shape and cache capacity pays once (10-20 ms
+# on the demo models here, comparable to a short request's whole decode).
+COMPILE_MARGIN = 0.10
 MAX_COST_AGE_S = 30 * 24 * 3600
 LOADED = 0.5
 # Early-exit pruning: passes per threshold before choosing, re-try period, EMA weight.
@@ -71,7 +73,7 @@ PRUNE_MIN_PASSES = 4
 PRUNE_EXPLORE = 8
 PRUNE_EMA = 0.1
 # Bump when the pass changes what it computes per sync: cached costs are then re-measured.
-COST_VERSION = 5
+COST_VERSION = 6
 
 
 def _model_key(model, streams, kind: str = "greedy", compiled: bool = False) -> str:
