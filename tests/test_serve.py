@@ -366,6 +366,10 @@ def test_bench_writes_json_markdown_and_chart(ss_model, tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert res["settings"]["prompts"] == 2 and res["settings"]["prompts_file"] == "valid.jsonl"
+    # --tree auto's pass kind, measured per decoding kind, is recorded with the run.
+    assert set(res["settings"]["ss_passes"]) == {"greedy", "sampled"}
+    assert set(res["settings"]["ss_passes"].values()) <= {"compiled", "op by op"}
+    assert "ss passes" in out.with_suffix(".md").read_text()
     for k in ("cpu", "cores", "os", "mlx", "device", "blas"):
         assert k in res["machine"]
     methods = {x["method"]: x for x in res["results"]}

@@ -11,6 +11,7 @@ def markdown_table(res: dict) -> str:
         f"`{res['model']}` — {res['date']} — {m['cpu']} ({m['cores']} cores), {m['os']}, MLX {m['mlx']} "
         f"({m['device']}), BLAS: {m['blas']}"
         + (f", {m['blas_threads']} threads" if m.get("blas_threads") else "")
+        + (f"; ss passes {res['settings']['ss_passes'].get('greedy')}" if res["settings"].get("ss_passes") else "")
         + f"; {res['settings']['prompts']} prompts × "
         f"{res['settings']['max_tokens']} tokens × {res['settings'].get('rounds', 1)} rounds",
         "",

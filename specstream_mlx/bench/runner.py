@@ -17,7 +17,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import mlx.core as mx
 
@@ -182,8 +182,8 @@ def _draft_path(path: Path, draft: Optional[str]) -> Optional[Path]:
 
 def _methods(
     path: Path, setup: BenchSetup, tree: str, draft_path: Optional[Path], baseline: Optional[str], num_draft_tokens: int
-) -> Dict[str, Callable[[int], Run]]:
-    """Every method of the run, in table order, as prompt index -> timed run."""
+) -> "tuple[Dict[str, Callable[[int], Run]], Any]":
+    """Every method of the run, in table order, as prompt index -> timed run; and our model."""
     import mlx_lm
 
     m, tok = load(str(path), warn=False)
@@ -206,7 +206,7 @@ def _methods(
     if baseline:
         b_model, b_tok = load(str(resolve_model_path(baseline)), warn=False)
         methods["baseline-ar"] = _ours(b_model, b_tok, setup, "ar", greedy)
-    return methods
+    return methods, m
 
 
 def _run_all(methods: Dict[str, Callable[[int], Run]], n_prompts: int, rounds: int, progress: bool):
@@ -310,8 +310,10 @@ def run_bench(
     ids = [encode_prompt(tok, p["prompt"], use_chat_template=True) for p in prompts]
     setup = BenchSetup(prompts, ids, max_tokens, temperature, seed)
     draft_path = _draft_path(path, draft)
-    methods = _methods(path, setup, tree, draft_path, baseline, num_draft_tokens)
+    methods, ours = _methods(path, setup, tree, draft_path, baseline, num_draft_tokens)
     runs = _run_all(methods, len(prompts), rounds, progress)
+    # What --tree auto measured and chose per decoding kind (recorded with the machine).
+    ss_passes = {kind: "compiled" if t.compiled else "op by op" for kind, t in ours.tuners.items()}
     results = _summarize(runs, setup, tok.eos_token_ids)
     info = runtime_info()
     return {
@@ -331,6 +333,7 @@ def run_bench(
             "tree": tree,
             "num_draft_tokens": num_draft_tokens,
             "seed": seed,
+            "ss_passes": ss_passes,
         },
         "results": [asdict(r) for r in results],
     }
