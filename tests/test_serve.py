@@ -593,3 +593,27 @@ def test_stdio_ready_event_and_signals(ss_model):
     assert r.returncode == 1
     ev = json.loads(r.stdout.strip())
     assert ev["event"] == "error" and ev["code"] == "load_failed" and "missing" in ev["message"]
+
+
+def test_bench_rotates_the_method_order_per_prompt():
+    """Each method takes every position in the per-prompt order equally often, and each
+    method's runs stay in (round, prompt) order for pairing across methods."""
+    from collections import Counter
+
+    from specstream_mlx.bench.runner import _run_all
+
+    calls = []
+
+    def method(name):
+        def fn(i):
+            calls.append((name, i))
+            return (name, i)
+
+        return fn
+
+    names = ["ar", "ss", "lookup"]
+    runs = _run_all({n: method(n) for n in names}, n_prompts=3, rounds=2, progress=False)
+    timed = calls[len(names) :]  # after one warm-up each
+    positions = Counter((name, k % len(names)) for k, (name, _) in enumerate(timed))
+    assert all(positions[(n, p)] == 2 for n in names for p in range(len(names)))
+    assert all(runs[n] == [(n, i) for _ in range(2) for i in range(3)] for n in names)

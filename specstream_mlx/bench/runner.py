@@ -221,17 +221,23 @@ def _run_all(methods: Dict[str, Callable[[int], Run]], n_prompts: int, rounds: i
         if bar:
             bar.update(1)
     # Round-robin over methods for each prompt, so slow drifts of the machine
-    # (frequency, other load) hit every method alike. Every prompt is decoded
+    # (frequency, other load) hit every method alike, starting each prompt at the next
+    # method: a fixed order would always give the same method the same neighbour and
+    # position (caches, frequency after the previous run). Every prompt is decoded
     # ``rounds`` times per method; short replies give noisy single timings.
+    names = list(methods)
+    turn = 0
     for _ in range(rounds):
         for i in range(n_prompts):
-            for name, fn in methods.items():
-                runs[name].append(fn(i))
+            for k in range(len(names)):
+                name = names[(turn + k) % len(names)]
+                runs[name].append(methods[name](i))
                 if bar:
                     bar.update(1)
+            turn += 1
     if bar:
         bar.close()
-    return runs
+    return runs  # per method in (round, prompt) order: the summary pairs runs across methods
 
 
 def _summarize(runs: Dict[str, List[Run]], setup: BenchSetup, eos_ids) -> List[MethodResult]:
