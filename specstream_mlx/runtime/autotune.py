@@ -1,6 +1,6 @@
 """``--tree auto``: pick the draft-tree size that is fastest on this machine.
 
-Two measurements combine:
+These measurements combine:
 
 * **BLAS threads**: where the BLAS exposes a thread count (OpenBLAS on Linux),
   one thread and the default are timed on a plain step and a small pass, and the
@@ -215,9 +215,7 @@ def _fresh(entry, now: float, load_now: float) -> bool:
     return not (entry.get("load", 0.0) > LOADED and load_now <= LOADED)
 
 
-def choose_blas_threads(
-    model, streams, context: int = 128, reps: int = 5, log=None, compiled: bool = False
-) -> Optional[int]:
+def choose_blas_threads(model, streams, context: int = 128, reps: int = 5, log=None) -> Optional[int]:
     """The BLAS thread count that decodes fastest here, set for this process; None when the
     BLAS has no thread control (Accelerate, a GPU) or runs one thread anyway.
 
@@ -231,7 +229,7 @@ def choose_blas_threads(
     cache = make_cache(model)
     model(mx.array([[1] * context]), cache=cache)
     mx.eval([c.keys for c in cache])
-    forward = SSPass(model, streams, compiled)
+    forward = SSPass(model, streams)
     times = {}
     for n in sorted({1, default}):
         set_blas_threads(n)

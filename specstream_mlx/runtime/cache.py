@@ -58,10 +58,11 @@ class KVCache:
         self._last_start, self._last_len = start, n
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
-    def reserve(self, n: int, like_k: mx.array, like_v: mx.array) -> None:
-        """Make room for ``n`` more rows after the offset (the compiled pass writes in place)."""
-        if self.keys is None or self.offset + n > self.capacity:
-            self._grow(self.offset + n, like_k, like_v)
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` more rows after the offset in the existing buffers (the
+        compiled pass writes into them in place)."""
+        if self.offset + n > self.capacity:
+            self._grow(self.offset + n, self.keys, self.values)
 
     def adopt(self, keys: mx.array, values: mx.array, n: int) -> None:
         """Take buffers in which a step wrote ``n`` rows at the offset (see :class:`OffsetWriter`)."""

@@ -105,7 +105,7 @@ class SSPass:
         parents = tuple(int(p) for p in buf.parents)
         msa_part = msa_part_for(parents, gamma, None if every else tuple(int(h) for h in host_idx))
         for c in cache:
-            c.reserve(n, c.keys, c.values)
+            c.reserve(n)
         keys: List[mx.array] = [c.keys for c in cache]
         values: List[mx.array] = [c.values for c in cache]
         main_logits, stream_hidden, s_logits, new_keys, new_values = self._fn(every)(
