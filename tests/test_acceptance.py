@@ -177,18 +177,19 @@ def exact_sequence_distribution(model, prompt, sampling):
 
 
 @pytest.mark.parametrize(
-    "top_p,pruning,eager,hosts",
-    [(1.0, 0.0, True, 0), (0.8, 0.02, False, 1)],
-    ids=["plain", "top_p-pruning-noneager-hosting"],
+    "top_p,pruning,eager,hosts,probes",
+    [(1.0, 0.0, True, 0, False), (0.8, 0.02, False, 1, False), (0.8, 0.0, True, 0, True)],
+    ids=["plain", "top_p-pruning-noneager-hosting", "auto-plain-probes"],
 )
-def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, monkeypatch):
+def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, probes, monkeypatch):
     """10,000 seeded ss generations of 3 tokens against the exact ar distribution.
 
     The second case turns on everything that could break losslessness at once: nucleus
     sampling (top-p 0.8), an early-exit pruning threshold that prunes greedy trees, and
     the non-eager branch (stream logits computed after verification, as for any real
     vocabulary), and streams hosted at one node per tree (drafts then also come from
-    a hosting ancestor's later streams)."""
+    a hosting ancestor's later streams). The third has ``--tree auto`` interleave its
+    timed plain probes with tree passes (a one-token probe after every other pass)."""
     from scipy.stats import chisquare
 
     import specstream_mlx.runtime.speculative as spec_mod
@@ -198,6 +199,16 @@ def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, monke
 
     if not eager:
         monkeypatch.setattr(spec_mod, "EAGER_STREAM_LOGITS", 0)
+    tree = TreeSpec("cartesian", (2, 1), hosts=hosts)
+    if probes:
+        import specstream_mlx.runtime.autotune as A
+        import specstream_mlx.runtime.engine as engine
+
+        monkeypatch.setattr(spec_mod, "PLAIN_PROBE", 1)
+        monkeypatch.setattr(engine, "auto_tree_for", lambda *a, **k: A.AutoTree({0: 1.0, 2: 1.0}, depth=2, budget=2))
+        monkeypatch.setattr(A.AutoTree, "choose", lambda self: self.budget)
+        monkeypatch.setattr(A.AutoTree, "plain_probe_due", lambda self: self.passes % 2 == 0)
+        tree = "auto"
     model, streams = tiny_vocab_model()
     if pruning:
         # The threshold is real: it prunes nodes of greedy trees of this model.
@@ -213,9 +224,9 @@ def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, monke
     prompt = [4]  # one token: no separate prefill pass, so the test stays fast
     sampling = SamplingParams(temperature=0.9, top_p=top_p)
     dist = exact_sequence_distribution(model, prompt, sampling)
-    n = 10000
+    n = 4000 if probes else 10000
     counts = np.zeros_like(dist)
-    accepted = 0
+    accepted = probed = 0
     for i in range(n):
         s = SamplingParams(temperature=0.9, top_p=top_p, seed=i)
         steps = ss_steps(
@@ -223,17 +234,19 @@ def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, monke
             mx.array(prompt),
             s,
             streams=streams,
-            tree=TreeSpec("cartesian", (2, 1), hosts=hosts),
+            tree=tree,
             pruning_threshold=pruning,
         )
         out = []
         while len(out) < N_TOKENS:
             step = next(steps)
             accepted += step.info.accepted
+            probed += step.info.tree is None and len(out) > 0  # plain probe steps carry no tree
             out += step.tokens
         counts[tuple(out[:N_TOKENS])] += 1
-    # Drafts were accepted often enough for the test to mean something.
-    assert accepted > 0.3 * n
+    # Drafts were accepted (and probes decoded tokens) often enough for the test to mean something.
+    assert accepted > (0.03 if probes else 0.3) * n
+    assert probed > 0.5 * n if probes else probed == 0
     expected = dist.ravel() * n
     keep = expected > 5  # pool rare cells so the chi-square approximation holds
     # Sequences outside the nucleus (probability exactly 0) must never appear.

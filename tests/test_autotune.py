@@ -205,3 +205,36 @@ def test_auto_with_a_calibrated_threshold_stays_exact(tiny_model_dir):
     assert ss.tokens == ar
     auto = model.tuner(SamplingParams(), None)
     assert auto.prune_levels == (0.0, 0.05)
+
+
+def test_online_timings_replace_a_pessimistic_cost_table():
+    """The offline table (bare passes and plain steps) can overstate a tree pass's cost:
+    once passes and plain tokens are timed inside real generations, their ratio is the
+    cost, and arms not timed yet are scaled by what the timed ones showed."""
+    from specstream_mlx.runtime.autotune import PLAIN_EVERY, TIME_MIN
+
+    scores = [0.9, 0.6, 0.0, 0.0]  # E_4 = 1.5 with calibrated streams
+    auto = AutoTree({0: 1.0, 4: 3.0, 8: 4.5}, depth=4, budget=4)
+    observe_many(auto, WARMUP_STEPS, accepted=1.5, scores=scores)
+    assert auto.choose() is None  # table: (1 + 1.5) / 3.0 < 1
+    for _ in range(TIME_MIN - 1):
+        auto.observe_plain_seconds(0.010)
+        auto.observe_pass_seconds(4, 0, 0.020)
+    assert auto.cost(4) == 3.0  # too few samples yet: the table
+    assert not auto.plain_probe_due()  # fewer timed passes than TIME_MIN
+    auto.observe_pass_seconds(4, 0, 0.020)
+    assert auto.plain_probe_due()  # trees timed, plain tokens not yet: probe now
+    assert not auto.plain_probe_due()
+    auto.observe_plain_seconds(0.010)
+    assert abs(auto.cost(4) - 2.0) < 1e-9  # 20 ms per pass over 10 ms per plain token
+    assert abs(auto.cost(8) - 4.5 * 2.0 / 3.0) < 1e-9  # untimed arm: the table, scaled
+    assert auto.choose() == 4  # (1 + 1.5) / 2.0 > 1
+    # Timings follow the machine (an EMA), and probes come back every PLAIN_EVERY passes.
+    for _ in range(40):
+        auto.observe_pass_seconds(4, 0, 0.040)
+    assert auto.cost(4) > 3.5 and auto.choose() is None
+    for _ in range(PLAIN_EVERY - 41):
+        auto.observe_pass_seconds(4, 0, 0.040)
+    assert not auto.plain_probe_due()
+    auto.observe_pass_seconds(4, 0, 0.040)
+    assert auto.plain_probe_due()

@@ -138,3 +138,44 @@ def test_auto_compiles_passes_only_when_measured_faster(model_streams, monkeypat
     sm = SpeculativeModel(model, streams, compiled=None)
     list(zip(range(12), ss_steps(sm, mx.array([5, 17, 33, 2]), SamplingParams(), tree="auto")))
     assert sm.tuners["greedy"].compiled and list(sm._passes) == [True]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_auto_times_passes_and_plain_probes_without_changing_the_output(model_streams, monkeypatch, temperature):
+    """--tree auto times its tree passes and short plain probes inside real generations;
+    a probe decodes plain tokens on the same cache and the next pass drafts from its last
+    token. Greedy output still equals ar's, sampled output stays in the target's support
+    (top-p), every probe step counts as a pass that accepted nothing, and the tuner ends
+    up with online costs."""
+    import specstream_mlx.runtime.autotune as A
+    import specstream_mlx.runtime.engine as engine
+
+    model, streams = model_streams
+    monkeypatch.setattr(A, "PLAIN_EVERY", 5)
+    monkeypatch.setattr(engine, "auto_tree_for", lambda *a, **k: A.AutoTree({0: 1.0, 2: 1.1, 4: 1.2}, depth=3))
+    # Keep drafting trees whatever the timings say (this test is about the probes, not the choice).
+    monkeypatch.setattr(A.AutoTree, "choose", lambda self: self.budget)
+    sm = SpeculativeModel(model, streams, compiled=False)
+    prompt = mx.array([5, 17, 33, 2, 90, 41, 7])
+    sampling = SamplingParams(temperature=temperature, top_p=0.9, seed=3)
+    steps = ss_steps(sm, prompt, sampling, tree="auto")
+    out, probes = [], 0
+    while len(out) < 90:
+        step = next(steps)
+        out += step.tokens
+        probes += step.info.tree is None and step.info.accepted == 0 and len(step.tokens) == 1
+    auto = sm.tuners["greedy" if temperature == 0 else "sampled"]
+    assert probes >= 2 * A.PLAIN_PROBE and auto.plain_timed >= A.TIME_MIN
+    assert any(n >= A.TIME_MIN for n in auto.pass_timed.values())
+    assert auto._online_cost(*max(auto.pass_timed, key=auto.pass_timed.get)) is not None
+    if temperature == 0:
+        ref, _ = take(ar_steps(model, prompt, sampling), 90)
+        assert out[:90] == ref
+    else:  # every token inside the top-p nucleus of its prefix
+        full = mx.concatenate([prompt, mx.array(out[:90])])
+        probs = mx.softmax(model(full[None])[0, len(prompt) - 1 : -1] / 0.8, axis=-1)
+        order = mx.argsort(-probs, axis=-1)
+        sorted_p = mx.take_along_axis(probs, order, axis=-1)
+        rank = mx.argmax(order == full[len(prompt) :, None], axis=-1)
+        before = mx.take_along_axis(mx.cumsum(sorted_p, axis=-1) - sorted_p, rank[:, None], axis=-1)
+        assert (before < 0.9 + 1e-4).all().item()

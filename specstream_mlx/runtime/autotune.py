@@ -23,6 +23,17 @@ These measurements combine:
   every ``EXPLORE_EVERY``-th pass therefore hosts all γ streams, and a budget
   is credited only from passes whose candidates were as deep as it allows.
 
+* **Online costs**: the offline table times bare passes and plain steps, which
+  leaves out what a real generation adds per yielded step (sampling, host syncs,
+  detokenizing, the consumer of the tokens): plain decoding pays that per token,
+  a tree pass once per τ tokens. So the wall time of every tree pass (from one
+  loop iteration to the next, consumer included) is kept per arm, and plain
+  tokens are timed the same way: on fall-back decoding and on short plain
+  *probes* (``PLAIN_PROBE`` tokens every ``PLAIN_EVERY`` tree passes, lossless
+  like any plain step). Once both have ``TIME_MIN`` samples, an arm's cost is
+  its measured seconds per pass over the measured seconds per plain token; arms
+  not yet timed have their table cost scaled by what the timed ones showed.
+
 Expected tokens/s of budget b ∝ (1 + c·E_b) / cost(b); plain decoding scores
 1. Early-exit pruning (greedy decoding, when the model has a calibrated
 threshold) is chosen online: its benefit depends on how many nodes it drops and
@@ -72,6 +83,12 @@ LOADED = 0.5
 PRUNE_MIN_PASSES = 4
 PRUNE_EXPLORE = 8
 PRUNE_EMA = 0.1
+# Online costs: EMA weight of timed passes and plain tokens, samples before they replace
+# the table, plain tokens per probe and tree passes between probes.
+TIME_EMA = 0.2
+TIME_MIN = 3
+PLAIN_PROBE = 4
+PLAIN_EVERY = 48
 # Bump when the pass changes what it computes per sync: cached costs are then re-measured.
 COST_VERSION = 6
 
@@ -389,6 +406,14 @@ class AutoTree:
     prune_passes: int = 0
     # Passes run compiled (measured faster on this machine, or asked for).
     compiled: bool = False
+    # Online costs: per arm (budget, hosting) the wall seconds per tree pass, and the wall
+    # seconds per plain token (EMAs), with their sample counts; tree passes since a probe.
+    pass_seconds: Dict[tuple, float] = field(default_factory=dict)
+    pass_timed: Dict[tuple, int] = field(default_factory=dict)
+    plain_seconds: float = 0.0
+    plain_timed: int = 0
+    since_probe: int = 0
+    exploring: bool = False
 
     def spec(self) -> TreeSpec:
         return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosts=self.hosting)
@@ -402,7 +427,8 @@ class AutoTree:
         needs, and on every EXPLORE_EVERY-th pass all γ streams at every node, so
         deeper budgets and the full-hosting mode keep getting honest evidence."""
         self.passes += 1
-        if self.passes % EXPLORE_EVERY == 0:
+        self.exploring = self.passes % EXPLORE_EVERY == 0
+        if self.exploring:
             return self.depth, 0
         return self.tree_depth(self.budget), self.hosting
 
@@ -441,6 +467,50 @@ class AutoTree:
         old = self.prune_cost.get(level, per_token)
         self.prune_cost[level] = per_token if n == 0 else old + PRUNE_EMA * (per_token - old)
         self.prune_n[level] = n + 1
+
+    def observe_pass_seconds(self, budget: int, hosting: int, seconds: float) -> None:
+        """A tree pass of arm (``budget``, ``hosting``) took ``seconds`` of wall time,
+        from its start to the start of the next pass (the consumer's work included)."""
+        key = (budget, hosting)
+        n = self.pass_timed.get(key, 0)
+        old = self.pass_seconds.get(key, seconds)
+        self.pass_seconds[key] = seconds if n == 0 else old + TIME_EMA * (seconds - old)
+        self.pass_timed[key] = n + 1
+        self.since_probe += 1
+
+    def observe_plain_seconds(self, seconds: float) -> None:
+        """A plain token took ``seconds`` of wall time, timed like a tree pass."""
+        n = self.plain_timed
+        self.plain_seconds = seconds if n == 0 else self.plain_seconds + TIME_EMA * (seconds - self.plain_seconds)
+        self.plain_timed = n + 1
+
+    def plain_probe_due(self) -> bool:
+        """Whether to decode a few plain tokens now, to time them: once trees have been
+        timed and plain tokens not yet, then every PLAIN_EVERY timed tree passes."""
+        due = self.since_probe >= (PLAIN_EVERY if self.plain_timed >= TIME_MIN else TIME_MIN)
+        if due:
+            self.since_probe = 0
+        return due
+
+    def _online_cost(self, budget: int, hosting: int) -> Optional[float]:
+        if self.plain_timed < TIME_MIN or self.pass_timed.get((budget, hosting), 0) < TIME_MIN:
+            return None
+        return self.pass_seconds[(budget, hosting)] / self.plain_seconds
+
+    def cost(self, budget: int, hosting: int = 0) -> float:
+        """Cost of one pass of the arm in plain tokens: timed online when it has been,
+        else the offline table's, scaled by how the timed arms compared with theirs."""
+        online = self._online_cost(budget, hosting)
+        if online is not None:
+            return online
+        table = (self.host_costs if hosting else self.costs).get(budget, 1.0)
+        ratios = []
+        for b, h in self.pass_timed:
+            c = self._online_cost(b, h)
+            ref = (self.host_costs if h else self.costs).get(b)
+            if c is not None and ref:
+                ratios.append(np.log(c / ref))
+        return table * float(np.exp(np.mean(ratios))) if ratios else table
 
     def new_request(self) -> bool:
         """Halve the evidence at each new generation: averages are unchanged,
@@ -514,12 +584,12 @@ class AutoTree:
 
     def arms(self):
         """(budget, hosting mode, cost) of every arm with a measured cost."""
-        for b, cost in self.costs.items():
+        for b in self.costs:
             if b > 0:
-                yield b, 0, cost
-        for b, cost in self.host_costs.items():
+                yield b, 0, self.cost(b, 0)
+        for b in self.host_costs:
             if b > 0:
-                yield b, HOSTING, cost
+                yield b, HOSTING, self.cost(b, HOSTING)
 
     def choose(self) -> Optional[int]:
         """Best budget (and hosting mode), or None for plain decoding; keeps the
@@ -542,5 +612,4 @@ class AutoTree:
 
     def expected_speedup(self, budget: int, hosting: int = 0) -> float:
         e = self.expected_accepted(budget, hosting)
-        cost = (self.host_costs if hosting else self.costs).get(budget, 1.0)
-        return (1.0 + (e or 0.0)) / cost
+        return (1.0 + (e or 0.0)) / self.cost(budget, hosting)

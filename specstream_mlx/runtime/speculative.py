@@ -24,11 +24,11 @@ from ..method.acceptance import Verdict, greedy_accepted_node
 from ..method.msa import SSOutput, all_stream_logits, commit_ss, stream_logits
 from ..method.streams import NoStreamsError, StreamParams
 from ..method.tree import Tree, TreeSpec, hosting_nodes
-from .autotune import AutoTree
+from .autotune import PLAIN_PROBE, AutoTree
 from .cache import make_cache
 from .drafting import Draft, draft_tree, num_candidates, stream_candidates
 from .engine import SpeculativeModel, as_speculative
-from .sampling import SamplingParams
+from .sampling import KeyStream, SamplingParams, sample_token
 from .steps import Step, StepInfo, ar_steps, prefill
 from .verification import verification_target, verify
 
@@ -140,13 +140,70 @@ def verify_sampled(
     return PassResult(verdict, top, ptop, q)
 
 
-def _plain_fallback(model, prompt, sampling, cache, prefill_chunk) -> Generator[Step, None, None]:
+def _timed_plain(auto: AutoTree, steps) -> Generator[Step, None, None]:
+    """Plain steps, each timed from one resume to the next (the consumer's work included,
+    as for tree passes) for auto's online costs."""
+    t = None
+    for step in steps:
+        yield step
+        now = time.perf_counter()
+        if t is not None:
+            auto.observe_plain_seconds(now - t)
+        t = now
+
+
+def _plain_fallback(model, prompt, sampling, cache, prefill_chunk, auto) -> Generator[Step, None, None]:
     """--tree auto fell back on recent requests: decode plainly (trees are re-tried later)."""
     steps = ar_steps(model, prompt, sampling, cache=cache, prefill_chunk=prefill_chunk)
     first = next(steps)
     first.info.fallback = "plain decoding: draft trees did not pay off on recent requests (re-tried later)"
     yield first
-    yield from steps
+    yield from _timed_plain(auto, steps)
+
+
+def plain_probe(
+    model, token: int, n: int, sampling: SamplingParams, cache, seed: int, on_token_seconds: Callable[[float], None]
+) -> Generator[Step, None, int]:
+    """``n`` plain steps from the decided, not yet cached ``token``, pipelined as
+    :func:`~specstream_mlx.runtime.steps.ar_steps`; each token after the first is timed
+    from one resume to the next. Returns the last token, decided and yielded but
+    not cached: the state a speculative pass starts from. Lossless: every token is
+    the target's own choice (sampled with keys of its own ``seed``)."""
+    keys = KeyStream(seed)
+
+    def forward(tok: mx.array) -> mx.array:
+        logits = model(tok.reshape(1, -1), cache=cache)[:, -1, :]
+        return sample_token(logits, sampling, None if sampling.greedy else keys.next())
+
+    y = forward(mx.array([token]))
+    mx.async_eval(y)
+    t = None
+    for i in range(n):
+        # The last token is not run: the next speculative pass caches it as its root.
+        nxt = forward(y) if i < n - 1 else None
+        if nxt is not None:
+            mx.async_eval(nxt)
+        tok = y.item()
+        yield Step([tok], StepInfo(accepted=0))  # a pass that accepted no draft token
+        now = time.perf_counter()
+        if t is not None:
+            on_token_seconds(now - t)
+        t = now
+        y = nxt if nxt is not None else y
+    return tok
+
+
+def _observe_draft(auto: AutoTree, draft: Draft, accepted: int) -> None:
+    """Tell the tuner what the verified draft predicted and how much of it was accepted."""
+    auto.observe(draft.predicted, accepted, draft.scores, draft.candidate_depth, draft.from_hosting, draft.budget)
+
+
+def _probe(sm: SpeculativeModel, auto: AutoTree, token: int, sampling, cache, rng) -> Generator[Step, None, Draft]:
+    """A timed plain probe from the decided ``token``; returns the next draft: its last
+    token alone (plain steps leave no stream states to draft a tree from)."""
+    seed = int(rng.integers(2**31))
+    root = yield from plain_probe(sm.base, token, PLAIN_PROBE, sampling, cache, seed, auto.observe_plain_seconds)
+    return Draft(Tree((root,), (-1,)))
 
 
 def _auto_fallback_reason(auto: AutoTree) -> str:
@@ -185,7 +242,7 @@ def ss_steps(
     plan = plan_trees(sm, tree, sampling, log)
     cache = cache if cache is not None else make_cache(sm)
     if plan.auto is not None and not plan.auto.new_request():
-        yield from _plain_fallback(sm.base, prompt, sampling, cache, prefill_chunk)
+        yield from _plain_fallback(sm.base, prompt, sampling, cache, prefill_chunk, plan.auto)
         return
     threshold = sm.streams.config.pruning_threshold if pruning_threshold is None else pruning_threshold
     if not sampling.greedy:
@@ -198,10 +255,16 @@ def ss_steps(
     prefill(sm.base, prompt[:-1], cache, prefill_chunk)
     draft = Draft(Tree((int(prompt[-1].item()),), (-1,)))
     spec = plan.spec
+    timing = None  # auto: (arm, start) of the pass whose wall time is being measured
     while True:
+        if timing is not None:
+            plan.auto.observe_pass_seconds(*timing[0], time.perf_counter() - timing[1])
+            timing = None
         # Streams deeper than the next tree can use are not hosted (fewer MSA rows),
         # except on auto's exploration passes.
         hosted, hosting = plan.auto.next_pass() if plan.auto is not None else (spec.max_depth, spec.hosts)
+        if plan.auto is not None and len(draft.tree) > 1 and not plan.auto.exploring:
+            timing = ((draft.budget, hosting), time.perf_counter())
         hosts = None
         if hosting and draft.reach is not None and len(draft.tree) > hosting + 1:
             hosts = hosting_nodes(draft.tree.parents, draft.reach, hosting)
@@ -226,22 +289,20 @@ def ss_steps(
         if plan.auto is not None:
             auto = plan.auto
             if len(draft.tree) > 1:
-                auto.observe(
-                    draft.predicted,
-                    res.verdict.accepted,
-                    draft.scores,
-                    draft.candidate_depth,
-                    draft.from_hosting,
-                    draft.budget,
-                )
+                _observe_draft(auto, draft, res.verdict.accepted)
             if auto.choose() is None:
                 info.fallback = _auto_fallback_reason(auto)
                 auto.note_fallback()
                 yield Step(tokens, info)
-                yield from ar_steps(sm.base, mx.array([res.verdict.bonus]), sampling, cache=cache)
+                yield from _timed_plain(auto, ar_steps(sm.base, mx.array([res.verdict.bonus]), sampling, cache=cache))
                 return
             spec = auto.spec()
             info.tree = "auto:" + spec.describe()
+            if auto.plain_probe_due():
+                yield Step(tokens, info)
+                timing = None  # the probe is timed on its own
+                draft = yield from _probe(sm, auto, res.verdict.bonus, sampling, cache, rng)
+                continue
         draft = draft_tree(res.verdict.bonus, res.top, res.ptop, res.q, spec, sampling, rng, plan.score_budget)
         draft.from_hosting = hosting if hosts is not None else 0
         yield Step(tokens, info)
