@@ -238,3 +238,21 @@ def test_online_timings_replace_a_pessimistic_cost_table():
     assert not auto.plain_probe_due()
     auto.observe_pass_seconds(4, 0, 0.040)
     assert auto.plain_probe_due()
+
+
+def test_trees_stay_through_estimates_near_break_even():
+    """Plain decoding takes over only when the best arm is clearly slower (below
+    FALLBACK_BELOW): near break-even, estimates move from pass to pass, and each fall-back
+    costs the rest of the request and a back-off."""
+    from specstream_mlx.runtime.autotune import FALLBACK_BELOW
+
+    scores = [0.5, 0.5, 0.0, 0.0]  # E_2 = E_4 = 1.0 with calibrated streams
+    for cost, keeps in ((2.0 / FALLBACK_BELOW - 0.01, True), (2.0 / FALLBACK_BELOW + 0.05, False)):
+        auto = AutoTree({0: 1.0, 2: cost, 4: cost + 1}, depth=4, budget=2)
+        auto.note_fallback()  # an earlier fall-back: only a real gain clears the back-off
+        observe_many(auto, WARMUP_STEPS, accepted=1.0, scores=scores)
+        assert (auto.choose() == 2) is keeps and auto.backoff == 1
+    auto = AutoTree({0: 1.0, 2: 1.5}, depth=4, budget=2)
+    auto.note_fallback()
+    observe_many(auto, WARMUP_STEPS, accepted=1.0, scores=scores)
+    assert auto.choose() == 2 and auto.backoff == 0  # (1 + 1) / 1.5 > 1

@@ -42,6 +42,7 @@ SQL_BASE = dict(
 CHAT_BASE = dict(
     hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2
 )
+SQL_PRETRAIN_STEPS = 4500
 SQL_FINETUNE_STEPS = 300
 SQL_FINETUNE_LR = 5e-4
 SQL_ALPHA_STREAM = 0.1
@@ -275,7 +276,7 @@ def build_sql(scale: float = 1.0, seed: int = 0) -> None:
         init,
         data,
         "sql-base",
-        int(3000 * scale),
+        int(SQL_PRETRAIN_STEPS * scale),
         batch_size=16,
         max_seq_len=256,
         learning_rate=1e-3,

@@ -39,8 +39,10 @@ Expected tokens/s of budget b ∝ (1 + c·E_b) / cost(b); plain decoding scores
 threshold) is chosen online: its benefit depends on how many nodes it drops and
 what the early-exit head and its mid-pass sync cost here, so passes with and
 without it are timed (seconds per decided token) and the cheaper one is used,
-the other re-tried periodically. When no budget beats plain decoding after a warm-up, decoding switches to
-plain ``ar`` on the same cache and the stats say so.
+the other re-tried periodically. When the best arm is expected to be clearly slower
+than plain decoding after a warm-up (below ``FALLBACK_BELOW``: estimates near break-even
+move from pass to pass, and each fall-back costs the rest of the request and a
+back-off), decoding switches to plain ``ar`` on the same cache and the stats say so.
 """
 
 from __future__ import annotations
@@ -83,9 +85,11 @@ LOADED = 0.5
 PRUNE_MIN_PASSES = 4
 PRUNE_EXPLORE = 8
 PRUNE_EMA = 0.1
+# Fall back to plain decoding when the best arm's expected rate is below this (plain: 1).
+FALLBACK_BELOW = 0.97
 # Online costs: EMA weight of timed passes and plain tokens, samples before they replace
 # the table, plain tokens per probe and tree passes between probes.
-TIME_EMA = 0.2
+TIME_EMA = 0.1
 TIME_MIN = 3
 PLAIN_PROBE = 4
 PLAIN_EVERY = 48
@@ -596,7 +600,7 @@ class AutoTree:
         current arm during warm-up."""
         if self.steps < WARMUP_STEPS or not self.scores_sum:
             return self.budget
-        best, best_rate = None, 1.0  # plain decoding: 1 token per unit cost
+        best, best_rate = None, 0.0
         for b, h, cost in self.arms():
             e = self.expected_accepted(b, h)
             if e is None:
@@ -604,10 +608,13 @@ class AutoTree:
             rate = (1.0 + e) / cost
             if rate > best_rate:
                 best, best_rate = (b, h), rate
-        if best is None:
+        # Plain decoding scores 1 token per unit cost; it takes over only when the best
+        # arm is clearly below that, since estimates near break-even move from pass to pass.
+        if best is None or best_rate < FALLBACK_BELOW:
             return None
         self.budget, self.hosting = best
-        self.backoff = 0
+        if best_rate >= 1.0:
+            self.backoff = 0
         return self.budget
 
     def expected_speedup(self, budget: int, hosting: int = 0) -> float:
