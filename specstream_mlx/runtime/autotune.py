@@ -27,7 +27,8 @@ These measurements combine:
   leaves out what a real generation adds per yielded step (sampling, host syncs,
   detokenizing, the consumer of the tokens): plain decoding pays that per token,
   a tree pass once per τ tokens. So the wall time of every tree pass (from one
-  loop iteration to the next, consumer included) is kept per arm, and plain
+  loop iteration to the next, consumer included; the arm's exploring passes
+  too, since running the arm includes them) is kept per arm, and plain
   tokens are timed the same way: on fall-back decoding and on short plain
   *probes* (``PLAIN_PROBE`` tokens every ``PLAIN_EVERY`` tree passes, lossless
   like any plain step). Once both have ``TIME_MIN`` samples, an arm's cost is
@@ -419,7 +420,6 @@ class AutoTree:
     plain_seconds: float = 0.0
     plain_timed: int = 0
     since_probe: int = 0
-    exploring: bool = False
 
     def spec(self) -> TreeSpec:
         return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosts=self.hosting)
@@ -433,8 +433,7 @@ class AutoTree:
         needs, and on every EXPLORE_EVERY-th pass all γ streams at every node, so
         deeper budgets and the full-hosting mode keep getting honest evidence."""
         self.passes += 1
-        self.exploring = self.passes % EXPLORE_EVERY == 0
-        if self.exploring:
+        if self.passes % EXPLORE_EVERY == 0:
             return self.depth, 0
         return self.tree_depth(self.budget), self.hosting
 

@@ -263,8 +263,9 @@ def ss_steps(
         # Streams deeper than the next tree can use are not hosted (fewer MSA rows),
         # except on auto's exploration passes.
         hosted, hosting = plan.auto.next_pass() if plan.auto is not None else (spec.max_depth, spec.hosts)
-        if plan.auto is not None and len(draft.tree) > 1 and not plan.auto.exploring:
-            timing = ((draft.budget, hosting), time.perf_counter())
+        if plan.auto is not None and len(draft.tree) > 1:
+            # Exploring passes count too: running an arm includes them.
+            timing = ((draft.budget, plan.auto.hosting), time.perf_counter())
         hosts = None
         if hosting and draft.reach is not None and len(draft.tree) > hosting + 1:
             hosts = hosting_nodes(draft.tree.parents, draft.reach, hosting)
