@@ -122,7 +122,12 @@ def test_auto_compiles_passes_only_when_measured_faster(model_streams, monkeypat
 
     monkeypatch.setattr(A, "_pass_fn", fake_pass_fn)
     monkeypatch.setattr(A, "_timed", lambda fn, reps: 0.5 if fn.compiled else 1.0)
+    cold = {True: 0.5, False: 1.0}
+    monkeypatch.setattr(A, "_cold_sequence_seconds", lambda m, s, compiled, *a, **k: cold[compiled])
     assert A.choose_compiled(model, streams)
+    cold[True] = 1.5  # faster once traced, but tracing the shapes of dynamic trees costs more
+    assert not A.choose_compiled(model, streams)
+    cold[True] = 0.5
     monkeypatch.setattr(A, "_timed", lambda fn, reps: 0.99 if fn.compiled else 1.0)
     assert not A.choose_compiled(model, streams)  # within the margin: op by op
 

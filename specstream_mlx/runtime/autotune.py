@@ -82,6 +82,8 @@ HOSTING = 1
 # trees take many shapes (a 10% margin let a 4-bit demo-sql bench run compiled at 0.85x
 # of plain decoding where op by op ran at 0.95x).
 COMPILE_MARGIN = 0.25
+# Tree sizes of the cold sequence on which compiled passes must also win (tracing included).
+COLD_BUDGETS = (1, 2, 3, 4, 6, 8)
 MAX_COST_AGE_S = 30 * 24 * 3600
 LOADED = 0.5
 # Early-exit pruning: passes per threshold before choosing, re-try period, EMA weight.
@@ -97,7 +99,7 @@ TIME_MIN = 3
 PLAIN_PROBE = 4
 PLAIN_EVERY = 48
 # Bump when the pass changes what it computes per sync: cached costs are then re-measured.
-COST_VERSION = 7
+COST_VERSION = 8
 
 
 def _model_key(model, streams, kind: str = "greedy", compiled: bool = False) -> str:
@@ -290,13 +292,27 @@ def _write_table(table: dict) -> None:
         pass  # a read-only home only costs a re-measurement next time
 
 
+def _cold_sequence_seconds(model, streams, compiled: bool, cache, context: int, rounds: int = 3) -> float:
+    """Wall time of passes over several tree sizes, starting from a fresh :class:`SSPass`:
+    what decoding with dynamic trees sees, tracing of each new shape included."""
+    forward = SSPass(model, streams, compiled)
+    fns = [_pass_fn(forward, cache, context, b, False, HOSTING) for b in COLD_BUDGETS]
+    t = time.perf_counter()
+    for _ in range(rounds):
+        for fn in fns:
+            fn()
+    return time.perf_counter() - t
+
+
 def choose_compiled(model, streams, context: int = 128, reps: int = 5, log=None) -> bool:
     """Whether compiled passes (:class:`SSPass`) are faster here than op-by-op ones.
 
     What compiling saves is per-operation overhead (graph building, dispatch, unfused
     element-wise kernels), which depends on the device and the model's size; so both
     are timed on a hosted budget-4 pass, interleaved twice, and compiling must win by
-    ``COMPILE_MARGIN`` (the op-by-op pass is the simpler path)."""
+    ``COMPILE_MARGIN`` (the op-by-op pass is the simpler path). It must also win on a
+    cold sequence of passes over several tree sizes, since every new shape is traced
+    once and dynamic trees take many."""
     cache = make_cache(model)
     model(mx.array([[1] * context]), cache=cache)
     mx.eval([c.keys for c in cache])
@@ -306,10 +322,14 @@ def choose_compiled(model, streams, context: int = 128, reps: int = 5, log=None)
         for c, fn in fns.items():
             times[c].append(_timed(fn, reps))
     eager, compiled = min(times[False]), min(times[True])
-    choice = compiled < eager * (1 - COMPILE_MARGIN)
+    cold = {c: _cold_sequence_seconds(model, streams, c, cache, context) for c in (False, True)}
+    choice = compiled < eager * (1 - COMPILE_MARGIN) and cold[True] < cold[False]
     if log:
         kind = "compiled" if choice else "op by op"
-        log(f"speculative pass: {kind} (compiled {compiled * 1e3:.2f} ms, op by op {eager * 1e3:.2f} ms)")
+        log(
+            f"speculative pass: {kind} (compiled {compiled * 1e3:.2f} ms, op by op {eager * 1e3:.2f} ms; "
+            f"cold sequence {cold[True] * 1e3:.0f} vs {cold[False] * 1e3:.0f} ms)"
+        )
     return choice
 
 
