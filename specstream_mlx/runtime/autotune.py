@@ -522,20 +522,25 @@ class AutoTree:
             return None
         return self.pass_seconds[(budget, hosting)] / self.plain_seconds
 
-    def cost(self, budget: int, hosting: int = 0) -> float:
-        """Cost of one pass of the arm in plain tokens: timed online when it has been,
-        else the offline table's, scaled by how the timed arms compared with theirs."""
-        online = self._online_cost(budget, hosting)
-        if online is not None:
-            return online
-        table = (self.host_costs if hosting else self.costs).get(budget, 1.0)
+    def _table_scale(self) -> float:
+        """How the timed arms' online costs compare with their table costs (geometric mean; 1
+        without timings): the correction for arms not timed yet."""
         ratios = []
         for b, h in self.pass_timed:
             c = self._online_cost(b, h)
             ref = (self.host_costs if h else self.costs).get(b)
             if c is not None and ref:
                 ratios.append(np.log(c / ref))
-        return table * float(np.exp(np.mean(ratios))) if ratios else table
+        return float(np.exp(np.mean(ratios))) if ratios else 1.0
+
+    def cost(self, budget: int, hosting: int = 0, scale: Optional[float] = None) -> float:
+        """Cost of one pass of the arm in plain tokens: timed online when it has been,
+        else the offline table's times ``scale`` (default :meth:`_table_scale`)."""
+        online = self._online_cost(budget, hosting)
+        if online is not None:
+            return online
+        table = (self.host_costs if hosting else self.costs).get(budget, 1.0)
+        return table * (self._table_scale() if scale is None else scale)
 
     def new_request(self) -> bool:
         """Halve the evidence at each new generation: averages are unchanged,
@@ -609,12 +614,13 @@ class AutoTree:
 
     def arms(self):
         """(budget, hosting mode, cost) of every arm with a measured cost."""
+        scale = self._table_scale()  # once per choice, not per arm
         for b in self.costs:
             if b > 0:
-                yield b, 0, self.cost(b, 0)
+                yield b, 0, self.cost(b, 0, scale)
         for b in self.host_costs:
             if b > 0:
-                yield b, HOSTING, self.cost(b, HOSTING)
+                yield b, HOSTING, self.cost(b, HOSTING, scale)
 
     def choose(self) -> Optional[int]:
         """Best budget (and hosting mode), or None for plain decoding; keeps the

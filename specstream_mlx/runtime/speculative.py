@@ -179,18 +179,22 @@ def plain_probe(
     mx.async_eval(y)
     t = None
     for i in range(n):
-        # The last token is not run: the next speculative pass caches it as its root.
-        nxt = forward(y) if i < n - 1 else None
-        if nxt is not None:
-            mx.async_eval(nxt)
-        tok = y.item()
-        yield Step([tok], StepInfo(accepted=0))  # a pass that accepted no draft token
+        tok = y
+        if i < n - 1:  # the last token is not run: the next speculative pass caches it as its root
+            y = forward(tok)
+            mx.async_eval(y)
+        yield Step([tok.item()], StepInfo(accepted=0))  # a pass that accepted no draft token
         now = time.perf_counter()
         if t is not None:
             on_token_seconds(now - t)
         t = now
-        y = nxt if nxt is not None else y
-    return tok
+    return tok.item()
+
+
+def _book_pass(auto: Optional[AutoTree], timing) -> None:
+    """Book a timed pass's wall time, from its start until now, to its arm."""
+    if timing is not None:
+        auto.observe_pass_seconds(*timing[0], time.perf_counter() - timing[1])
 
 
 def _observe_draft(auto: AutoTree, draft: Draft, accepted: int) -> None:
@@ -257,9 +261,8 @@ def ss_steps(
     spec = plan.spec
     timing = None  # auto: (arm, start) of the pass whose wall time is being measured
     while True:
-        if timing is not None:
-            plan.auto.observe_pass_seconds(*timing[0], time.perf_counter() - timing[1])
-            timing = None
+        _book_pass(plan.auto, timing)
+        timing = None
         # Streams deeper than the next tree can use are not hosted (fewer MSA rows),
         # except on auto's exploration passes.
         hosted, hosting = plan.auto.next_pass() if plan.auto is not None else (spec.max_depth, spec.hosts)
@@ -301,7 +304,8 @@ def ss_steps(
             info.tree = "auto:" + spec.describe()
             if auto.plain_probe_due():
                 yield Step(tokens, info)
-                timing = None  # the probe is timed on its own
+                _book_pass(auto, timing)  # before the probe, which is timed on its own
+                timing = None
                 draft = yield from _probe(sm, auto, res.verdict.bonus, sampling, cache, rng)
                 continue
         draft = draft_tree(res.verdict.bonus, res.top, res.ptop, res.q, spec, sampling, rng, plan.score_budget)
