@@ -17,45 +17,23 @@ speedup τ·plain/pass the loop figures imply.
 """
 
 import argparse
-import time
 
 import mlx.core as mx
 
 from specstream_mlx import load
-from specstream_mlx.bench import load_bench_prompts
+from specstream_mlx.bench import decode_prompts, load_bench_prompts
 from specstream_mlx.io.loading import resolve_model_path
 from specstream_mlx.platform_info import blas_in_use, set_blas_threads
 from specstream_mlx.runtime import autotune
 from specstream_mlx.runtime.cache import make_cache
 from specstream_mlx.runtime.compiled_pass import SSPass
-from specstream_mlx.runtime.generation import encode_prompt, stream_generate
-from specstream_mlx.runtime.sampling import SamplingParams
+from specstream_mlx.runtime.generation import encode_prompt
 
 
 def in_loop(model, tok, ids, mode, tree=None):
-    """(wall seconds per step after the first, tokens per step) over all prompts."""
-    tokens = steps = 0
-    seconds = 0.0
-    for i in ids:
-        first = None
-        for r in stream_generate(
-            model,
-            tok,
-            i,
-            max_tokens=64,
-            sampling=SamplingParams(),
-            mode=mode,
-            use_chat_template=False,
-            tree=tree,
-            pruning_threshold=0.0,
-        ):
-            if first is None:  # the first step carries the prompt
-                first = time.perf_counter()
-                continue
-            tokens += len(r.tokens)
-            steps += 1
-        seconds += time.perf_counter() - first
-    return seconds / steps, tokens / steps
+    """(wall seconds per step after the first, tokens per step) over all prompts, no pruning."""
+    t = decode_prompts(model, tok, ids, mode, tree, pruning_threshold=0.0)
+    return t.seconds_per_step, t.tokens_per_step
 
 
 def table(model, budgets, context=128, reps=7):

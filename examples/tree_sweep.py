@@ -17,15 +17,13 @@ Run it with ``OPENBLAS_NUM_THREADS=1`` and without to compare BLAS threading.
 import os
 import statistics
 import sys
-import time
 
 from specstream_mlx import load
-from specstream_mlx.bench import load_bench_prompts
+from specstream_mlx.bench import decode_prompts, load_bench_prompts
 from specstream_mlx.io.loading import resolve_model_path
 from specstream_mlx.method.tree import TreeSpec
 from specstream_mlx.platform_info import blas_in_use
-from specstream_mlx.runtime.generation import encode_prompt, stream_generate
-from specstream_mlx.runtime.sampling import SamplingParams
+from specstream_mlx.runtime.generation import encode_prompt
 
 
 def main() -> int:
@@ -36,30 +34,8 @@ def main() -> int:
     ids = [encode_prompt(tok, r["prompt"]) for r in rows]
 
     def run(mode, tree=None, prune=None):
-        toks = passes = pruned = nodes = 0
-        seconds = 0.0
-        for i in ids:
-            first = None
-            for r in stream_generate(
-                model,
-                tok,
-                i,
-                max_tokens=64,
-                sampling=SamplingParams(),
-                mode=mode,
-                use_chat_template=False,
-                tree=tree,
-                pruning_threshold=prune,
-            ):
-                if first is None:
-                    first = time.perf_counter()
-                    continue
-                toks += len(r.tokens)
-                passes += 1
-            seconds += time.perf_counter() - first
-            pruned += r.stats.pruned_nodes
-            nodes += r.stats.draft_nodes
-        return toks / seconds, toks / max(passes, 1), pruned / max(nodes, 1)
+        t = decode_prompts(model, tok, ids, mode, tree, prune)
+        return t.tokens_per_second, t.tokens_per_step, t.pruned_share
 
     items = []
     for s in specs:

@@ -617,3 +617,18 @@ def test_bench_rotates_the_method_order_per_prompt():
     positions = Counter((name, k % len(names)) for k, (name, _) in enumerate(timed))
     assert all(positions[(n, p)] == 2 for n in names for p in range(len(names)))
     assert all(runs[n] == [(n, i) for _ in range(2) for i in range(3)] for n in names)
+
+
+def test_decode_prompts_sums_what_sweeps_compare(ss_model):
+    """The examples' shared decoding loop: figures after each prompt's first step, summed."""
+    from specstream_mlx import load
+    from specstream_mlx.bench import decode_prompts
+
+    model, tok = load(str(ss_model), warn=False)
+    ids = [tok.encode(p) for p in ("the cat sat", "a b c d e", "hello there")]
+    ar = decode_prompts(model, tok, ids, "ar", max_tokens=20)
+    ss = decode_prompts(model, tok, ids, "ss", "dynamic:4", max_tokens=20)
+    assert ar.steps == ar.tokens > 0 and ar.draft_nodes == 0  # one token per plain step
+    assert ss.tokens == ar.tokens and ss.steps <= ss.tokens  # greedy ss decides the same tokens
+    assert ss.draft_nodes > 0 and 0.0 <= ss.pruned_share <= 1.0
+    assert ar.seconds > 0 and abs(ar.seconds_per_step * ar.steps - ar.seconds) < 1e-9

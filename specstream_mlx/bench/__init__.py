@@ -2,6 +2,6 @@
 (:mod:`.runner`), reported as JSON, Markdown and a chart (:mod:`.report`)."""
 
 from .report import markdown_table, write_chart
-from .runner import load_bench_prompts, run_bench
+from .runner import DecodeTotals, decode_prompts, load_bench_prompts, run_bench
 
-__all__ = ["run_bench", "load_bench_prompts", "markdown_table", "write_chart"]
+__all__ = ["run_bench", "load_bench_prompts", "decode_prompts", "DecodeTotals", "markdown_table", "write_chart"]

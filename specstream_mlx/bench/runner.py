@@ -79,6 +79,63 @@ def _timed(stream: Iterator, tokens_of: Callable, is_pass: Callable) -> Run:
     return Run(toks, "".join(text), (first or t0) - t0, tps, passes, mx.get_peak_memory() / 1e9, eos)
 
 
+@dataclass
+class DecodeTotals:
+    """Greedy decoding of several prompts, summed over them; every figure leaves out each
+    prompt's first step (prompt processing). For sweeps that compare trees with ``ar``."""
+
+    seconds: float
+    tokens: int
+    steps: int
+    draft_nodes: int
+    pruned_nodes: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / max(self.steps, 1)
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.seconds / max(self.steps, 1)
+
+    @property
+    def pruned_share(self) -> float:
+        return self.pruned_nodes / max(self.draft_nodes, 1)
+
+
+def decode_prompts(
+    model, tok, ids: List[List[int]], mode: str = "ar", tree=None, pruning_threshold=None, max_tokens: int = 64
+) -> DecodeTotals:
+    """Decode every prompt of ``ids`` greedily (stopping at EOS) and sum the figures."""
+    totals = DecodeTotals(0.0, 0, 0, 0, 0)
+    for i in ids:
+        first = r = None
+        for r in stream_generate(
+            model,
+            tok,
+            i,
+            max_tokens=max_tokens,
+            sampling=SamplingParams(),
+            mode=mode,
+            use_chat_template=False,
+            tree=tree,
+            pruning_threshold=pruning_threshold,
+        ):
+            if first is None:
+                first = time.perf_counter()
+                continue
+            totals.tokens += len(r.tokens)
+            totals.steps += 1
+        totals.seconds += time.perf_counter() - first
+        totals.draft_nodes += r.stats.draft_nodes
+        totals.pruned_nodes += r.stats.pruned_nodes
+    return totals
+
+
 def read_prompts_file(path: Path, n: int) -> List[dict]:
     """The first ``n`` prompts of a JSONL file in any format ``train`` reads, as bench
     rows ``{"prompt": text or messages, "completion": reference (when there is one)}``."""
