@@ -79,8 +79,8 @@ HOSTING = 1
 # Compiled passes must be this much faster than op-by-op ones to be used: the timing
 # leaves out tracing, which every new tree shape and cache capacity pays once (10-20 ms
 # on the demo models here, comparable to a short request's whole decode), and dynamic
-# trees take many shapes (a 10% margin let a 4-bit demo-sql bench run compiled at 0.85x
-# of plain decoding where op by op ran at 0.95x).
+# trees take many shapes (a 4-bit demo-sql bench ran compiled at 0.85x of plain decoding
+# where op by op ran at 0.95x).
 COMPILE_MARGIN = 0.25
 # Tree sizes of the cold sequence on which compiled passes must also win (tracing included).
 COLD_BUDGETS = (1, 2, 3, 4, 6, 8)
