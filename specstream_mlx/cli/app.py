@@ -156,7 +156,10 @@ class DType(str, Enum):
 
 @app.command()
 def convert(
-    hf_path: str = typer.Option(..., "--hf-path", help="Hugging Face checkpoint: local directory or hub id."),
+    hf_path: Optional[str] = typer.Option(
+        None, "--hf-path", help="Hugging Face checkpoint: local directory or hub id."
+    ),
+    gguf: Optional[str] = typer.Option(None, "--gguf", help="llama.cpp GGUF file to import instead of --hf-path."),
     mlx_path: str = typer.Option(..., "--mlx-path", help="Output MLX model directory."),
     dtype: Optional[DType] = typer.Option(None, "--dtype", help="Weight dtype (default: the checkpoint's)."),
     quantize: bool = typer.Option(False, "-q", "--quantize", help="Quantize the weights."),
@@ -167,9 +170,13 @@ def convert(
     stream_layers: int = typer.Option(4, "--stream-layers", help="Top layers that run multi-stream attention (N_s)."),
     adapter: Optional[str] = typer.Option(None, "--adapter", help="PEFT LoRA adapter directory to fuse into the base."),
 ):
-    """Convert a Hugging Face checkpoint (optionally with speculative streams or a PEFT adapter) into MLX."""
-    from ..convert import ConvertError, ConvertOptions
+    """Convert a Hugging Face checkpoint or a GGUF file (optionally with speculative streams or a PEFT
+    adapter) into MLX."""
+    from ..convert import ConvertError, ConvertOptions, convert_gguf
     from ..convert import convert as _convert
+
+    if (hf_path is None) == (gguf is None):
+        _err("give exactly one of --hf-path and --gguf", 2)
 
     opts = ConvertOptions(
         dtype=dtype.value if dtype else None,
@@ -182,7 +189,10 @@ def convert(
         adapter=adapter,
     )
     try:
-        _convert(hf_path, mlx_path, opts, log=lambda s: typer.echo(s, err=True))
+        if gguf is not None:
+            convert_gguf(gguf, mlx_path, opts, log=lambda s: typer.echo(s, err=True))
+        else:
+            _convert(hf_path, mlx_path, opts, log=lambda s: typer.echo(s, err=True))
     except ConvertError as e:
         _err(str(e))
     except KeyboardInterrupt:

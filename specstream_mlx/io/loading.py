@@ -146,15 +146,33 @@ def cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
     model.update(tree_map(cast, model.parameters()))
 
 
-def apply_quantization(model: nn.Module, config: Dict[str, Any], weights: Dict[str, mx.array]):
+def _quant_settings(q: Any, where: str, cfg_path: Path) -> Dict[str, int]:
+    if not isinstance(q, dict):
+        raise ModelLoadError(f"{cfg_path}: '{where}' must be an object, got {q!r}")
+    for key in ("group_size", "bits"):
+        if not (_is_int(q.get(key)) and q[key] > 0):
+            raise ModelLoadError(f"{cfg_path}: '{where}.{key}' must be a positive integer, got {q.get(key)!r}")
+    return {"group_size": q["group_size"], "bits": q["bits"]}
+
+
+def apply_quantization(model: nn.Module, config: Dict[str, Any], weights: Dict[str, mx.array], cfg_path: Path):
+    """Quantize the modules whose weights are stored quantized, with mlx-lm's settings:
+    ``quantization`` gives the group size and bits, and an entry named after a module
+    path (``model.embed_tokens``) overrides them for that module (GGUF files mix widths)."""
     q = config.get("quantization")
     if not q:
         return
+    default = _quant_settings(q, "quantization", cfg_path)
+    per_module = {
+        k: _quant_settings(v, f"quantization.{k}", cfg_path) for k, v in q.items() if isinstance(v, dict) or "." in k
+    }
 
     def predicate(path, module):
-        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+        if not (hasattr(module, "to_quantized") and f"{path}.scales" in weights):
+            return False
+        return per_module.get(path, True)
 
-    nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=predicate)
+    nn.quantize(model, group_size=default["group_size"], bits=default["bits"], class_predicate=predicate)
 
 
 def dequantize_on_cpu() -> bool:
@@ -170,7 +188,10 @@ def dequantize_model(model: nn.Module) -> int:
     for path, m in model.named_modules():
         if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             continue
-        w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits).astype(mx.float32)
+        # Scales in float32 first: dequantizing with float16 scales rounds every weight to float16.
+        biases = m.get("biases")
+        biases = None if biases is None else biases.astype(mx.float32)
+        w = mx.dequantize(m.weight, m.scales.astype(mx.float32), biases, m.group_size, m.bits)
         before = sum(v.nbytes for k, v in m.items() if isinstance(v, mx.array) and k != "bias")
         if isinstance(m, nn.QuantizedEmbedding):
             new = nn.Embedding(w.shape[0], w.shape[1])
@@ -208,7 +229,7 @@ def load_model(
         raise ModelLoadError(f"{path / 'config.json'}: cannot build the model ({e})") from e
     weights = load_weights(path)
     weights = model.sanitize(weights)
-    apply_quantization(model, config, weights)
+    apply_quantization(model, config, weights, path / "config.json")
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

