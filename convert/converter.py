@@ -318,7 +318,8 @@ def convert_gguf(
     except (GGUFError, GGUFTokenizerError) as e:
         raise ConvertError(str(e)) from e
     config = ckpt.config
-    log(f"[convert] {src} ({config['model_type']}, {config['num_hidden_layers']} layers, vocab {config['vocab_size']:,})")
+    shape = f"{config['model_type']}, {config['num_hidden_layers']} layers, vocab {config['vocab_size']:,}"
+    log(f"[convert] {src} ({shape})")
     for note in ckpt.notes:
         log(f"[convert] note: {note}")
     try:
@@ -336,7 +337,9 @@ def convert_gguf(
     floats = {v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)}
     if opts.dtype is not None:
         dtype_name = _target_dtype(config, opts)
-        weights = {k: v.astype(DTYPES[dtype_name]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        weights = {
+            k: v.astype(DTYPES[dtype_name]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()
+        }
     else:
         dtype_name = "float32" if floats <= {mx.float32} else "float16"
     model.load_weights(list(weights.items()), strict=True)

@@ -236,7 +236,11 @@ def hf_config(metadata: Dict[str, Any], tensors: Dict[str, mx.array], path: Path
         cfg["sliding_window"] = int(metadata[p + "attention.sliding_window"])
     kind = metadata.get(p + "rope.scaling.type")
     if kind == "linear":
-        cfg["rope_scaling"] = {"type": "linear", "rope_type": "linear", "factor": float(metadata[p + "rope.scaling.factor"])}
+        cfg["rope_scaling"] = {
+            "type": "linear",
+            "rope_type": "linear",
+            "factor": float(metadata[p + "rope.scaling.factor"]),
+        }
     elif kind not in (None, "none"):
         raise GGUFError(f"{path}: '{p}rope.scaling.type' {kind!r} is not supported; supported: linear")
     if "rope_freqs.weight" in tensors:
@@ -244,7 +248,11 @@ def hf_config(metadata: Dict[str, Any], tensors: Dict[str, mx.array], path: Path
     for key in ("rope_factors_long.weight", "rope_factors_short.weight"):
         if key in tensors:
             raise GGUFError(f"{path}: tensor '{key}' (LongRoPE) is not supported")
-    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
+    for name, key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
         v = metadata.get(f"tokenizer.ggml.{key}")
         if v is not None:
             cfg[name] = int(v)
@@ -305,7 +313,9 @@ def convert_tensors(tensors: Dict[str, mx.array], cfg: Dict[str, Any], path: Pat
 
 def quantization_config(weights: Dict[str, mx.array]) -> Optional[Dict[str, Any]]:
     """mlx-lm's ``quantization`` entry: the commonest bit width, other widths per module."""
-    bits = {k[: -len(".scales")]: _quantized_bits(weights, k[: -len(".scales")]) for k in weights if k.endswith(".scales")}
+    bits = {
+        k[: -len(".scales")]: _quantized_bits(weights, k[: -len(".scales")]) for k in weights if k.endswith(".scales")
+    }
     if not bits:
         return None
     common = Counter(bits.values()).most_common(1)[0][0]

@@ -50,9 +50,7 @@ class GGUFTokenizerError(ValueError):
 
 
 def _pre_tokenizer(splits: List[str]) -> dict:
-    steps = [
-        {"type": "Split", "pattern": {"Regex": s}, "behavior": "Isolated", "invert": False} for s in splits
-    ]
+    steps = [{"type": "Split", "pattern": {"Regex": s}, "behavior": "Isolated", "invert": False} for s in splits]
     steps.append({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False})
     return {"type": "Sequence", "pretokenizers": steps}
 

@@ -2,10 +2,13 @@
 
 Run with the CLI's BLAS (OpenBLAS preloaded on Linux), e.g.
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        .venv/bin/python examples/bench_plain.py [--size small|medium|qwen0.5b]
+        .venv/bin/python examples/bench_plain.py [--size small|medium|qwen0.5b | --model smollm2]
 
-Builds a random checkpoint of the chosen shape (float32), loads it once with
-our loader and once with mlx_lm.load, then alternates the two decoders over
+Builds a random checkpoint of the chosen shape (float32), or takes a real model
+(``--model``: a directory or bundled name; its quantized weights are expanded to
+float32 for both peers on the CPU backend, so both run the same weights in the
+same dtype), loads it once with our loader and once with mlx_lm.load, then
+alternates the two decoders over
 several rounds (same prompt, same max tokens, greedy, after a warm-up) and
 reports median tokens/s of each and their ratio.
 """
@@ -94,9 +97,17 @@ def mlx_lm_tps(model, tok, prompt, max_tokens):
     return _rate(mlx_lm.stream_generate(model, tok, prompt, max_tokens=max_tokens))
 
 
+def _load_per_core() -> float:
+    import os
+
+    return round(os.getloadavg()[0] / (os.cpu_count() or 1), 2)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="medium", choices=list(SIZES))
+    ap.add_argument("--model", default=None, help="a real model directory or bundled name instead of --size")
+    ap.add_argument("--prompt", default="Write a long story about a dragon who learns to cook.")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=str, default=None)
@@ -108,22 +119,42 @@ def main():
     from specstream_mlx.platform_info import runtime_info
 
     with tempfile.TemporaryDirectory() as d:
-        path = build_dir(args.size, Path(d) / "m")
+        if args.model:
+            from specstream_mlx.io.loading import cast_floating, dequantize_model, resolve_model_path
+
+            path = resolve_model_path(args.model)
+        else:
+            path = build_dir(args.size, Path(d) / "m")
         ours, tok = load(str(path))
         theirs, ttok = mlx_lm.load(str(path))
-        # Make the random model avoid EOS so both decode exactly max_tokens.
-        prompt = "The quick brown fox jumps over the lazy dog. " * 2
+        if args.model:
+            # The same weights in the same dtype for both: our loader expands quantized
+            # weights to float32 on the CPU backend; do the same to mlx-lm's model.
+            if mx.default_device() == mx.cpu:
+                dequantize_model(theirs)
+                cast_floating(theirs, mx.float32)
+            msgs = [{"role": "user", "content": args.prompt}]
+            prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        else:
+            # Make the random model avoid EOS so both decode exactly max_tokens.
+            prompt = "The quick brown fox jumps over the lazy dog. " * 2
         ours_tps(ours, tok, prompt, 16)
         mlx_lm_tps(theirs, ttok, prompt, 16)
         a, b = [], []
-        for _ in range(args.rounds):
-            t, n1 = ours_tps(ours, tok, prompt, args.max_tokens)
-            a.append(t)
-            t, n2 = mlx_lm_tps(theirs, ttok, prompt, args.max_tokens)
-            b.append(t)
+        for r in range(args.rounds):
+            # Alternate which peer goes first, so neither always follows the other.
+            order = [(ours_tps, ours, tok, a), (mlx_lm_tps, theirs, ttok, b)]
+            for fn, m, tk, out in order if r % 2 == 0 else order[::-1]:
+                t, n = fn(m, tk, prompt, args.max_tokens)
+                out.append(t)
+                if fn is ours_tps:
+                    n1 = n
+                else:
+                    n2 = n
     info = runtime_info()
     res = {
-        "size": args.size,
+        "model": args.model or f"random {args.size}",
+        "load_1min_per_core": _load_per_core(),
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         "ours_tps_median": statistics.median(a),

@@ -1,13 +1,18 @@
 """Step-cost ratio of Speculative Streaming vs plain decoding, and peak memory.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        .venv/bin/python examples/step_cost.py [--size qwen0.5b] [--json out.json]
+        .venv/bin/python examples/step_cost.py [--size qwen0.5b | --model smollm2] [--json out.json]
 
-Builds a random model of the given shape (random weights are fine for cost),
-attaches γ=4 streams in the top 4 layers, and reports for several dynamic-tree
+Builds a random model of the given shape (random weights are fine for cost), or
+loads a real one (``--model``: directory or bundled name; its own streams, or
+untrained γ=4 streams in the top 4 layers when it has none), and reports for several dynamic-tree
 budgets the time of one ss pass divided by one plain step (median of reps, at
 a 128-token context), then the peak memory of `ss` and `ar` generation on the
 same prompt.
+
+Next to each cost it prints the *matrix-product floor*: the time of the same
+pass's matrix products alone (every projection and the LM head at the pass's row
+counts, one graph, no attention, norms or RoPE) over that of a plain step's.
 
 With ``--compiled`` it also times compiled passes (one ``mx.compile``d graph per
 tree shape) between two op-by-op measurements.
@@ -60,9 +65,54 @@ def tau_by_budget(name: str, budgets, n_prompts: int = 16, max_tokens: int = 64)
     return out
 
 
+def matmul_floor(model, streams, budgets, reps: int = 5) -> dict:
+    """Cost of a pass's matrix products alone relative to a plain step's, per budget b:
+    b rows through the lower layers' projections, b·(1+γ) through the stream layers'
+    (streams at every node), b + γ through the LM head (every node's main row and the
+    accepted node's streams)."""
+    import statistics
+    import time
+
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    layers = model.layers
+    n_low = len(layers) - streams.config.stream_layers
+    gamma = streams.num_streams
+
+    def weights(layer):
+        return [m.weight for _, m in layer.named_modules() if isinstance(m, nn.Linear)]
+
+    head = model.lm_head.weight if getattr(model, "lm_head", None) is not None else model.model.embed_tokens.weight
+    per_layer = [weights(layer) for layer in layers]
+    h = head.shape[1]
+
+    def run(rows_low, rows_top, rows_head):
+        outs = []
+        for i, ws in enumerate(per_layer):
+            rows = rows_low if i < n_low else rows_top
+            for w in ws:
+                outs.append(mx.random.normal((rows, w.shape[1])) @ w.T)
+        outs.append(mx.random.normal((rows_head, h)) @ head.T)
+        mx.eval(outs)
+
+    def timed(*rows):
+        run(*rows)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run(*rows)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    base = timed(1, 1, 1)
+    return {b: timed(b, b * (1 + gamma), b + gamma) / base for b in budgets}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="qwen0.5b")
+    ap.add_argument("--model", default=None, help="a real model directory or bundled name instead of --size")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--tau-model", action="append", default=[], help="bundled model whose τ per budget to project")
@@ -85,10 +135,18 @@ def main():
     from specstream_mlx.runtime.generation import generate
     from specstream_mlx.runtime.sampling import SamplingParams
 
-    with tempfile.TemporaryDirectory() as d:
-        path = build_dir(args.size, Path(d) / "m")
-        model, tok = load(str(path))
-    streams = new_streams(model.base, StreamConfig(num_streams=4, stream_layers=4))
+    if args.model:
+        model, tok = load(args.model, warn=False)
+    else:
+        with tempfile.TemporaryDirectory() as d:
+            path = build_dir(args.size, Path(d) / "m")
+            model, tok = load(str(path))
+    streams = model.streams or new_streams(model.base, StreamConfig(num_streams=4, stream_layers=4))
+    floor = matmul_floor(model.base, streams, budgets, reps=args.reps)
+    print(
+        "matrix-product floor (same rows, products only) by budget:",
+        json.dumps({k: round(v, 3) for k, v in floor.items()}),
+    )
     costs = measure_step_costs(model.base, streams, reps=args.reps, budgets=budgets)
     print("step cost (ss pass / plain step) by draft budget:", json.dumps({k: round(v, 3) for k, v in costs.items()}))
     host_costs = measure_step_costs(model.base, streams, reps=args.reps, budgets=budgets, hosting=1)
@@ -114,7 +172,8 @@ def main():
         mem[mode] = r.stats.peak_memory_gb
     print(f"peak memory: ar {mem['ar']:.3f} GB, ss {mem['ss']:.3f} GB, ratio {mem['ss'] / mem['ar']:.3f}")
     res = {
-        "size": args.size,
+        "size": args.model or args.size,
+        "matmul_floor_by_budget": floor,
         "step_cost_by_budget": costs,
         "step_cost_by_budget_hosting_1": host_costs,
         "step_cost_compiled_vs_eager": compiled_costs,

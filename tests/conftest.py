@@ -6,6 +6,12 @@ import pytest
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Bundled models converted on first use (smollm2) go to a cache of the test run's own,
+# never into the user's ~/.cache.
+if "SPECSTREAM_MLX_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["SPECSTREAM_MLX_CACHE"] = tempfile.mkdtemp(prefix="specstream-test-cache-")
 
 
 @pytest.fixture(scope="session")

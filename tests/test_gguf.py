@@ -10,16 +10,20 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from specstream_mlx.convert import ConvertError, ConvertOptions, convert_gguf
+from specstream_mlx.convert import ConvertOptions, convert_gguf
 from tests.helpers.gguf_files import TinySpec, bpe_vocabulary, texts, write_tiny_gguf
 
 VARIANTS = {
     # tied head; Q8_0 embedding, Q4_0 attention, Q4_1 MLP; GQA 4/2
     "llama-tied-q": TinySpec(),
     # untied F16 head, F32 attention, F16 MLP, BOS added
-    "llama-untied-float": TinySpec(tied=False, add_bos=True, types={"embd": "F16", "attn": "F32", "ffn": "F16", "output": "F16"}),
+    "llama-untied-float": TinySpec(
+        tied=False, add_bos=True, types={"embd": "F16", "attn": "F32", "ffn": "F16", "output": "F16"}
+    ),
     # untied quantized head, llama-3 pre-tokenizer
-    "llama-untied-q-llama3": TinySpec(tied=False, pre="llama-bpe", types={"embd": "Q4_1", "attn": "Q8_0", "ffn": "Q4_0", "output": "Q8_0"}),
+    "llama-untied-q-llama3": TinySpec(
+        tied=False, pre="llama-bpe", types={"embd": "Q4_1", "attn": "Q8_0", "ffn": "Q4_0", "output": "Q8_0"}
+    ),
     # qwen2: q/k/v biases, no Q/K permutation, qwen2 pre-tokenizer
     "qwen2": TinySpec(arch="qwen2", heads=4, kv_heads=1, pre="qwen2", tied=False),
 }
@@ -67,7 +71,11 @@ def test_logits_tokens_and_template_match_transformers(files, name):
     for text in texts():
         assert ours.tokenizer.encode(text) == hf_tok.encode(text), text
         assert ours.tokenizer.decode(hf_tok.encode(text)) == hf_tok.decode(hf_tok.encode(text))
-    msgs = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}, {"role": "user", "content": "ok"}]
+    msgs = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "ok"},
+    ]
     for gen in (True, False):
         assert ours.tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False) == (
             hf_tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
@@ -127,7 +135,9 @@ def test_foreign_tensor_types_are_dequantized_and_said(tmp_path, vocab):
     spec = TinySpec(types={"embd": "Q8_0", "attn": "Q5_0", "ffn": "Q5_1", "output": "F16"})
     write_tiny_gguf(tmp_path / "t.gguf", spec, *vocab)
     lines = []
-    dst = convert_gguf(str(tmp_path / "t.gguf"), str(tmp_path / "mlx"), ConvertOptions(dtype="float32"), log=lines.append)
+    dst = convert_gguf(
+        str(tmp_path / "t.gguf"), str(tmp_path / "mlx"), ConvertOptions(dtype="float32"), log=lines.append
+    )
     assert any("Q5_0, Q5_1" in s and "dequantized" in s for s in lines)
     assert "quantization" not in json.loads((dst / "config.json").read_text())
     import torch
@@ -163,7 +173,9 @@ def test_bad_files_fail_in_one_line_naming_file_and_key(tmp_path, files):
     _set_metadata(gguf_path, arch, **{"\x05\x00\x00\x00\x00\x00\x00\x00llama": "\x05\x00\x00\x00\x00\x00\x00\x00gemma"})
     cases[arch] = "general.architecture 'gemma' is not supported"
     tokmodel = tmp_path / "tok.gguf"
-    _set_metadata(gguf_path, tokmodel, **{"\x04\x00\x00\x00\x00\x00\x00\x00gpt2": "\x04\x00\x00\x00\x00\x00\x00\x00bert"})
+    _set_metadata(
+        gguf_path, tokmodel, **{"\x04\x00\x00\x00\x00\x00\x00\x00gpt2": "\x04\x00\x00\x00\x00\x00\x00\x00bert"}
+    )
     cases[tokmodel] = "'tokenizer.ggml.model' 'bert' is not supported"
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"not a gguf file at all" * 10)
@@ -216,7 +228,15 @@ def test_smollm2_matches_transformers():
             hf_out = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
         got = np.array(ours.model(mx.array([ids]))[0])
         assert np.abs(ref - got).max() <= 1e-3
-        res = generate(ours.model, ours.tokenizer, prompt, max_tokens=32, mode="ar", sampling=SamplingParams(), use_chat_template=False)
+        res = generate(
+            ours.model,
+            ours.tokenizer,
+            prompt,
+            max_tokens=32,
+            mode="ar",
+            sampling=SamplingParams(),
+            use_chat_template=False,
+        )
         eos = hf_tok.eos_token_id
         assert res.tokens == [t for t in hf_out if t != eos][: len(res.tokens)]
         assert len(res.tokens) == len([t for t in hf_out if t != eos])

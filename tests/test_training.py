@@ -108,6 +108,11 @@ def test_lossless_training_keeps_the_base_bit_identical(tmp_path, corpus, base_d
     trained(ids[:, :4], cache=cache)
     out = ss_forward(trained.base, trained.streams, Tree((12,), (-1,)), 4, cache)
     assert np.allclose(np.array(out.main_logits[0]), np.array(base(ids)[0, -1]), atol=1e-5)
+    # The streams name the base they were trained on.
+    from specstream_mlx.io.fingerprint import base_fingerprint
+
+    recorded = json.loads((tmp_path / "ll" / "specstream.json").read_text())["base_fingerprint"]
+    assert recorded == base_fingerprint(base_dir) == base_fingerprint(tmp_path / "ll")
     # The streams did train: the stream embeddings moved away from the ones
     # training starts from (the same seed's initialisation).
     from specstream_mlx.method.streams import StreamConfig, new_streams

@@ -201,7 +201,7 @@ def convert(
 
 @app.command()
 def generate(
-    model: str = typer.Option("demo-chat", "--model", help="Model directory, bundled name or hub id."),
+    model: str = typer.Option("smollm2", "--model", help="Model directory, bundled name or hub id."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens to generate."),
     adapter_path: Optional[str] = typer.Option(
@@ -325,7 +325,7 @@ def export(
 
 @app.command()
 def chat(
-    model: str = typer.Option("demo-chat", "--model", help="Model directory or bundled name."),
+    model: str = typer.Option("smollm2", "--model", help="Model directory or bundled name."),
     mode: Optional[str] = typer.Option(
         None, "--mode", help="ss, ar or lookup (default: ss when the model has streams)."
     ),
@@ -354,7 +354,7 @@ def chat(
 
 @app.command()
 def serve(
-    model: str = typer.Option("demo-chat", "--model", help="Model directory or bundled name."),
+    model: str = typer.Option("smollm2", "--model", help="Model directory or bundled name."),
     stdio: bool = typer.Option(False, "--stdio", help="JSON lines on stdin/stdout (docs/PROTOCOL.md)."),
     http: bool = typer.Option(False, "--http", help="OpenAI-compatible HTTP server."),
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP bind address."),
@@ -402,7 +402,7 @@ def serve(
 
 @app.command()
 def bench(
-    model: str = typer.Option("demo-chat", "--model", help="Model directory or bundled name."),
+    model: str = typer.Option("smollm2", "--model", help="Model directory or bundled name."),
     draft: Optional[str] = typer.Option(
         None,
         "--draft",
@@ -596,7 +596,7 @@ def train(
     backend: TrainBackend = typer.Option(
         TrainBackend.mlx,
         "--backend",
-        help="mlx, or torch: PyTorch on the transformers model (pip install 'specstream-mlx[torch]'; "
+        help="mlx, or torch: PyTorch on the transformers model (pip install 'specstream-mlx\\[torch]'; "
         "several GPUs or machines under `accelerate launch -m specstream_mlx train ...`).",
     ),
     segment: int = typer.Option(32, "--segment", help="Stream positions per gradient segment (bounds memory)."),

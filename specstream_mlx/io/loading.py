@@ -46,6 +46,13 @@ def resolve_model_path(name_or_path: str) -> Path:
     if p.is_dir():
         return p
     bundled = bundled_models_dir() / name_or_path
+    if "/" not in name_or_path and (bundled / "bundle.json").is_file():
+        from .bundles import BundleError, materialize, read_bundle
+
+        try:
+            return materialize(read_bundle(bundled))
+        except BundleError as e:
+            raise ModelLoadError(str(e)) from e
     if "/" not in name_or_path and bundled.is_dir():
         return bundled
     if p.exists():
@@ -302,4 +309,13 @@ def load_model_dir(path_or_name: str, dtype="auto", lazy: bool = False, warn: bo
         streams = load_streams(model, path, warn=warn)
     except ValueError as e:
         raise ModelLoadError(str(e)) from e
+    if streams is not None and streams.config.base_fingerprint is not None:
+        from .fingerprint import base_fingerprint
+
+        found = base_fingerprint(path)
+        if found != streams.config.base_fingerprint:
+            raise ModelLoadError(
+                f"{path / 'specstream.json'}: these streams were trained on base {streams.config.base_fingerprint}, "
+                f"but this directory's base weights are {found}; refusing to attach them to a different base"
+            )
     return LoadedModel(model, streams, path, config, load_tokenizer(path))

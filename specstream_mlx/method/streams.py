@@ -54,6 +54,8 @@ class StreamConfig:
         pruning_threshold: drop draft nodes whose early-exit transition
             probability is below this; 0 disables pruning. Default 0.
         trained: False for freshly initialised streams.
+        base_fingerprint: fingerprint of the base weights the streams were trained on
+            (``specstream_mlx.io.fingerprint``); None for streams that name no base.
     """
 
     num_streams: int = 4
@@ -65,6 +67,7 @@ class StreamConfig:
     pruning_rank: int = 8
     pruning_threshold: float = 0.0
     trained: bool = False
+    base_fingerprint: Optional[str] = None
     version: int = FORMAT_VERSION
     extra: Dict = field(default_factory=dict)
 
@@ -118,6 +121,8 @@ class StreamConfig:
             raise ValueError(f"'pruning.threshold' must be in [0, 1], got {self.pruning_threshold!r}")
         if not all(isinstance(t, str) for t in self.lora_targets):
             raise ValueError(f"'lora.targets' must be projection names, got {list(self.lora_targets)!r}")
+        if self.base_fingerprint is not None and not isinstance(self.base_fingerprint, str):
+            raise ValueError(f"'base_fingerprint' must be a string, got {self.base_fingerprint!r}")
         if not isinstance(self.trained, bool):
             raise ValueError(f"'trained' must be true or false, got {self.trained!r}")
 

@@ -292,6 +292,11 @@ def train(
     trainable = Trainable(model, cfg)
     if existing is not None:
         trainable.streams.update(existing.parameters())
+    # Lossless streams are tied to the frozen base they learned: record its fingerprint, so
+    # they are never attached to another base. (Shared mode writes a new base of its own.)
+    from ..io.fingerprint import base_fingerprint
+
+    trainable.streams.config.base_fingerprint = base_fingerprint(base_dir) if cfg.mode == "lossless" else None
     n_train = sum(v.size for _, v in tree_flatten(trainable.trainable_parameters()))
     ckpt = out / "checkpoint"
     if main:  # leftovers of a run that was killed: half-written checkpoints and model directories

