@@ -272,102 +272,34 @@ def convert(
     return dst
 
 
-def model_quantization(model: nn.Module) -> Optional[dict]:
-    """mlx-lm's ``quantization`` entry for a model as it is: the commonest (group size,
-    bits) as the default, every module that differs named with its own."""
-    found = {
-        path: (m.group_size, m.bits)
-        for path, m in model.named_modules()
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-    }
-    if not found:
-        return None
-    from collections import Counter
-
-    gs, bits = Counter(found.values()).most_common(1)[0][0]
-    q: dict = {"group_size": gs, "bits": bits}
-    for path, (g, b) in sorted(found.items()):
-        if (g, b) != (gs, bits):
-            q[path] = {"group_size": g, "bits": b}
-    return q
-
-
 def convert_gguf(
     gguf_path: str,
     mlx_path: str,
     opts: Optional[ConvertOptions] = None,
     log: Callable[[str], None] = lambda s: None,
 ) -> Path:
-    """Import a llama.cpp GGUF file into an MLX model directory at ``mlx_path``; returns it.
-
-    Q4_0/Q4_1/Q8_0 tensors stay quantized (MLX affine, group size 32); other float
-    tensors keep their stored dtype unless ``opts.dtype`` names one; ``opts.quantize``
-    quantizes the float Linear/Embedding weights that remain."""
-    from .gguf import GGUFError, read_gguf, write_tokenizer
-    from .gguf_tokenizer import GGUFTokenizerError
+    """Import a llama.cpp GGUF file into an MLX model directory at ``mlx_path``; returns it
+    (:func:`specstream_mlx.io.gguf.import_gguf` with this converter's options and errors)."""
+    from ..io.gguf import GGUFError, GGUFImport, import_gguf
 
     opts = opts or ConvertOptions()
-    dst = Path(mlx_path).expanduser()
-    if dst.exists() and not opts.force:
-        raise ConvertError(f"{dst}: already exists; pass --force to overwrite it")
     if opts.adapter:
         raise ConvertError("--adapter fuses into float weights; convert the GGUF first, then fuse with generate")
-    src = Path(gguf_path).expanduser()
+    if opts.dtype is not None and opts.dtype not in DTYPES:
+        raise ConvertError(f"unsupported dtype {opts.dtype!r}; choose one of {', '.join(DTYPES)}")
+    if opts.quantize and opts.q_bits not in (2, 3, 4, 6, 8):
+        raise ConvertError(f"unsupported --q-bits {opts.q_bits}; use 4 or 8")
+    how = GGUFImport(
+        dtype=opts.dtype,
+        quantize=(opts.q_bits, opts.q_group_size) if opts.quantize else None,
+        num_streams=opts.num_streams,
+        stream_layers=opts.stream_layers,
+        force=opts.force,
+    )
     try:
-        ckpt = read_gguf(src)
-    except (GGUFError, GGUFTokenizerError) as e:
+        return import_gguf(Path(gguf_path).expanduser(), Path(mlx_path).expanduser(), how, log)
+    except GGUFError as e:
         raise ConvertError(str(e)) from e
-    config = ckpt.config
-    shape = f"{config['model_type']}, {config['num_hidden_layers']} layers, vocab {config['vocab_size']:,}"
-    log(f"[convert] {src} ({shape})")
-    for note in ckpt.notes:
-        log(f"[convert] note: {note}")
-    try:
-        model = build_model(config)
-    except (UnsupportedModelError, TypeError, KeyError, ValueError) as e:
-        raise ConvertError(f"{src}: cannot build the model its metadata describes ({e})") from e
-    from ..io.loading import ModelLoadError, apply_quantization
-
-    weights = model.sanitize(ckpt.weights)
-    try:
-        apply_quantization(model, config, weights, src)
-    except ModelLoadError as e:
-        raise ConvertError(str(e)) from e
-    check_shapes(model, weights, src)
-    floats = {v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)}
-    if opts.dtype is not None:
-        dtype_name = _target_dtype(config, opts)
-        weights = {
-            k: v.astype(DTYPES[dtype_name]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()
-        }
-    else:
-        dtype_name = "float32" if floats <= {mx.float32} else "float16"
-    model.load_weights(list(weights.items()), strict=True)
-    if opts.quantize:
-        if opts.q_bits not in (2, 3, 4, 6, 8):
-            raise ConvertError(f"unsupported --q-bits {opts.q_bits}; use 4 or 8")
-        log(f"[convert] quantizing float weights to {opts.q_bits} bits, group size {opts.q_group_size}")
-
-        def predicate(path, module):
-            return hasattr(module, "to_quantized") and module.weight.shape[-1] % opts.q_group_size == 0
-
-        nn.quantize(model, group_size=opts.q_group_size, bits=opts.q_bits, class_predicate=predicate)
-    config = {k: v for k, v in config.items() if k != "quantization"}
-    config["torch_dtype"] = dtype_name
-    q = model_quantization(model)
-    if q is not None:
-        config["quantization"] = q
-        log(f"[convert] quantized weights kept: {q['bits']}-bit, group size {q['group_size']}")
-    streams = None
-    if opts.num_streams > 0:
-        if not 1 <= opts.stream_layers <= len(model.layers):
-            raise ConvertError(f"--stream-layers must be in 1..{len(model.layers)}, got {opts.stream_layers}")
-        streams = new_streams(model, StreamConfig(num_streams=opts.num_streams, stream_layers=opts.stream_layers))
-    with atomic_directory(dst, opts.force, ConvertError) as tmp:
-        _write_model(tmp, model, config, streams)
-        write_tokenizer(ckpt, tmp)
-    log(f"[convert] wrote {dst}")
-    return dst
 
 
 def _write_model(tmp: Path, model: nn.Module, config: dict, streams=None) -> None:

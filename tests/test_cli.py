@@ -357,3 +357,48 @@ def test_adapter_path_fuses_peft_and_mlx_lm_adapters(tmp_path, tiny_model_dir):
         run("generate", "--model", str(tiny_model_dir), "--prompt", "x", "--adapter-path", str(tmp_path / "nowhere"))
     )
     assert "adapter" in err
+
+
+def test_train_help_shows_the_torch_extra():
+    # Rich reads "[torch]" as markup unless escaped; the install command must survive.
+    r = run("train", "--help", env={**os.environ, "COLUMNS": "250"})
+    assert r.returncode == 0 and "pip install 'specstream-mlx[torch]'" in r.stdout
+
+
+def test_chat_template_jinja_beside_the_tokenizer_is_kept(tmp_path, tiny_model_dir):
+    """transformers 5 writes the chat template to chat_template.jinja, not tokenizer_config.json."""
+    import shutil
+
+    from specstream_mlx.convert import ConvertOptions, convert
+    from specstream_mlx.io.loading import load_tokenizer
+
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_model_dir, src)
+    for f in ("specstream.json", "streams.safetensors"):
+        (src / f).unlink(missing_ok=True)
+    cfg_path = src / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(cfg))
+    (src / "chat_template.json").unlink(missing_ok=True)
+    (src / "chat_template.jinja").write_text("{% for m in messages %}<<{{ m.role }}|{{ m.content }}>>{% endfor %}")
+    dst = convert(str(src), str(tmp_path / "out"), ConvertOptions())
+    assert (dst / "chat_template.jinja").exists()
+    tok = load_tokenizer(dst)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert text == "<<user|hi>>"
+
+
+def test_quantization_without_group_size_is_one_line(tmp_path, tiny_model_dir):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization"] = {"bits": 4}
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = run("generate", "--model", str(d), "--prompt", "hi", "-m", "2")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"specstream-mlx: error: {d / 'config.json'}: 'quantization.group_size' must be a positive integer, got None"
+    ]

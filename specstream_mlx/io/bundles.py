@@ -112,14 +112,15 @@ def materialize(bundle: GGUFBundle, log: Optional[Callable[[str], None]] = None)
     except (OSError, json.JSONDecodeError):
         current = False
     if not current:
-        from ..convert import ConvertError, convert_gguf
         from .files import atomic_directory
+        from .gguf import GGUFError, GGUFImport, import_gguf
 
         log(f"specstream-mlx: converting {src.name} ({bundle.package}, {bundle.license}) into {dst} (once)")
         tmp_dst = dst.with_name(f"{dst.name}.convert")
         try:
-            convert_gguf(str(src), str(tmp_dst), _convert_options())
-        except ConvertError as e:
+            # As stored: 4/8-bit blocks stay quantized, norms stay float32.
+            import_gguf(src, tmp_dst, GGUFImport(force=True))
+        except GGUFError as e:
             raise BundleError(str(e)) from e
         (tmp_dst / "bundle-source.json").write_text(json.dumps(stamp, indent=1))
         # Replace the cache entry in one rename; only our own cache directory is ever replaced.
@@ -129,13 +130,6 @@ def materialize(bundle: GGUFBundle, log: Optional[Callable[[str], None]] = None)
         shutil.rmtree(tmp_dst, ignore_errors=True)
     _sync_streams(bundle.folder, dst)
     return dst
-
-
-def _convert_options():
-    from ..convert import ConvertOptions
-
-    # As stored: 4/8-bit blocks stay quantized, norms stay float32.
-    return ConvertOptions(force=True)
 
 
 def _sync_streams(folder: Path, dst: Path) -> None:

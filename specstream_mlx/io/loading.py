@@ -22,6 +22,7 @@ from mlx.utils import tree_map, tree_unflatten
 
 from ..method.streams import StreamParams, load_streams
 from ..models import UnsupportedModelError, build_model
+from .quantization import QuantizationConfigError, apply_quantization
 
 
 class ModelLoadError(RuntimeError):
@@ -153,35 +154,6 @@ def cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
     model.update(tree_map(cast, model.parameters()))
 
 
-def _quant_settings(q: Any, where: str, cfg_path: Path) -> Dict[str, int]:
-    if not isinstance(q, dict):
-        raise ModelLoadError(f"{cfg_path}: '{where}' must be an object, got {q!r}")
-    for key in ("group_size", "bits"):
-        if not (_is_int(q.get(key)) and q[key] > 0):
-            raise ModelLoadError(f"{cfg_path}: '{where}.{key}' must be a positive integer, got {q.get(key)!r}")
-    return {"group_size": q["group_size"], "bits": q["bits"]}
-
-
-def apply_quantization(model: nn.Module, config: Dict[str, Any], weights: Dict[str, mx.array], cfg_path: Path):
-    """Quantize the modules whose weights are stored quantized, with mlx-lm's settings:
-    ``quantization`` gives the group size and bits, and an entry named after a module
-    path (``model.embed_tokens``) overrides them for that module (GGUF files mix widths)."""
-    q = config.get("quantization")
-    if not q:
-        return
-    default = _quant_settings(q, "quantization", cfg_path)
-    per_module = {
-        k: _quant_settings(v, f"quantization.{k}", cfg_path) for k, v in q.items() if isinstance(v, dict) or "." in k
-    }
-
-    def predicate(path, module):
-        if not (hasattr(module, "to_quantized") and f"{path}.scales" in weights):
-            return False
-        return per_module.get(path, True)
-
-    nn.quantize(model, group_size=default["group_size"], bits=default["bits"], class_predicate=predicate)
-
-
 def dequantize_on_cpu() -> bool:
     """Whether quantized weights are expanded at load: on MLX's CPU backend a 4-bit
     ``quantized_matmul`` costs several float32 matmuls and grows linearly with rows,
@@ -236,7 +208,10 @@ def load_model(
         raise ModelLoadError(f"{path / 'config.json'}: cannot build the model ({e})") from e
     weights = load_weights(path)
     weights = model.sanitize(weights)
-    apply_quantization(model, config, weights, path / "config.json")
+    try:
+        apply_quantization(model, config, weights, path / "config.json")
+    except QuantizationConfigError as e:
+        raise ModelLoadError(str(e)) from e
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

@@ -21,9 +21,10 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 GROUP_SIZE = 32  # every GGUF block format MLX reads has 32-element blocks
@@ -337,9 +338,12 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     q = quantization_config(weights)
     if q is not None:
         cfg["quantization"] = q
-    from .gguf_tokenizer import tokenizer_files
+    from .gguf_tokenizer import GGUFTokenizerError, tokenizer_files
 
-    files, template, tok_notes = tokenizer_files(metadata, path)
+    try:
+        files, template, tok_notes = tokenizer_files(metadata, path)
+    except GGUFTokenizerError as e:
+        raise GGUFError(str(e)) from e
     return GGUFCheckpoint(cfg, weights, files, template, notes + tok_notes)
 
 
@@ -349,3 +353,104 @@ def write_tokenizer(ckpt: GGUFCheckpoint, dst: Path) -> None:
             json.dump(obj, f, ensure_ascii=False, indent=1 if name != "tokenizer.json" else None)
     if ckpt.chat_template is not None:
         (Path(dst) / "chat_template.jinja").write_text(ckpt.chat_template, encoding="utf-8")
+
+
+@dataclass
+class GGUFImport:
+    """How to write a GGUF file as a model directory.
+
+    Args:
+        dtype: float16, bfloat16 or float32 for every floating tensor (scales included);
+            None keeps each as stored (norms float32, block scales float16).
+        quantize: (bits, group size) to quantize the float Linear/Embedding weights
+            that remain; None leaves them float.
+        num_streams: attach this many untrained streams (0: none).
+        stream_layers: top layers with multi-stream attention.
+        force: replace an existing destination.
+    """
+
+    dtype: Optional[str] = None
+    quantize: Optional[Tuple[int, int]] = None
+    num_streams: int = 0
+    stream_layers: int = 4
+    force: bool = False
+
+
+def model_quantization(model: nn.Module) -> Optional[dict]:
+    """mlx-lm's ``quantization`` entry for a model as it is: the commonest (group size,
+    bits) as the default, every module that differs named with its own."""
+    found = {
+        path: (m.group_size, m.bits)
+        for path, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
+    if not found:
+        return None
+    gs, bits = Counter(found.values()).most_common(1)[0][0]
+    q: dict = {"group_size": gs, "bits": bits}
+    for p, (g, b) in sorted(found.items()):
+        if (g, b) != (gs, bits):
+            q[p] = {"group_size": g, "bits": b}
+    return q
+
+
+def import_gguf(src: Path, dst: Path, how: GGUFImport, log: Callable[[str], None] = lambda s: None) -> Path:
+    """Write the GGUF file ``src`` as an MLX model directory at ``dst`` (atomically); returns it."""
+    from mlx.utils import tree_flatten
+
+    from ..method.streams import StreamConfig, new_streams, save_streams
+    from ..models import build_model
+    from .files import atomic_directory
+    from .quantization import QuantizationConfigError, apply_quantization
+
+    if dst.exists() and not how.force:
+        raise GGUFError(f"{dst}: already exists; pass --force to overwrite it")
+    ckpt = read_gguf(src)
+    config = ckpt.config
+    shape = f"{config['model_type']}, {config['num_hidden_layers']} layers, vocab {config['vocab_size']:,}"
+    log(f"[convert] {src} ({shape})")
+    for note in ckpt.notes:
+        log(f"[convert] note: {note}")
+    try:
+        model = build_model(config)
+        weights = model.sanitize(ckpt.weights)
+        apply_quantization(model, config, weights, src)
+    except (QuantizationConfigError, TypeError, KeyError, ValueError) as e:
+        raise GGUFError(f"{src}: cannot build the model its metadata describes ({e})") from e
+    floats = {v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)}
+    dtype_name = how.dtype or ("float32" if floats <= {mx.float32} else "float16")
+    if how.dtype is not None:
+        dt = getattr(mx, how.dtype)
+        weights = {k: v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:  # missing, extra or mis-shaped tensors
+        raise GGUFError(f"{src}: tensors do not match the metadata's shapes ({e})") from e
+    if how.quantize is not None:
+        bits, group = how.quantize
+        log(f"[convert] quantizing float weights to {bits} bits, group size {group}")
+
+        def predicate(p, module):
+            return hasattr(module, "to_quantized") and module.weight.shape[-1] % group == 0
+
+        nn.quantize(model, group_size=group, bits=bits, class_predicate=predicate)
+    config = {k: v for k, v in config.items() if k != "quantization"}
+    config["torch_dtype"] = dtype_name
+    q = model_quantization(model)
+    if q is not None:
+        config["quantization"] = q
+        log(f"[convert] quantized weights kept: {q['bits']}-bit, group size {q['group_size']}")
+    streams = None
+    if how.num_streams > 0:
+        if not 1 <= how.stream_layers <= len(model.layers):
+            raise GGUFError(f"--stream-layers must be in 1..{len(model.layers)}, got {how.stream_layers}")
+        streams = new_streams(model, StreamConfig(num_streams=how.num_streams, stream_layers=how.stream_layers))
+    with atomic_directory(dst, how.force, GGUFError) as tmp:
+        out = dict(tree_flatten(model.parameters()))
+        mx.save_safetensors(str(tmp / "model.safetensors"), out, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        if streams is not None:
+            save_streams(streams, tmp)
+        write_tokenizer(ckpt, tmp)
+    log(f"[convert] wrote {dst}")
+    return dst
