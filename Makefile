@@ -10,7 +10,7 @@ UNAME  := $(shell uname -s)
 # The system OpenBLAS, preloaded for tests on Linux (the CLI preloads it itself).
 OPENBLAS = $(firstword $(wildcard /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0))
 
-.PHONY: install install-runtime demo demo-models bench test lint bench-plain clean openblas
+.PHONY: swift-test install install-runtime demo demo-models bench test lint bench-plain clean openblas
 
 install: $(STAMP)
 
@@ -50,6 +50,18 @@ demo: install-runtime
 
 test: install
 	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q
+
+# The Swift client (examples/swift): built and tested against the real server when a Swift
+# toolchain is installed (on PATH, or at /opt/swift); skipped with one line otherwise.
+SWIFT = $(or $(shell command -v swift 2>/dev/null),$(wildcard /opt/swift/usr/bin/swift))
+
+swift-test: install
+ifeq ($(SWIFT),)
+	@echo "swift-test: no Swift toolchain found; the Swift client was not built or tested"
+else
+	$(SWIFT) build --package-path examples/swift
+	SPECSTREAM_MLX="$(CURDIR)/$(VENV)/bin/specstream-mlx" $(SWIFT) test --package-path examples/swift
+endif
 
 lint: install
 	$(VENV)/bin/ruff check .

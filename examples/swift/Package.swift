@@ -11,5 +11,6 @@ let package = Package(
     targets: [
         .target(name: "SpecStreamClient"),
         .executableTarget(name: "specstream-demo", dependencies: ["SpecStreamClient"]),
+        .testTarget(name: "SpecStreamClientTests", dependencies: ["SpecStreamClient"]),
     ]
 )

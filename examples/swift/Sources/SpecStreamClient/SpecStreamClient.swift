@@ -13,6 +13,19 @@ public struct SpecStreamError: Error, CustomStringConvertible {
     public var description: String { "\(code): \(message)" }
 }
 
+/// The server's `ready` event: the model loaded.
+public struct SpecStreamReady: Sendable {
+    public let model: String
+    public let modes: [String]
+    public let maxContext: Int
+}
+
+/// A request in flight: its id (for `cancel`) and its events, ending with `done` or `error`.
+public struct SpecStreamRequest: Sendable {
+    public let id: String
+    public let events: AsyncStream<SpecStreamEvent>
+}
+
 /// Starts `specstream-mlx serve --stdio` with Foundation's `Process` and `Pipe`,
 /// writes one JSON request per line and yields each request's events as an
 /// `AsyncSequence`. The model loads once; requests are answered in order.
@@ -27,6 +40,8 @@ public final class SpecStreamClient: @unchecked Sendable {
     private var nextId = 0
     /// Set once the server process has exited or its pipes closed: later requests fail at once.
     private var serverGone: SpecStreamError?
+    private var ready: SpecStreamReady?
+    private var readyWaiters: [CheckedContinuation<SpecStreamReady, Error>] = []
 
     /// - Parameters:
     ///   - executable: path of the `specstream-mlx` console script (e.g. inside a venv).
@@ -64,17 +79,44 @@ public final class SpecStreamClient: @unchecked Sendable {
                                           message: "the server exited with status \(proc.terminationStatus)"))
         }
         try process.run()
+        // The child holds its ends of the pipes now. Foundation on Linux leaves the parent's
+        // copies open, and an open write end means the server's exit is never seen as EOF.
+        try? stdoutPipe.fileHandleForWriting.close()
+        try? stderrPipe.fileHandleForWriting.close()
+        try? stdinPipe.fileHandleForReading.close()
     }
 
-    /// Streams the reply to a chat. Cancelling the consuming task cancels the request.
-    public func generate(messages: [[String: String]], maxTokens: Int = 256, temperature: Double = 0,
-                         mode: String? = nil, stop: [String] = []) -> AsyncStream<SpecStreamEvent> {
+    /// Waits for the `ready` event (the model loaded); throws `load_failed` (or
+    /// `server_exited`) when the server could not load the model.
+    public func waitUntilReady() async throws -> SpecStreamReady {
+        try await withCheckedThrowingContinuation { continuation in
+            lock.lock()
+            if let ready {
+                lock.unlock()
+                continuation.resume(returning: ready)
+            } else if let gone = serverGone {
+                lock.unlock()
+                continuation.resume(throwing: gone)
+            } else {
+                readyWaiters.append(continuation)
+                lock.unlock()
+            }
+        }
+    }
+
+    /// Starts a request: a `prompt` or chat `messages` (the server applies the chat template
+    /// to both). Cancelling the task that consumes `events` cancels the request; so does `cancel(id)`.
+    public func start(prompt: String? = nil, messages: [[String: String]]? = nil, maxTokens: Int = 256,
+                      temperature: Double = 0, seed: Int? = nil, mode: String? = nil,
+                      stop: [String] = []) -> SpecStreamRequest {
         let id = newId()
-        var request: [String: Any] = ["id": id, "messages": messages, "max_tokens": maxTokens,
-                                      "temperature": temperature]
+        var request: [String: Any] = ["id": id, "max_tokens": maxTokens, "temperature": temperature]
+        if let prompt { request["prompt"] = prompt }
+        if let messages { request["messages"] = messages }
+        if let seed { request["seed"] = seed }
         if let mode { request["mode"] = mode }
         if !stop.isEmpty { request["stop"] = stop }
-        return AsyncStream { continuation in
+        let events = AsyncStream<SpecStreamEvent> { continuation in
             lock.lock()
             let gone = serverGone
             if gone == nil { continuations[id] = continuation }
@@ -85,15 +127,30 @@ public final class SpecStreamClient: @unchecked Sendable {
                 return
             }
             continuation.onTermination = { [weak self] reason in
-                if case .cancelled = reason { self?.send(["id": id, "cancel": true]) }
+                if case .cancelled = reason { self?.cancel(id) }
             }
             send(request)
         }
+        return SpecStreamRequest(id: id, events: events)
     }
 
+    /// Streams the reply to a chat. Cancelling the consuming task cancels the request.
+    public func generate(messages: [[String: String]], maxTokens: Int = 256, temperature: Double = 0,
+                         mode: String? = nil, stop: [String] = []) -> AsyncStream<SpecStreamEvent> {
+        start(messages: messages, maxTokens: maxTokens, temperature: temperature, mode: mode, stop: stop).events
+    }
+
+    /// Asks the server to stop request `id`; its stream still ends with `done` (`cancelled`).
+    public func cancel(_ id: String) {
+        send(["id": id, "cancel": true])
+    }
+
+    /// The server's process id (to watch or signal it).
+    public var serverProcessIdentifier: Int32 { process.processIdentifier }
+
     /// Convenience: the whole reply as a string.
-    public func complete(prompt: String, maxTokens: Int = 256) async throws -> String {
-        for await event in generate(messages: [["role": "user", "content": prompt]], maxTokens: maxTokens) {
+    public func complete(prompt: String, maxTokens: Int = 256, mode: String? = nil) async throws -> String {
+        for await event in start(prompt: prompt, maxTokens: maxTokens, mode: mode).events {
             switch event {
             case .token: continue
             case .done(let text, _, _): return text
@@ -131,7 +188,10 @@ public final class SpecStreamClient: @unchecked Sendable {
         if serverGone == nil { serverGone = error }
         let open = continuations
         continuations = [:]
+        let waiters = readyWaiters
+        readyWaiters = []
         lock.unlock()
+        for waiter in waiters { waiter.resume(throwing: error) }
         for continuation in open.values {
             continuation.yield(.error(code: error.code, message: error.message))
             continuation.finish()
@@ -156,6 +216,17 @@ public final class SpecStreamClient: @unchecked Sendable {
               let event = obj["event"] as? String else { return }
         if event == "error", obj["code"] as? String == "load_failed" {  // the model did not load
             failAll(SpecStreamError(code: "load_failed", message: obj["message"] as? String ?? ""))
+            return
+        }
+        if event == "ready" {
+            let info = SpecStreamReady(model: obj["model"] as? String ?? "", modes: obj["modes"] as? [String] ?? [],
+                                       maxContext: obj["max_context"] as? Int ?? 0)
+            lock.lock()
+            ready = info
+            let waiters = readyWaiters
+            readyWaiters = []
+            lock.unlock()
+            for waiter in waiters { waiter.resume(returning: info) }
             return
         }
         let id = (obj["id"] as? String) ?? (obj["id"] as? Int).map(String.init) ?? ""
