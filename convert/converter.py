@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..io.files import atomic_directory, copy_tokenizer_files
+from ..io.files import atomic_directory, check_replaceable, copy_tokenizer_files
 from ..method.streams import StreamConfig, new_streams, save_streams
 from ..models import UnsupportedModelError, build_model
 
@@ -101,10 +101,13 @@ def read_weights(src: Path) -> Dict[str, mx.array]:
         try:
             with open(index) as f:
                 shards = sorted(set(json.load(f)["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise ConvertError(f"{index}: invalid index ({e})") from e
         for shard in shards:
             path = src / shard
+            # An index names files inside its own directory, never anything else on disk.
+            if not isinstance(shard, str) or not path.resolve().is_relative_to(src.resolve()):
+                raise ConvertError(f"{index}: shard {shard!r} is outside the model directory")
             if not path.exists():
                 raise ConvertError(f"{path}: shard listed in {index.name} is missing")
             weights.update(_load_safetensors(str(path)))
@@ -199,8 +202,7 @@ def convert(
     """Convert ``hf_path`` into an MLX model directory at ``mlx_path``; returns it."""
     opts = opts or ConvertOptions()
     dst = Path(mlx_path).expanduser()
-    if dst.exists() and not opts.force:
-        raise ConvertError(f"{dst}: already exists; pass --force to overwrite it")
+    check_replaceable(dst, opts.force, ConvertError)
     if opts.quantize and opts.q_bits not in (2, 3, 4, 6, 8):
         raise ConvertError(f"unsupported --q-bits {opts.q_bits}; use 4 or 8")
     src = _resolve_source(hf_path)

@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..io.files import atomic_directory, copy_tokenizer_files
+from ..io.files import atomic_directory, check_replaceable, copy_tokenizer_files
 from ..io.loading import ModelLoadError, load_config, load_model, resolve_model_path
 from ..method.streams import load_streams
 from .converter import ConvertError
@@ -32,8 +32,7 @@ def export_hf(model_path: str, hf_path: str, force: bool = False, log=lambda s: 
     if config.get("quantization"):
         raise ConvertError(f"{src}: export needs float weights; this model is quantized")
     dst = Path(hf_path).expanduser()
-    if dst.exists() and not force:
-        raise ConvertError(f"{dst}: already exists; pass --force to overwrite it")
+    check_replaceable(dst, force, ConvertError)
     streams = load_streams(model, src, warn=False)
     weights = dict(tree_flatten(model.parameters()))
     out_config = dict(config)

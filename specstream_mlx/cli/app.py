@@ -391,13 +391,17 @@ def serve(
         from ..serve.stdio import serve_stdio
 
         raise typer.Exit(serve_stdio(m, tok, mode, ctx, modes, m.path.name))
-    from ..serve.http import HttpOptions, serve_http
+    from ..serve.http import HttpOptions, ServeError, serve_http
 
     origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
     if timeout <= 0 or max_connections < 1:
         _err("--timeout must be positive and --max-connections at least 1")
     opts = HttpOptions(temp, top_p, max_tokens, api_key, origins, host, timeout, max_connections)
-    raise typer.Exit(serve_http(m, tok, str(m.path.name), mode, ctx, modes, host, port, opts))
+    try:
+        code = serve_http(m, tok, str(m.path.name), mode, ctx, modes, host, port, opts)
+    except ServeError as e:
+        _err(str(e))
+    raise typer.Exit(code)
 
 
 @app.command()

@@ -400,11 +400,10 @@ def import_gguf(src: Path, dst: Path, how: GGUFImport, log: Callable[[str], None
 
     from ..method.streams import StreamConfig, new_streams, save_streams
     from ..models import build_model
-    from .files import atomic_directory
+    from .files import atomic_directory, check_replaceable
     from .quantization import QuantizationConfigError, apply_quantization
 
-    if dst.exists() and not how.force:
-        raise GGUFError(f"{dst}: already exists; pass --force to overwrite it")
+    check_replaceable(dst, how.force, GGUFError)
     ckpt = read_gguf(src)
     config = ckpt.config
     shape = f"{config['model_type']}, {config['num_hidden_layers']} layers, vocab {config['vocab_size']:,}"

@@ -251,8 +251,20 @@ def load_tokenizer(path: Path):
         with open(cfg) as f:
             e = json.load(f).get("eos_token_id")
         eos = [e] if _is_int(e) else [x for x in e if _is_int(x)] if isinstance(e, list) else None
+    tok_cfg = path / "tokenizer_config.json"
+    if tok_cfg.exists():
+        try:
+            remote = "auto_map" in json.loads(tok_cfg.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+            raise ModelLoadError(f"{tok_cfg}: invalid JSON ({e})") from e
+        if remote:
+            raise ModelLoadError(
+                f"{tok_cfg}: 'auto_map' asks to run Python code shipped with the model; specstream-mlx never "
+                "runs a model's own code (remove 'auto_map' if the tokenizer works without it)"
+            )
     try:
-        return _load_tok(path, eos_token_ids=eos)
+        # Never run code from a model directory, and never ask on stdin (it may be a protocol).
+        return _load_tok(path, tokenizer_config_extra={"trust_remote_code": False}, eos_token_ids=eos)
     except Exception as e:  # tokenizers/transformers raise many kinds on corrupt files
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
 

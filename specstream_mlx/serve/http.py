@@ -185,10 +185,10 @@ class ApiHandler(BaseHTTPRequestHandler):
     app: App
 
     def log_message(self, fmt, *args):  # access log to stderr
-        sys.stderr.write("[http] " + (fmt % args) + "\n")
+        sys.stderr.write("[http] " + escape_controls(fmt % args) + "\n")
 
     def log_error(self, fmt, *args):  # timeouts and bad request lines: one short line
-        sys.stderr.write("[http] " + (fmt % args) + "\n")
+        sys.stderr.write("[http] " + escape_controls(fmt % args) + "\n")
 
     def handle(self):
         # A client that resets or leaves between requests is not an error worth a traceback.
@@ -197,12 +197,15 @@ class ApiHandler(BaseHTTPRequestHandler):
         except (ConnectionResetError, BrokenPipeError, socket.timeout):
             self.close_connection = True
 
-    def _json(self, status: int, obj: dict) -> None:
+    def _json(self, status: int, obj: dict, close: bool = False) -> None:
         data = json.dumps(obj).encode()
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
             self._cors_headers()
             self.end_headers()
             self.wfile.write(data)
@@ -210,8 +213,12 @@ class ApiHandler(BaseHTTPRequestHandler):
             self.close_connection = True  # the client left before reading the answer
 
     def _error(self, e: ProtocolError) -> None:
+        """Answer an error and close the connection: a refused request's body was not read,
+        and on a kept-alive connection it would be parsed as the next request, without
+        the outer request's Host or Origin (request smuggling past the checks)."""
         kind = "server_error" if e.status >= 500 else "invalid_request_error"
-        self._json(e.status, {"error": {"message": e.message, "type": kind, "code": e.code, "param": None}})
+        body = {"error": {"message": e.message, "type": kind, "code": e.code, "param": None}}
+        self._json(e.status, body, close=True)
 
     # --- who may call ---------------------------------------------------------
     def _route(self) -> str:
@@ -438,6 +445,12 @@ class ApiHandler(BaseHTTPRequestHandler):
         }
 
 
+def escape_controls(text: str) -> str:
+    """``text`` with control characters (ESC, BEL, NUL, ...) written as escapes, so a
+    request line cannot drive the terminal that shows the log."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+
+
 def make_handler(app: App) -> type:
     """A handler class bound to ``app`` (and its socket timeout)."""
     return type("Handler", (ApiHandler,), {"app": app, "timeout": app.options.timeout})
@@ -486,13 +499,25 @@ class _CappedServer(ThreadingHTTPServer):
             self._slots.release()
 
 
+class _CappedServer6(_CappedServer):
+    address_family = socket.AF_INET6
+
+
 def make_server(
     model, tokenizer, model_id, mode, max_context, modes, host="127.0.0.1", port=8080, options=None
 ) -> "tuple[ThreadingHTTPServer, App]":
     options = options or HttpOptions(host=host)
     app = App(model, tokenizer, model_id, mode, max_context, modes, options)
-    server = _CappedServer((host, port), make_handler(app), options.max_connections)
+    server_cls = _CappedServer6 if ":" in host.strip("[]") else _CappedServer
+    try:
+        server = server_cls((host.strip("[]"), port), make_handler(app), options.max_connections)
+    except OSError as e:  # port in use, address not on this machine, no permission
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return server, app
+
+
+class ServeError(RuntimeError):
+    """The server cannot start; the message says why in one line."""
 
 
 def serve_http(model, tokenizer, model_id, mode, max_context, modes, host, port, options=None) -> int:

@@ -68,7 +68,7 @@ def hf_model_from_mlx(model, config: dict):
     fields = {k: v for k, v in config.items() if k not in _DROP_KEYS}
     try:
         hf_cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, trust_remote_code=False)
     except (KeyError, ValueError) as e:
         raise TrainError(f"--backend torch: transformers cannot build this model ({e})") from e
     try:

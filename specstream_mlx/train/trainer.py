@@ -22,7 +22,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from ..io.files import atomic_directory, clean_stale_temporaries
+from ..io.files import atomic_directory, clean_stale_temporaries, replaceable
 from ..io.loading import load_model_dir, resolve_model_path
 from .calibrate import calibrate_pruning
 from .checkpoint import (
@@ -190,10 +190,10 @@ def _check_destination(base_dir: Path, out: Path, cfg: TrainConfig, resume: bool
         raise TrainError(f"--out {out} is the model's own directory; pass --force to train it in place")
     if out.exists() and not out.is_dir():
         raise TrainError(f"--out {out}: exists and is not a directory")
-    # The finished model replaces OUT as a whole: never a directory of something else.
-    ours = any((out / f).exists() for f in ("config.json", "checkpoint", "checkpoint.old"))
-    if out.is_dir() and any(out.iterdir()) and not ours and not cfg.force:
-        raise TrainError(f"--out {out}: exists and is not a model directory; pass --force to replace it")
+    # The finished model replaces OUT as a whole: never a directory of something else,
+    # --force or not (it would be deleted).
+    if out.is_dir() and not replaceable(out):
+        raise TrainError(f"--out {out}: exists and is not a model directory; refusing to replace it")
 
 
 def _adopt_existing_streams(streams, cfg: TrainConfig, log):

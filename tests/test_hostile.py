@@ -1,0 +1,192 @@
+"""A hostile client and hostile files: refusals that close, clean start-up errors, no
+deleted user directories, no model code run, escaped logs, shards inside their directory."""
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+from tests.test_serve import CLI, _free_port, _start_server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.helpers.tiny_models import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path_factory.mktemp("hostile") / "m")
+    proc, port = _start_server(model)
+    yield proc, port, model
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _read_all(c: socket.socket, timeout=10.0) -> bytes:
+    c.settimeout(timeout)
+    data = b""
+    while True:
+        try:
+            chunk = c.recv(65536)
+        except socket.timeout:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_refused_request_bodies_are_never_run_as_requests(server):
+    """Request smuggling: a refused request's body, on a kept-alive connection, must not be
+    parsed as a second request that escapes the outer request's Origin."""
+    _, port, _ = server
+    for inner in (
+        b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 31\r\n\r\n{"prompt":"hi","max_tokens":2}\n',
+    ):
+        outer = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nOrigin: https://evil.example\r\n"
+            f"Content-Type: text/plain\r\nContent-Length: {len(inner)}\r\n\r\n"
+        ).encode() + inner
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            c.sendall(outer)
+            data = _read_all(c)
+        statuses = [line.split()[1] for line in data.split(b"\r\n") if line.startswith(b"HTTP/1.")]
+        assert statuses == [b"403"], data[:400]
+        assert b"connection: close" in data.lower()
+
+
+def test_log_escapes_control_characters(tmp_path):
+    from tests.helpers.tiny_models import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path / "m")
+    proc, port = _start_server(model)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            c.sendall(b"GET /x\x1b[31mred\x07\x00 HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            _read_all(c, timeout=3)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert b"\x1b" not in err and b"\x07" not in err and b"\x00" not in err
+    assert b"\\x1b[31mred\\x07" in err
+
+
+def test_port_in_use_and_ipv6_loopback(tmp_path, server):
+    _, port, model = server
+    r = subprocess.run(
+        [*CLI, "serve", "--http", "--model", str(model), "--port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0]
+    if not socket.has_ipv6:
+        return
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        return  # no IPv6 loopback on this machine
+    port6 = _free_port()
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--http", "--model", str(model), "--host", "::1", "--port", str(port6)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        for _ in range(300):
+            try:
+                with socket.create_connection(("::1", port6), timeout=1) as c:
+                    c.sendall(f"GET /health HTTP/1.1\r\nHost: [::1]:{port6}\r\nConnection: close\r\n\r\n".encode())
+                    assert b" 200 " in _read_all(c).split(b"\r\n")[0]
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError(proc.stderr.read().decode())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_force_replaces_model_directories_only(tmp_path, tiny_model_dir):
+    precious = tmp_path / "precious"
+    (precious / "sub").mkdir(parents=True)
+    (precious / "precious.txt").write_text("keep me")
+    for args in (
+        ["convert", "--hf-path", str(tiny_model_dir), "--mlx-path", str(precious), "--force"],
+        ["export", "--model", str(tiny_model_dir), "--hf-path", str(precious), "--force"],
+    ):
+        r = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+        errors = [line for line in r.stderr.splitlines() if "error:" in line]
+        assert r.returncode == 1 and len(errors) == 1 and "not a model directory" in errors[0], r.stderr
+        assert (precious / "precious.txt").read_text() == "keep me" and (precious / "sub").is_dir()
+    from specstream_mlx.train import TrainConfig, TrainError, train
+
+    with pytest.raises(TrainError, match="not a model directory"):
+        train(str(tiny_model_dir), str(tmp_path), str(precious), TrainConfig(iters=1, force=True), progress=False)
+    assert (precious / "precious.txt").exists()
+    # a model directory is replaced, and the new one has the usual permissions
+    out = tmp_path / "model"
+    for _ in range(2):
+        r = subprocess.run(
+            [*CLI, "convert", "--hf-path", str(tiny_model_dir), "--mlx-path", str(out), "--force"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+    assert (out / "config.json").exists() and (out.stat().st_mode & 0o777) == 0o777 & ~_umask()
+
+
+def _umask() -> int:
+    import os
+
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def test_tokenizer_custom_code_is_refused_in_one_line(tmp_path, tiny_model_dir):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", None]}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "evil.py").write_text("open('PWNED', 'w').write('ran')\n")
+    r = subprocess.run(
+        [*CLI, "serve", "--stdio", "--model", str(d)],
+        input="y\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert not (tmp_path / "PWNED").exists()
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(lines) == 1 and lines[0]["code"] == "load_failed" and "auto_map" in lines[0]["message"]
+
+
+def test_index_shards_must_stay_inside_the_model_directory(tmp_path, tiny_model_dir):
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_model_dir, src)
+    for f in ("specstream.json", "streams.safetensors"):
+        (src / f).unlink(missing_ok=True)
+    outside = tmp_path / "outside.safetensors"
+    shutil.move(src / "model.safetensors", outside)
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "../outside.safetensors"}})
+    )
+    r = subprocess.run(
+        [*CLI, "convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert r.returncode == 1 and len(errors) == 1 and "outside the model directory" in errors[0], r.stderr
+    assert not (tmp_path / "out").exists()
