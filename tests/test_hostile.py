@@ -190,3 +190,62 @@ def test_index_shards_must_stay_inside_the_model_directory(tmp_path, tiny_model_
     errors = [line for line in r.stderr.splitlines() if "error:" in line]
     assert r.returncode == 1 and len(errors) == 1 and "outside the model directory" in errors[0], r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _http(port, body: bytes, path="/v1/chat/completions", host=None):
+    host = host or f"127.0.0.1:{port}"
+    req = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+        c.sendall(req)
+        data = _read_all(c, timeout=30)
+    head, _, payload = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), payload
+
+
+def test_client_errors_are_4xx_not_500(tmp_path, tiny_model_dir):
+    """Bad content parts, a template that refuses the messages, a broken Host header and a
+    4,300+ digit integer are the client's errors: 400 naming the problem, over HTTP and stdio."""
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for f in d.glob("chat_template.*"):
+        f.unlink()
+    proc, port = _start_server(d)
+    try:
+        bad_part = {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}], "max_tokens": 2}
+        status, body = _http(port, json.dumps(bad_part).encode())
+        assert status == 400 and b"invalid_type" in body, body
+        twice = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "max_tokens": 2}
+        status, body = _http(port, json.dumps(twice).encode())
+        assert status == 400 and b"roles must alternate" in body, body
+        status, body = _http(port, b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", path="/v1/completions")
+        assert status == 400 and b"invalid_json" in body, body
+        status, body = _http(port, b'{"prompt": "hi"}', path="/v1/completions", host="[evil")
+        assert status == 400 and b"Host" in body, body
+        ok = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert _http(port, json.dumps(ok).encode())[0] == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    lines = [
+        json.dumps({"id": 1, "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}),
+        '{"id": 2, "prompt": "hi", "max_tokens": ' + "9" * 5000 + "}",
+    ]
+    r = subprocess.run(
+        [*CLI, "serve", "--stdio", "--model", str(d)],
+        input="\n".join(lines) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    events = [json.loads(line) for line in r.stdout.splitlines()][1:]  # after "ready"
+    # parse errors are answered by the reader at once, the request's error when it runs
+    assert sorted((str(e["id"]), e["code"]) for e in events) == [("1", "invalid_value"), ("None", "invalid_json")]

@@ -31,12 +31,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
-from ..runtime.generation import encode_prompt
 from ..runtime.session import ChatSession, Reply
 from .protocol import (
     GenerationRequest,
     ProtocolError,
     cap_max_tokens,
+    chat_prompt_ids,
     check_prompt_chars,
     check_text,
     number,
@@ -163,7 +163,7 @@ class App:
         if chat:
             messages = parse_messages(body.get("messages"), strict_keys=False)
             check_prompt_chars(sum(len(m["content"]) for m in messages), self.max_context, CONTEXT_CODE)
-            return encode_prompt(self.tokenizer, messages, use_chat_template=True)
+            return chat_prompt_ids(self.tokenizer, messages)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -238,7 +238,10 @@ class ApiHandler(BaseHTTPRequestHandler):
         """Refuse other hosts' names (DNS rebinding), foreign origins (CSRF) and missing keys."""
         opts = self.app.options
         host = self.headers.get("Host", "")
-        name = urlsplit("//" + host).hostname or ""
+        try:
+            name = urlsplit("//" + host).hostname or ""
+        except ValueError:  # e.g. "[evil": an unclosed IPv6 bracket
+            raise ProtocolError("invalid_request", f"bad Host header {host!r}") from None
         if name not in LOCAL_HOSTS and name != opts.host.strip("[]"):
             raise ProtocolError("forbidden_host", f"Host {host!r} is not this server", 403)
         if not self._origin_allowed():
@@ -325,7 +328,7 @@ class ApiHandler(BaseHTTPRequestHandler):
         raw = self.rfile.read(n)
         try:
             return json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: also 4,300+ digit integers
             raise ProtocolError("invalid_json", f"the body is not valid JSON: {e}") from None
 
     def _client_gone(self) -> bool:

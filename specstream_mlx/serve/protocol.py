@@ -85,7 +85,10 @@ def check_text(text: str, key: str) -> str:
 def text_of(content: Any) -> Optional[str]:
     """A message's text: a string, or OpenAI content parts of type text; None if neither."""
     if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if not all(isinstance(t, str) for t in parts):
+            return None  # a text part whose text is not a string
+        content = "".join(parts)
     return check_text(content, "content") if isinstance(content, str) else None
 
 
@@ -148,3 +151,16 @@ def cap_max_tokens(requested: int, n_prompt: int, max_context: int, code: str = 
     if n_prompt >= max_context:
         raise ProtocolError(code, f"the prompt has {n_prompt} tokens; the context is {max_context}")
     return min(requested, max_context - n_prompt)
+
+
+def chat_prompt_ids(tokenizer, messages: List[Dict[str, str]]) -> List[int]:
+    """Token ids of validated messages through the chat template; a template that refuses
+    them (``raise_exception``, e.g. "roles must alternate") is the client's error."""
+    from jinja2 import TemplateError
+
+    from ..runtime.generation import encode_prompt
+
+    try:
+        return encode_prompt(tokenizer, messages, use_chat_template=True)
+    except TemplateError as e:
+        raise ProtocolError("invalid_value", f'"messages": the chat template refused them: {e}') from None

@@ -17,12 +17,12 @@ import sys
 import threading
 from typing import Any, BinaryIO, Dict, List, Optional
 
-from ..runtime.generation import encode_prompt
 from ..runtime.session import ChatSession
 from .protocol import (
     GenerationRequest,
     ProtocolError,
     cap_max_tokens,
+    chat_prompt_ids,
     check_prompt_chars,
     check_text,
     number,
@@ -129,7 +129,7 @@ class StdioServer:
                 raise ProtocolError("invalid_utf8", f"line is not valid UTF-8 ({e.reason} at byte {e.start})") from None
             try:
                 req = json.loads(text)
-            except (json.JSONDecodeError, RecursionError) as e:
+            except (ValueError, RecursionError) as e:  # ValueError: also 4,300+ digit integers
                 raise ProtocolError("invalid_json", f"line is not valid JSON: {getattr(e, 'msg', e)}") from None
             if not isinstance(req, dict):
                 raise ProtocolError("invalid_request", "a request must be a JSON object")
@@ -224,8 +224,8 @@ class StdioServer:
         if r.cancel.is_set():
             self.emit({"id": r.id, "event": "done", "text": "", "finish_reason": "cancelled", "stats": {}})
             return
-        ids = encode_prompt(self.tokenizer, r.messages, use_chat_template=True)
         try:
+            ids = chat_prompt_ids(self.tokenizer, r.messages)
             max_tokens = cap_max_tokens(r.max_tokens, len(ids), self.max_context)
         except ProtocolError as e:
             self.error(r.id, e.code, e.message)
