@@ -249,3 +249,33 @@ def test_client_errors_are_4xx_not_500(tmp_path, tiny_model_dir):
     events = [json.loads(line) for line in r.stdout.splitlines()][1:]  # after "ready"
     # parse errors are answered by the reader at once, the request's error when it runs
     assert sorted((str(e["id"]), e["code"]) for e in events) == [("1", "invalid_value"), ("None", "invalid_json")]
+
+
+def test_allowed_hosts_serve_a_lan_name(tmp_path, tiny_model_dir):
+    r = subprocess.run(
+        [*CLI, "serve", "--http", "--model", str(tiny_model_dir), "--allowed-hosts", "*"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1 and "needs --api-key" in r.stderr
+    proc, port = _start_server(tiny_model_dir, "--allowed-hosts", "myhost.lan")
+    try:
+        ok = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+        assert _http(port, ok, path="/v1/completions", host=f"myhost.lan:{port}")[0] == 200
+        assert _http(port, ok, path="/v1/completions", host=f"other.lan:{port}")[0] == 403
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    proc, port = _start_server(tiny_model_dir, "--allowed-hosts", "*", "--api-key", "s3cret")
+    try:
+        req = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: anything.example:{port}\r\nAuthorization: Bearer s3cret\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(ok)}\r\nConnection: close\r\n\r\n"
+        ).encode() + ok
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+            c.sendall(req)
+            assert b" 200 " in _read_all(c, timeout=30).split(b"\r\n")[0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

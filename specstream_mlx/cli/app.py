@@ -372,6 +372,12 @@ def serve(
     api_key: Optional[str] = typer.Option(
         None, "--api-key", envvar="SPECSTREAM_API_KEY", help="HTTP: require 'Authorization: Bearer KEY'."
     ),
+    allowed_hosts: Optional[str] = typer.Option(
+        None,
+        "--allowed-hosts",
+        help="HTTP: comma-separated host names requests may address besides the bound address and localhost "
+        "(e.g. myhost.lan); '*' allows any and needs --api-key.",
+    ),
     allowed_origins: Optional[str] = typer.Option(
         None, "--allowed-origins", help="HTTP: comma-separated browser origins allowed to call the API (CORS)."
     ),
@@ -382,6 +388,9 @@ def serve(
     if stdio == http:
         _err("choose exactly one of --stdio or --http")
     _check_sampling_flags(temp, top_p, max_tokens)
+    hosts = [h.strip().lower() for h in (allowed_hosts or "").split(",") if h.strip()]
+    if "*" in hosts and not api_key:
+        _err("--allowed-hosts '*' accepts any Host header; it needs --api-key")
     report = None
     if stdio:
         from ..serve.stdio import emit_load_error as report
@@ -396,7 +405,7 @@ def serve(
     origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
     if timeout <= 0 or max_connections < 1:
         _err("--timeout must be positive and --max-connections at least 1")
-    opts = HttpOptions(temp, top_p, max_tokens, api_key, origins, host, timeout, max_connections)
+    opts = HttpOptions(temp, top_p, max_tokens, api_key, origins, host, timeout, max_connections, hosts)
     try:
         code = serve_http(m, tok, str(m.path.name), mode, ctx, modes, host, port, opts)
     except ServeError as e:

@@ -65,6 +65,8 @@ class HttpOptions:
         host: the bound address (a request's ``Host`` must name it or localhost).
         timeout: seconds a socket read may wait (slow or stalled clients are dropped).
         max_connections: open connections served at once; more get 503.
+        allowed_hosts: further names a request's ``Host`` may give (a LAN name when
+            bound beyond loopback); ``*`` allows any and needs ``api_key``.
     """
 
     temperature: float = 0.0
@@ -75,6 +77,7 @@ class HttpOptions:
     host: str = "127.0.0.1"
     timeout: float = SOCKET_TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
+    allowed_hosts: List[str] = field(default_factory=list)
 
 
 class App:
@@ -242,7 +245,8 @@ class ApiHandler(BaseHTTPRequestHandler):
             name = urlsplit("//" + host).hostname or ""
         except ValueError:  # e.g. "[evil": an unclosed IPv6 bracket
             raise ProtocolError("invalid_request", f"bad Host header {host!r}") from None
-        if name not in LOCAL_HOSTS and name != opts.host.strip("[]"):
+        allowed = name in LOCAL_HOSTS or name == opts.host.strip("[]") or name in opts.allowed_hosts
+        if not allowed and not ("*" in opts.allowed_hosts and opts.api_key is not None):
             raise ProtocolError("forbidden_host", f"Host {host!r} is not this server", 403)
         if not self._origin_allowed():
             raise ProtocolError("forbidden_origin", "this origin may not call the API (see --allowed-origins)", 403)
