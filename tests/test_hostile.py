@@ -279,3 +279,109 @@ def test_allowed_hosts_serve_a_lan_name(tmp_path, tiny_model_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_non_streaming_request_is_cancelled_when_its_client_leaves(tmp_path):
+    """The disconnect check must run between tokens, not only when no token is waiting."""
+    from specstream_mlx.io.loading import resolve_model_path
+
+    proc, port = _start_server(resolve_model_path("demo-sql"), "--mode", "ar")
+    try:
+        body = json.dumps(
+            {"prompt": "CREATE TABLE t (a INT)\n--", "max_tokens": 900, "temperature": 100, "seed": 11}
+        ).encode()
+        req = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        c = socket.create_connection(("127.0.0.1", port), timeout=10)
+        c.sendall(req)
+        time.sleep(1.0)
+        c.close()
+        ok = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+        assert _http(port, ok, path="/v1/completions")[0] == 200
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    cancelled = [line for line in err.decode().splitlines() if "cancelled after" in line]
+    assert len(cancelled) == 1, err.decode()[-2000:]
+    assert int(cancelled[0].split("cancelled after ")[1].split()[0]) < 900
+
+
+def test_slow_loris_cannot_hold_the_connection_slots(tmp_path, tiny_model_dir):
+    proc, port = _start_server(tiny_model_dir, "--timeout", "2", "--max-connections", "4")
+    slow = []
+    try:
+        for _ in range(4):
+            c = socket.create_connection(("127.0.0.1", port), timeout=10)
+            c.sendall(b"GET /health HTTP/1.1\r\n")
+            slow.append(c)
+        t0 = time.monotonic()
+        statuses = []
+        while time.monotonic() - t0 < 6:
+            for c in slow:  # one header line each every 0.5 s: every single read is quick
+                try:
+                    c.sendall(b"X-Slow: 1\r\n")
+                except OSError:
+                    pass
+            time.sleep(0.5)
+            if time.monotonic() - t0 > 3:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                        c.sendall(
+                            f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode()
+                        )
+                        statuses.append(_read_all(c, timeout=5).split(b"\r\n")[0])
+                except OSError as e:
+                    statuses.append(repr(e).encode())
+        assert statuses and all(b" 200 " in s for s in statuses), statuses
+    finally:
+        for c in slow:
+            c.close()
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_cached_prefixes_are_not_shared_between_clients(tmp_path, tiny_model_dir):
+    proc, port = _start_server(tiny_model_dir)
+
+    def reused(text, user=None):
+        """Prompt tokens the server did not have to prefill (taken from its cache)."""
+        body = {"prompt": text, "max_tokens": 1}
+        if user:
+            body["user"] = user
+        status, payload = _http(port, json.dumps(body).encode(), path="/v1/completions")
+        assert status == 200, payload
+        reply = json.loads(payload)
+        return reply["usage"]["prompt_tokens"] - reply["specstream"]["prompt_tokens"]
+
+    try:
+        secret = "the admin pin is 4721 and nobody else may know it"
+        reused(secret, user="alice")
+        again = reused(secret + " really", user="alice")  # the same client continues: fast
+        guess = reused("the admin pin is 47 ok", user="mallory")  # another client right after
+        reused(secret, user="alice")
+        anon = reused("the admin pin is 47 ok")  # a new connection, no user
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert guess == 0 and anon == 0, (guess, anon)
+    assert again > 10, again
+
+
+def test_n_and_unsupported_fields_are_refused(server):
+    _, port, _ = server
+    for extra, word in (
+        ({"n": True}, b"integer 1"),
+        ({"n": 1.0}, b"integer 1"),
+        ({"logprobs": True}, b"logprobs"),
+        ({"tools": [{"type": "function"}]}, b"tools"),
+        ({"response_format": {"type": "json_object"}}, b"response_format"),
+    ):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+        status, payload = _http(port, json.dumps(body).encode())
+        assert status == 400 and word in payload, (extra, payload)
+    assert (
+        _http(port, json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 1}).encode())[0]
+        == 200
+    )

@@ -18,6 +18,7 @@ are capped. A client that disconnects cancels its generation.
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import queue
 import select
@@ -80,6 +81,20 @@ class HttpOptions:
     allowed_hosts: List[str] = field(default_factory=list)
 
 
+_CONNECTIONS = itertools.count()  # never reused, unlike id() of a closed connection's object
+
+# OpenAI fields this server cannot honour: refused rather than silently ignored.
+UNSUPPORTED_FIELDS = (
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+)
+
+
 class App:
     """Request parsing, plus a job queue: MLX work runs on the thread that loaded
     the model (MLX streams are per thread), one request at a time."""
@@ -98,6 +113,10 @@ class App:
         self.model_id, self.mode, self.max_context, self.modes = model_id, mode, max_context, modes
         self.options = options or HttpOptions()
         self.session = ChatSession(model, tokenizer)
+        # The cached prefix belongs to one client's conversation: another owner's request
+        # starts from an empty cache, so no client learns (from prompt_tokens reused or
+        # from timing) what another one sent.
+        self.cache_owner: Any = None
         self.jobs: "queue.Queue[Tuple[GenerationRequest, queue.Queue]]" = queue.Queue()
 
     def submit(self, req: GenerationRequest) -> "queue.Queue":
@@ -113,6 +132,9 @@ class App:
                 req, events = self.jobs.get(timeout=0.2)
             except queue.Empty:
                 continue
+            if req.owner is None or req.owner != self.cache_owner:
+                self.session.reset()
+                self.cache_owner = req.owner
             try:
                 gen = self.session.stream_ids(
                     req.prompt_ids,
@@ -127,6 +149,9 @@ class App:
                         events.put(("delta", next(gen)))
                     except StopIteration as s:
                         events.put(("done", s.value))
+                        if s.value.finish_reason == "cancelled":
+                            n = s.value.stats.generated_tokens if s.value.stats else 0
+                            sys.stderr.write(f"[http] {req.id} cancelled after {n} tokens\n")
                         break
             except Exception as e:  # reported to the waiting request as a 500
                 events.put(("error", e))
@@ -137,8 +162,12 @@ class App:
         # Any "model" names the one model served: clients often hard-code a name.
         if body.get("model") is not None and not isinstance(body["model"], str):
             raise ProtocolError("invalid_type", '"model" must be a string')
-        if body.get("n", 1) != 1:
-            raise ProtocolError("invalid_value", "only n = 1 is supported")
+        n = body.get("n", 1)
+        if type(n) is not int or n != 1:  # not True, not 1.0
+            raise ProtocolError("invalid_value", '"n" must be the integer 1 (one choice per request)')
+        for key in UNSUPPORTED_FIELDS:
+            if body.get(key) not in (None, False, [], {}):
+                raise ProtocolError("invalid_value", f'"{key}" is not supported by this server')
         ids = self._prompt_ids(body, chat)
         # Above the context left, max_tokens is capped (not refused), as OpenAI-style clients expect.
         requested = number(body, "max_completion_tokens", None, 1, 1 << 30, integer=True)
@@ -197,8 +226,33 @@ class ApiHandler(BaseHTTPRequestHandler):
         # A client that resets or leaves between requests is not an error worth a traceback.
         try:
             super().handle()
-        except (ConnectionResetError, BrokenPipeError, socket.timeout):
+        except (ConnectionResetError, BrokenPipeError, socket.timeout, OSError):
             self.close_connection = True
+
+    def handle_one_request(self):
+        """One request, with ``timeout`` bounding the whole head and body: the socket
+        timeout alone bounds each read, so a client sending a header line every few
+        seconds (slow loris) would hold its connection slot forever."""
+        self._reading = True
+        timer = threading.Timer(self.timeout, self._expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            super().handle_one_request()
+        finally:
+            timer.cancel()
+
+    def _expire(self) -> None:
+        if self._reading:  # still reading the request: drop the connection
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _request_read(self) -> None:
+        """The request is in: what follows (generation) is not bounded by the read timeout."""
+        self._reading = False
 
     def _json(self, status: int, obj: dict, close: bool = False) -> None:
         data = json.dumps(obj).encode()
@@ -259,6 +313,7 @@ class ApiHandler(BaseHTTPRequestHandler):
     # --- methods ----------------------------------------------------------------
     def do_OPTIONS(self):
         """CORS preflight: answered for allowed origins only."""
+        self._request_read()
         if self.headers.get("Origin") is None or not self._origin_allowed():
             return self._error(ProtocolError("forbidden_origin", "this origin may not call the API", 403))
         self.send_response(204)
@@ -270,11 +325,13 @@ class ApiHandler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def _method_not_allowed(self):
+        self._request_read()
         self._error(ProtocolError("method_not_allowed", f"{self.command} is not supported here", 405))
 
     do_PUT = do_DELETE = do_PATCH = do_HEAD = _method_not_allowed
 
     def do_GET(self):
+        self._request_read()
         try:
             self._check_access()
         except ProtocolError as e:
@@ -299,8 +356,11 @@ class ApiHandler(BaseHTTPRequestHandler):
             if route not in ("/v1/chat/completions", "/v1/completions"):
                 raise ProtocolError("not_found", f"no route {route}", 404)
             body = self._read_body()
+            self._request_read()
             chat = route == "/v1/chat/completions"
-            self._complete(chat, self.app.parse(body, chat))
+            req = self.app.parse(body, chat)
+            req.owner = self._owner(body)
+            self._complete(chat, req)
         except ProtocolError as e:
             self._error(e)
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
@@ -335,6 +395,16 @@ class ApiHandler(BaseHTTPRequestHandler):
         except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: also 4,300+ digit integers
             raise ProtocolError("invalid_json", f"the body is not valid JSON: {e}") from None
 
+    def _owner(self, body: dict) -> Any:
+        """Whose conversation the KV cache holds: the OpenAI ``user`` field under the given
+        API key, else this connection (multi-turn chat over a kept-alive connection)."""
+        user = body.get("user")
+        if isinstance(user, str) and user:
+            return ("user", self.headers.get("Authorization", ""), user)
+        if not hasattr(self, "_connection_number"):  # one handler object per connection
+            self._connection_number = next(_CONNECTIONS)
+        return ("connection", self._connection_number)
+
     def _client_gone(self) -> bool:
         """The client closed its side (readable with no data); a non-streaming
         request finds out no other way before it writes its answer."""
@@ -353,6 +423,9 @@ class ApiHandler(BaseHTTPRequestHandler):
             try:
                 kind, val = events.get(timeout=0.1)
             except queue.Empty:
+                kind = None
+            # Between tokens too: while tokens flow the queue is never empty.
+            if kind in (None, "delta"):
                 if self._client_gone():
                     req.cancel.set()  # stop generating for nobody; the worker moves on
                     self.close_connection = True

@@ -58,6 +58,8 @@ class GenerationRequest:
     stream: bool = True
     include_usage: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
+    # Who may reuse the KV cache this request leaves (HTTP: one client's conversation).
+    owner: Any = None
 
 
 def number(body: dict, key: str, default, lo, hi, integer: bool = False):
