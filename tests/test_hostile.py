@@ -385,3 +385,37 @@ def test_n_and_unsupported_fields_are_refused(server):
         _http(port, json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 1}).encode())[0]
         == 200
     )
+
+
+def test_ambiguous_request_framing_is_refused(server):
+    _, port, _ = server
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    n = len(body)
+    for headers in (
+        f"Content-Length: {n}\r\nContent-Length: {n}\r\n",
+        f"Transfer-Encoding: chunked\r\nContent-Length: {n}\r\n",
+        f"Content-Length: +{n}\r\n",
+    ):
+        req = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n{headers}"
+            "Connection: close\r\n\r\n"
+        ).encode() + body
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+            c.sendall(req)
+            data = _read_all(c, timeout=30)
+        assert data.split(b"\r\n")[0].split()[1] == b"400", (headers, data[:200])
+
+
+def test_stdio_id_that_is_not_text_is_invalid_id(tiny_model_dir):
+    lines = ['{"id": "\\ud800", "prompt": "hi", "max_tokens": 1}', '{"id": "ok", "prompt": "hi", "max_tokens": 1}']
+    r = subprocess.run(
+        [*CLI, "serve", "--stdio", "--model", str(tiny_model_dir)],
+        input="\n".join(lines) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert r.returncode == 0
+    assert [e.get("code") for e in events if e["event"] == "error"] == ["invalid_id"]
+    assert any(e["event"] == "done" and e["id"] == "ok" for e in events)

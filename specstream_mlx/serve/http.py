@@ -369,15 +369,19 @@ class ApiHandler(BaseHTTPRequestHandler):
             self._error(ProtocolError("internal_error", f"{type(e).__name__}: {e}", 500))
 
     def _read_body(self) -> Any:
-        length = self.headers.get("Content-Length")
-        if length is None:
+        lengths = self.headers.get_all("Content-Length") or []
+        # Framing a proxy in front could read differently is refused: two lengths, a length
+        # beside Transfer-Encoding, or a length that is not plain digits ("+5", " 5").
+        if self.headers.get("Transfer-Encoding") is not None and lengths:
+            raise ProtocolError("invalid_request", "Transfer-Encoding and Content-Length together")
+        if not lengths:
             raise ProtocolError("length_required", "Content-Length is required", 411)
-        try:
-            n = int(length)
-        except ValueError:
-            raise ProtocolError("invalid_request", "bad Content-Length") from None
-        if n < 0:
-            raise ProtocolError("invalid_request", "bad Content-Length")
+        if len(lengths) > 1:
+            raise ProtocolError("invalid_request", "more than one Content-Length")
+        length = lengths[0]
+        if not (length.isascii() and length.isdigit()):
+            raise ProtocolError("invalid_request", f"bad Content-Length {length!r}")
+        n = int(length)
         if n > MAX_BODY:
             self.close_connection = True
             # Drain a moderately large body so the client can read the 413

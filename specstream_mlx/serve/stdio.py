@@ -51,7 +51,10 @@ _EOF = object()
 
 
 def _is_id(v) -> bool:
-    return (isinstance(v, str) and 0 < len(v) <= 256) or (isinstance(v, int) and not isinstance(v, bool))
+    if isinstance(v, str):
+        # JSON escapes can spell lone surrogates ("\ud800"), which are not text and cannot be echoed.
+        return 0 < len(v) <= 256 and not any("\ud800" <= c <= "\udfff" for c in v)
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class StdioServer:
