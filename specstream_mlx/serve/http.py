@@ -117,6 +117,7 @@ class App:
         # starts from an empty cache, so no client learns (from prompt_tokens reused or
         # from timing) what another one sent.
         self.cache_owner: Any = None
+        self.current: Optional[Tuple[GenerationRequest, "queue.Queue"]] = None
         self.jobs: "queue.Queue[Tuple[GenerationRequest, queue.Queue]]" = queue.Queue()
 
     def submit(self, req: GenerationRequest) -> "queue.Queue":
@@ -132,6 +133,7 @@ class App:
                 req, events = self.jobs.get(timeout=0.2)
             except queue.Empty:
                 continue
+            self.current = (req, events)
             if req.owner is None or req.owner != self.cache_owner:
                 self.session.reset()
                 self.cache_owner = req.owner
@@ -155,6 +157,24 @@ class App:
                         break
             except Exception as e:  # reported to the waiting request as a 500
                 events.put(("error", e))
+            self.current = None
+
+    def cancel_all(self, grace_s: float = 2.0) -> None:
+        """Shutting down (Ctrl-C): end the running request and every queued one with
+        ``finish_reason: "cancelled"``, so each client gets a final chunk (and streams their
+        ``[DONE]``), then give the connection threads ``grace_s`` to write it."""
+        pending = [self.current] if self.current is not None else []
+        while True:
+            try:
+                pending.append(self.jobs.get_nowait())
+            except queue.Empty:
+                break
+        for req, events in pending:
+            req.cancel.set()
+            events.put(("done", Reply(finish_reason="cancelled")))
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(not ev.empty() for _, ev in pending):
+            time.sleep(0.02)
 
     def parse(self, body: Any, chat: bool) -> GenerationRequest:
         if not isinstance(body, dict):
@@ -621,7 +641,7 @@ def serve_http(model, tokenizer, model_id, mode, max_context, modes, host, port,
     try:
         app.work_forever(stop)  # MLX work stays on this (the loading) thread
     except KeyboardInterrupt:
-        pass
+        app.cancel_all()
     finally:
         stop.set()
         server.shutdown()
