@@ -26,6 +26,11 @@ VARIANTS = {
     ),
     # qwen2: q/k/v biases, no Q/K permutation, qwen2 pre-tokenizer
     "qwen2": TinySpec(arch="qwen2", heads=4, kv_heads=1, pre="qwen2", tied=False),
+    # qwen3: per-head q/k norms, head_dim from attention.key_length
+    # (head_dim 128: transformers' GGUF loader does not read attention.key_length and uses its default)
+    "qwen3": TinySpec(arch="qwen3", hidden=512, heads=4, kv_heads=2, pre="qwen2"),
+    # phi3: fused qkv and gate_up projections (llama.cpp's attn_qkv / ffn_up)
+    "phi3": TinySpec(arch="phi3", heads=4, kv_heads=4, tied=False),
 }
 
 

@@ -21,7 +21,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import mlx.core as mx
 
-from ..io.loading import cast_floating, compute_dtype_for_device, resolve_model_path
+from ..io.loading import (
+    cast_floating,
+    compute_dtype_for_device,
+    dequantize_model,
+    dequantize_on_cpu,
+    resolve_model_path,
+)
 from ..io.prompts import read_prompt_rows
 from ..method.tree import TreeSpec
 from ..platform_info import runtime_info
@@ -176,6 +182,10 @@ def load_bench_prompts(model_dir: Path, n: int, prompts_file: Optional[Path] = N
 
 
 def _f32(model):
+    """mlx-lm's model on the weights and dtype ours runs: quantized layers expanded where our
+    loader expands them (the CPU backend), floats in the compute dtype."""
+    if dequantize_on_cpu():
+        dequantize_model(model)
     dt = compute_dtype_for_device()
     if dt is not None:
         cast_floating(model, dt)

@@ -112,22 +112,17 @@ def materialize(bundle: GGUFBundle, log: Optional[Callable[[str], None]] = None)
     except (OSError, json.JSONDecodeError):
         current = False
     if not current:
-        from .files import atomic_directory
         from .gguf import GGUFError, GGUFImport, import_gguf
 
         log(f"specstream-mlx: converting {src.name} ({bundle.package}, {bundle.license}) into {dst} (once)")
-        tmp_dst = dst.with_name(f"{dst.name}.convert")
         try:
-            # As stored: 4/8-bit blocks stay quantized, norms stay float32.
-            import_gguf(src, tmp_dst, GGUFImport(force=True))
+            # As stored: 4/8-bit blocks stay quantized, norms stay float32. The directory is
+            # replaced in one rename; the stamp is written last, so a run killed in between
+            # converts again next time.
+            import_gguf(src, dst, GGUFImport(force=True))
         except GGUFError as e:
             raise BundleError(str(e)) from e
-        (tmp_dst / "bundle-source.json").write_text(json.dumps(stamp, indent=1))
-        # Replace the cache entry in one rename; only our own cache directory is ever replaced.
-        with atomic_directory(dst, True, BundleError) as tmp:
-            for f in tmp_dst.iterdir():
-                os.rename(f, tmp / f.name)
-        shutil.rmtree(tmp_dst, ignore_errors=True)
+        stamp_path.write_text(json.dumps(stamp, indent=1))
     _sync_streams(bundle.folder, dst)
     return dst
 

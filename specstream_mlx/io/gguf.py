@@ -159,16 +159,15 @@ def unpermute_rows(w: mx.array, n_head: int) -> mx.array:
 
 
 def _hf_name(name: str) -> Optional[str]:
-    """The Hugging Face name of a GGUF tensor (``.scales``/``.biases`` kept), None for derived ones."""
+    """The Hugging Face name of a GGUF tensor (``.scales``/``.biases`` kept); None if the
+    name is not one of the layout's."""
     stem, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias", "scales", "biases"):
-        return "?"
+        return None
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
     if m:
         mapped = _LAYER_NAMES.get(m.group(2))
         return None if mapped is None else f"model.layers.{m.group(1)}.{mapped}.{suffix}"
-    if stem in _DERIVED:
-        return ""
     mapped = _GLOBAL_NAMES.get(stem)
     return None if mapped is None else f"{mapped}.{suffix}"
 
@@ -292,10 +291,10 @@ def convert_tensors(tensors: Dict[str, mx.array], cfg: Dict[str, Any], path: Pat
     """GGUF tensors -> Hugging Face names, Q/K rows un-permuted for the llama family."""
     out: Dict[str, mx.array] = {}
     for name, v in tensors.items():
+        if name.rpartition(".")[0] in _DERIVED:
+            continue  # read into the config (RoPE factors), not a parameter
         hf = _hf_name(name)
-        if hf == "":
-            continue
-        if hf is None or hf == "?":
+        if hf is None:
             raise GGUFError(f"{path}: unexpected tensor '{name}' for architecture {cfg['model_type']}")
         out[hf] = v
     if cfg["model_type"] in PERMUTED_QK:

@@ -53,6 +53,19 @@ def prefill(model, prompt: mx.array, cache, chunk: int = 512) -> None:
         mx.eval([c.keys for c in cache])
 
 
+_STREAM = None
+
+
+def _decode_stream():
+    """A stream of its own for decoding (as mlx-lm's generation stream): the next step's
+    graph is queued there while the host builds the one after it."""
+    global _STREAM
+    if _STREAM is None:
+        make = getattr(mx, "new_thread_local_stream", mx.new_stream)
+        _STREAM = make(mx.default_device())
+    return _STREAM
+
+
 def ar_steps(
     model,
     prompt: mx.array,
@@ -70,8 +83,9 @@ def ar_steps(
     prefill(model, prompt[:-1], cache, prefill_chunk)
 
     def forward(tok: mx.array) -> mx.array:
-        logits = model(tok.reshape(1, -1), cache=cache)[:, -1, :]
-        return sample_token(logits, sampling, None if sampling.greedy else keys.next())
+        with mx.stream(_decode_stream()):
+            logits = model(tok.reshape(1, -1), cache=cache)[:, -1, :]
+            return sample_token(logits, sampling, None if sampling.greedy else keys.next())
 
     y = forward(prompt[-1:])
     mx.async_eval(y)

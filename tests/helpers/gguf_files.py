@@ -99,6 +99,9 @@ def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, me
     w.add_float32(f"{a}.rope.freq_base", 10000.0)
     w.add_uint32(f"{a}.rope.dimension_count", hd)
     w.add_uint32(f"{a}.vocab_size", len(tokens))
+    if spec.arch == "qwen3":
+        w.add_uint32(f"{a}.attention.key_length", hd)
+        w.add_uint32(f"{a}.attention.value_length", hd)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(spec.pre)
     w.add_token_list(tokens)
@@ -112,8 +115,10 @@ def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, me
 
     hf: Dict[str, np.ndarray] = {}
 
-    def tensor(gguf_name, hf_name, shape, kind, scale=0.08, permute_heads=None, norm=False):
+    def tensor(gguf_name, hf_name, shape, kind, scale=0.08, permute_heads=None, norm=False, value=None):
         x = (1.0 + 0.1 * rng.standard_normal(shape) if norm else scale * rng.standard_normal(shape)).astype(np.float32)
+        if value is not None:
+            x = value
         t = "F32" if norm else spec.types[kind]
         stored = llama_cpp_permute(x, permute_heads) if permute_heads else x
         if t == "F32":
@@ -130,21 +135,22 @@ def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, me
         p, q = f"blk.{i}.", f"model.layers.{i}."
         perm = spec.arch == "llama"
         tensor(p + "attn_norm.weight", q + "input_layernorm.weight", (h,), "attn", norm=True)
-        tensor(
-            p + "attn_q.weight",
-            q + "self_attn.q_proj.weight",
-            (spec.heads * hd, h),
-            "attn",
-            permute_heads=spec.heads if perm else None,
-        )
-        tensor(
-            p + "attn_k.weight",
-            q + "self_attn.k_proj.weight",
-            (spec.kv_heads * hd, h),
-            "attn",
-            permute_heads=spec.kv_heads if perm else None,
-        )
-        tensor(p + "attn_v.weight", q + "self_attn.v_proj.weight", (spec.kv_heads * hd, h), "attn")
+        if spec.arch == "phi3":  # fused projections, as llama.cpp stores phi3
+            qkv = 0.08 * rng.standard_normal(((spec.heads + 2 * spec.kv_heads) * hd, h)).astype(np.float32)
+            tensor(p + "attn_qkv.weight", q + "self_attn.qkv_proj.weight", qkv.shape, "attn", value=qkv)
+        else:
+            for n, heads in (("q", spec.heads), ("k", spec.kv_heads)):
+                tensor(
+                    p + f"attn_{n}.weight",
+                    q + f"self_attn.{n}_proj.weight",
+                    (heads * hd, h),
+                    "attn",
+                    permute_heads=heads if perm else None,
+                )
+            tensor(p + "attn_v.weight", q + "self_attn.v_proj.weight", (spec.kv_heads * hd, h), "attn")
+        if spec.arch == "qwen3":  # per-head RMSNorm of q and k
+            tensor(p + "attn_q_norm.weight", q + "self_attn.q_norm.weight", (hd,), "attn", norm=True)
+            tensor(p + "attn_k_norm.weight", q + "self_attn.k_norm.weight", (hd,), "attn", norm=True)
         if spec.arch == "qwen2":
             for n, rows in (("q", spec.heads * hd), ("k", spec.kv_heads * hd), ("v", spec.kv_heads * hd)):
                 x = (0.05 * rng.standard_normal(rows)).astype(np.float32)
@@ -152,8 +158,12 @@ def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, me
                 hf[q + f"self_attn.{n}_proj.bias"] = x
         tensor(p + "attn_output.weight", q + "self_attn.o_proj.weight", (h, spec.heads * hd), "attn")
         tensor(p + "ffn_norm.weight", q + "post_attention_layernorm.weight", (h,), "ffn", norm=True)
-        tensor(p + "ffn_gate.weight", q + "mlp.gate_proj.weight", (spec.intermediate, h), "ffn")
-        tensor(p + "ffn_up.weight", q + "mlp.up_proj.weight", (spec.intermediate, h), "ffn")
+        if spec.arch == "phi3":  # gate and up in one matrix, gate first
+            gate_up = 0.08 * rng.standard_normal((2 * spec.intermediate, h)).astype(np.float32)
+            tensor(p + "ffn_up.weight", q + "mlp.gate_up_proj.weight", gate_up.shape, "ffn", value=gate_up)
+        else:
+            tensor(p + "ffn_gate.weight", q + "mlp.gate_proj.weight", (spec.intermediate, h), "ffn")
+            tensor(p + "ffn_up.weight", q + "mlp.up_proj.weight", (spec.intermediate, h), "ffn")
         tensor(p + "ffn_down.weight", q + "mlp.down_proj.weight", (h, spec.intermediate), "ffn")
     tensor("output_norm.weight", "model.norm.weight", (h,), "output", norm=True)
     if not spec.tied:
