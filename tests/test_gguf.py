@@ -245,3 +245,18 @@ def test_smollm2_matches_transformers():
         eos = hf_tok.eos_token_id
         assert res.tokens == [t for t in hf_out if t != eos][: len(res.tokens)]
         assert len(res.tokens) == len([t for t in hf_out if t != eos])
+
+
+def test_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path):
+    """A 'llama' (SentencePiece BPE, byte fallback) vocabulary: the rebuilt tokenizer gives
+    sentencepiece's own ids, adds BOS as llama.cpp does, and decodes back to the text."""
+    from specstream_mlx.io.loading import load_tokenizer
+    from tests.helpers.gguf_files import spm_vocabulary, write_spm_gguf
+
+    tokens, scores, types, sp = spm_vocabulary(tmp_path)
+    write_spm_gguf(tmp_path / "spm.gguf", tokens, scores, types)
+    tok = load_tokenizer(convert_gguf(str(tmp_path / "spm.gguf"), str(tmp_path / "mlx")))
+    for text in texts()[:-1]:  # the last one has ChatML markers this vocabulary lacks
+        ids = sp.encode(text)
+        assert tok.encode(text) == [1] + ids, text
+        assert tok.decode(ids) == sp.decode(ids)

@@ -186,3 +186,78 @@ def texts() -> List[str]:
         "def f(x):\n\treturn x * 2\n\n",
         "<|im_start|>user\nhi<|im_end|>",
     ]
+
+
+def spm_vocabulary(tmp_dir: Path, vocab_size: int = 400):
+    """(tokens, scores, types, sentencepiece processor) of a SentencePiece BPE model with
+    byte fallback trained on the fixed corpus, in llama.cpp's token types."""
+    import sentencepiece as spm
+
+    corpus = Path(tmp_dir) / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS * 20) + "\n", encoding="utf-8")
+    prefix = str(Path(tmp_dir) / "spm")
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=prefix,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        # as Llama's tokenizer: no normalization, whitespace runs kept
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        # llama.cpp: 1 normal, 2 unknown, 3 control, 6 byte
+        types.append(2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1)
+    return tokens, scores, types, sp
+
+
+def write_spm_gguf(path: Path, tokens, scores, types) -> None:
+    """A tiny llama with a SentencePiece-style ('llama') vocabulary."""
+    import gguf
+
+    rng = np.random.default_rng(1)
+    h, layers, heads = 64, 1, 4
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, v in (
+        ("context_length", 256),
+        ("embedding_length", h),
+        ("block_count", layers),
+        ("feed_forward_length", 128),
+        ("attention.head_count", heads),
+        ("attention.head_count_kv", heads),
+        ("vocab_size", len(tokens)),
+    ):
+        w.add_uint32(f"llama.{key}", v)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    for name, shape in (
+        ("token_embd.weight", (len(tokens), h)),
+        ("output_norm.weight", (h,)),
+        ("blk.0.attn_norm.weight", (h,)),
+        ("blk.0.ffn_norm.weight", (h,)),
+        ("blk.0.attn_q.weight", (h, h)),
+        ("blk.0.attn_k.weight", (h, h)),
+        ("blk.0.attn_v.weight", (h, h)),
+        ("blk.0.attn_output.weight", (h, h)),
+        ("blk.0.ffn_gate.weight", (128, h)),
+        ("blk.0.ffn_up.weight", (128, h)),
+        ("blk.0.ffn_down.weight", (h, 128)),
+    ):
+        w.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
