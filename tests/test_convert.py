@@ -156,10 +156,12 @@ def test_existing_destination_needs_force(tmp_path, hf_models):
     _, src, _ = hf_models("llama")
     out = tmp_path / "out"
     out.mkdir()
+    (out / "config.json").write_text("{}")  # an (old) model directory
     (out / "keep.txt").write_text("precious")
     r = _run_convert(src, out)
     assert r.returncode == 1 and "--force" in r.stderr
     assert (out / "keep.txt").read_text() == "precious"
+    # --force replaces a model directory (anything else is refused: tests/test_hostile.py)
     r = _run_convert(src, out, "--force", "--dtype", "float16")
     assert r.returncode == 0, r.stderr
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
