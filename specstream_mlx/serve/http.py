@@ -160,7 +160,7 @@ class App:
             self.current = None
 
     def cancel_all(self, grace_s: float = 2.0) -> None:
-        """Shutting down (Ctrl-C): end the running request and every queued one with
+        """Shutting down (Ctrl-C): end the running request (if any) and every queued one with
         ``finish_reason: "cancelled"``, so each client gets a final chunk (and streams their
         ``[DONE]``), then give the connection threads ``grace_s`` to write it."""
         pending = [self.current] if self.current is not None else []
