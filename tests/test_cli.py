@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from tests.helpers.tiny_models import copy_model
+
 CLI = [sys.executable, "-m", "specstream_mlx"]
 
 
@@ -367,15 +369,12 @@ def test_train_help_shows_the_torch_extra():
 
 def test_chat_template_jinja_beside_the_tokenizer_is_kept(tmp_path, tiny_model_dir):
     """transformers 5 writes the chat template to chat_template.jinja, not tokenizer_config.json."""
-    import shutil
 
     from specstream_mlx.convert import ConvertOptions, convert
     from specstream_mlx.io.loading import load_tokenizer
 
     src = tmp_path / "hf"
-    shutil.copytree(tiny_model_dir, src)
-    for f in ("specstream.json", "streams.safetensors"):
-        (src / f).unlink(missing_ok=True)
+    copy_model(tiny_model_dir, src, streams=False)
     cfg_path = src / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg.pop("chat_template", None)
@@ -390,10 +389,9 @@ def test_chat_template_jinja_beside_the_tokenizer_is_kept(tmp_path, tiny_model_d
 
 
 def test_quantization_without_group_size_is_one_line(tmp_path, tiny_model_dir):
-    import shutil
 
     d = tmp_path / "m"
-    shutil.copytree(tiny_model_dir, d)
+    copy_model(tiny_model_dir, d)
     cfg = json.loads((d / "config.json").read_text())
     cfg["quantization"] = {"bits": 4}
     (d / "config.json").write_text(json.dumps(cfg))

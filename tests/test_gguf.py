@@ -232,6 +232,7 @@ def test_smollm2_matches_transformers():
             ref = hf_model(torch.tensor([ids])).logits[0].numpy()
             hf_out = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
         got = np.array(ours.model(mx.array([ids]))[0])
+        print(f"SmolLM2 max |logit difference| against transformers: {np.abs(ref - got).max():.2g}")
         assert np.abs(ref - got).max() <= 1e-3
         res = generate(
             ours.model,

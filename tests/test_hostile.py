@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.helpers.tiny_models import copy_model
 from tests.test_serve import CLI, _free_port, _start_server
 
 
@@ -21,6 +22,13 @@ def server(tmp_path_factory):
     yield proc, port, model
     proc.terminate()
     proc.wait(timeout=30)
+
+
+def _exchange(port: int, raw: bytes, timeout=30.0) -> bytes:
+    """Send raw bytes on a new connection; everything read back until it closes or goes quiet."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as c:
+        c.sendall(raw)
+        return _read_all(c, timeout=timeout)
 
 
 def _read_all(c: socket.socket, timeout=10.0) -> bytes:
@@ -50,9 +58,7 @@ def test_refused_request_bodies_are_never_run_as_requests(server):
             f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nOrigin: https://evil.example\r\n"
             f"Content-Type: text/plain\r\nContent-Length: {len(inner)}\r\n\r\n"
         ).encode() + inner
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
-            c.sendall(outer)
-            data = _read_all(c)
+        data = _exchange(port, outer, timeout=10)
         statuses = [line.split()[1] for line in data.split(b"\r\n") if line.startswith(b"HTTP/1.")]
         assert statuses == [b"403"], data[:400]
         assert b"connection: close" in data.lower()
@@ -153,7 +159,7 @@ def _umask() -> int:
 
 def test_tokenizer_custom_code_is_refused_in_one_line(tmp_path, tiny_model_dir):
     d = tmp_path / "m"
-    shutil.copytree(tiny_model_dir, d)
+    copy_model(tiny_model_dir, d)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", None]}
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -173,9 +179,7 @@ def test_tokenizer_custom_code_is_refused_in_one_line(tmp_path, tiny_model_dir):
 
 def test_index_shards_must_stay_inside_the_model_directory(tmp_path, tiny_model_dir):
     src = tmp_path / "hf"
-    shutil.copytree(tiny_model_dir, src)
-    for f in ("specstream.json", "streams.safetensors"):
-        (src / f).unlink(missing_ok=True)
+    copy_model(tiny_model_dir, src, streams=False)
     outside = tmp_path / "outside.safetensors"
     shutil.move(src / "model.safetensors", outside)
     (src / "model.safetensors.index.json").write_text(
@@ -198,10 +202,7 @@ def _http(port, body: bytes, path="/v1/chat/completions", host=None):
         f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     ).encode() + body
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
-        c.sendall(req)
-        data = _read_all(c, timeout=30)
-    head, _, payload = data.partition(b"\r\n\r\n")
+    head, _, payload = _exchange(port, req).partition(b"\r\n\r\n")
     return int(head.split()[1]), payload
 
 
@@ -209,7 +210,7 @@ def test_client_errors_are_4xx_not_500(tmp_path, tiny_model_dir):
     """Bad content parts, a template that refuses the messages, a broken Host header and a
     4,300+ digit integer are the client's errors: 400 naming the problem, over HTTP and stdio."""
     d = tmp_path / "m"
-    shutil.copytree(tiny_model_dir, d)
+    copy_model(tiny_model_dir, d)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg["chat_template"] = (
         "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
@@ -273,9 +274,7 @@ def test_allowed_hosts_serve_a_lan_name(tmp_path, tiny_model_dir):
             f"POST /v1/completions HTTP/1.1\r\nHost: anything.example:{port}\r\nAuthorization: Bearer s3cret\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(ok)}\r\nConnection: close\r\n\r\n"
         ).encode() + ok
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
-            c.sendall(req)
-            assert b" 200 " in _read_all(c, timeout=30).split(b"\r\n")[0]
+        assert b" 200 " in _exchange(port, req).split(b"\r\n")[0]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -400,9 +399,7 @@ def test_ambiguous_request_framing_is_refused(server):
             f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n{headers}"
             "Connection: close\r\n\r\n"
         ).encode() + body
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
-            c.sendall(req)
-            data = _read_all(c, timeout=30)
+        data = _exchange(port, req)
         assert data.split(b"\r\n")[0].split()[1] == b"400", (headers, data[:200])
 
 

@@ -632,3 +632,25 @@ def test_decode_prompts_sums_what_sweeps_compare(ss_model):
     assert ss.tokens == ar.tokens and ss.steps <= ss.tokens  # greedy ss decides the same tokens
     assert ss.draft_nodes > 0 and 0.0 <= ss.pruned_share <= 1.0
     assert ar.seconds > 0 and abs(ar.seconds_per_step * ar.steps - ar.seconds) < 1e-9
+
+
+def test_bench_runs_mlx_lm_on_the_weights_and_dtype_ours_runs(tmp_path, tiny_model_dir):
+    """On the CPU backend our loader expands quantized weights to float32; the mlx_lm peer
+    of `bench` must do the same, or the comparison times 4-bit matmuls against float32 ones."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx_lm
+    from mlx.utils import tree_flatten
+
+    from specstream_mlx.bench.runner import _f32
+    from specstream_mlx.convert import ConvertOptions, convert
+
+    q = convert(str(tiny_model_dir), str(tmp_path / "q4"), ConvertOptions(quantize=True, q_group_size=32))
+    theirs, _ = mlx_lm.load(str(q))
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in theirs.named_modules())
+    _f32(theirs)
+    if mx.default_device() == mx.cpu:
+        assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in theirs.named_modules())
+        assert all(
+            v.dtype == mx.float32 for _, v in tree_flatten(theirs.parameters()) if mx.issubdtype(v.dtype, mx.floating)
+        )

@@ -129,14 +129,15 @@ def _train(base: Path, data: Path, out: Path, **cfg_kw):
     return res
 
 
-def _train_torch_cli(base: Path, data: Path, out: Path, cfg_kw: dict) -> None:
+def _train_torch_cli(base: Path, data: Path, out: Path, cfg_kw: dict, resume: bool = False) -> None:
     """`specstream-mlx train --backend torch` in its own process, as a user runs it (without
-    the OpenBLAS preload this build process has: it halves PyTorch's speed)."""
+    the OpenBLAS preload this build process has: it halves PyTorch's speed); ``resume``
+    continues a killed run from its checkpoint."""
     import os
     import subprocess
 
     cmd = [sys.executable, "-m", "specstream_mlx", "train", "--model", str(base), "--data", str(data)]
-    cmd += ["--out", str(out), "--force", "--new-streams"]
+    cmd += ["--out", str(out)] + (["--resume"] if resume else ["--force", "--new-streams"])
     names = {"max_seq_len": "max-seq-length"}
     for k, v in cfg_kw.items():
         cmd += [f"--{names.get(k, k.replace('_', '-'))}", str(v)]
@@ -487,7 +488,7 @@ def build_smollm2(scale: float = 1.0, seed: int = 0) -> None:
     kw = dict(SMOL_STREAMS, iters=max(1, int(SMOL_STREAMS["iters"] * scale)), seed=seed)
     t = time.time()
     if not (out / "streams.safetensors").exists() or (out / "checkpoint").exists():
-        _train_torch_resumable(base, data, out, kw)
+        _train_torch_cli(base, data, out, kw, resume=(out / "checkpoint").exists())
     log(f"trained smollm2 streams in {time.time() - t:.0f} s")
     from ..io.fingerprint import base_fingerprint
 
@@ -502,20 +503,6 @@ def build_smollm2(scale: float = 1.0, seed: int = 0) -> None:
     write_bench_prompts(dst, data)
     size = (dst / "streams.safetensors").stat().st_size / 1e6
     log(f"models/smollm2: streams {size:.1f} MB, base {cfg['base_fingerprint']}")
-
-
-def _train_torch_resumable(base: Path, data: Path, out: Path, cfg_kw: dict) -> None:
-    import os
-    import subprocess
-
-    cmd = [sys.executable, "-m", "specstream_mlx", "train", "--model", str(base), "--data", str(data)]
-    cmd += ["--out", str(out), "--mode", "lossless"]
-    cmd += ["--resume"] if (out / "checkpoint").exists() else ["--force", "--new-streams"]
-    names = {"max_seq_len": "max-seq-length"}
-    for k, v in cfg_kw.items():
-        cmd += [f"--{names.get(k, k.replace('_', '-'))}", str(v)]
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    subprocess.run(cmd, env=env, check=True)
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -311,19 +311,23 @@ def convert_tensors(tensors: Dict[str, mx.array], cfg: Dict[str, Any], path: Pat
     return out
 
 
-def quantization_config(weights: Dict[str, mx.array]) -> Optional[Dict[str, Any]]:
-    """mlx-lm's ``quantization`` entry: the commonest bit width, other widths per module."""
-    bits = {
-        k[: -len(".scales")]: _quantized_bits(weights, k[: -len(".scales")]) for k in weights if k.endswith(".scales")
-    }
-    if not bits:
+def quantization_entry(settings: Dict[str, Tuple[int, int]]) -> Optional[Dict[str, Any]]:
+    """mlx-lm's ``quantization`` entry for module path -> (group size, bits): the commonest
+    pair as the default, every module that differs named with its own."""
+    if not settings:
         return None
-    common = Counter(bits.values()).most_common(1)[0][0]
-    q: Dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common}
-    for name, b in sorted(bits.items()):
-        if b != common:
-            q[name] = {"group_size": GROUP_SIZE, "bits": b}
+    gs, bits = Counter(settings.values()).most_common(1)[0][0]
+    q: Dict[str, Any] = {"group_size": gs, "bits": bits}
+    for path, (g, b) in sorted(settings.items()):
+        if (g, b) != (gs, bits):
+            q[path] = {"group_size": g, "bits": b}
     return q
+
+
+def stored_quantization(weights: Dict[str, mx.array]) -> Optional[Dict[str, Any]]:
+    """The entry for weights as stored (GGUF blocks: group size 32, bits from the packing)."""
+    names = [k[: -len(".scales")] for k in weights if k.endswith(".scales")]
+    return quantization_entry({n: (GROUP_SIZE, _quantized_bits(weights, n)) for n in names})
 
 
 def read_gguf(path: Path) -> GGUFCheckpoint:
@@ -334,7 +338,7 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     tensors, metadata, notes = read_tensors(path)
     cfg = hf_config(metadata, tensors, path)
     weights = convert_tensors(tensors, cfg, path)
-    q = quantization_config(weights)
+    q = stored_quantization(weights)
     if q is not None:
         cfg["quantization"] = q
     from .gguf_tokenizer import GGUFTokenizerError, tokenizer_files
@@ -376,21 +380,9 @@ class GGUFImport:
 
 
 def model_quantization(model: nn.Module) -> Optional[dict]:
-    """mlx-lm's ``quantization`` entry for a model as it is: the commonest (group size,
-    bits) as the default, every module that differs named with its own."""
-    found = {
-        path: (m.group_size, m.bits)
-        for path, m in model.named_modules()
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-    }
-    if not found:
-        return None
-    gs, bits = Counter(found.values()).most_common(1)[0][0]
-    q: dict = {"group_size": gs, "bits": bits}
-    for p, (g, b) in sorted(found.items()):
-        if (g, b) != (gs, bits):
-            q[p] = {"group_size": g, "bits": b}
-    return q
+    """The entry for a model as it is (after any further ``-q``)."""
+    quantized = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    return quantization_entry({p: (m.group_size, m.bits) for p, m in model.named_modules() if isinstance(m, quantized)})
 
 
 def import_gguf(src: Path, dst: Path, how: GGUFImport, log: Callable[[str], None] = lambda s: None) -> Path:

@@ -2,4 +2,18 @@
 
 from specstream_mlx.demo.tiny import make_tiny_model_dir, tiny_config
 
-__all__ = ["make_tiny_model_dir", "tiny_config"]
+
+def copy_model(src, dst, streams: bool = True):
+    """A copy of model directory ``src`` at ``dst`` to edit in a test (without its
+    speculative streams unless ``streams``); returns ``dst``."""
+    import shutil
+    from pathlib import Path
+
+    shutil.copytree(src, dst)
+    if not streams:
+        for f in ("specstream.json", "streams.safetensors"):
+            (Path(dst) / f).unlink(missing_ok=True)
+    return Path(dst)
+
+
+__all__ = ["copy_model", "make_tiny_model_dir", "tiny_config"]
