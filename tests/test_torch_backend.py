@@ -112,6 +112,46 @@ def test_torch_objective_matches_mlx_loss_and_gradients(hf_models, mode):
         assert np.abs(g - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max()), k
 
 
+@pytest.mark.parametrize("with_teacher", [False, True])
+def test_chunked_head_loss_equals_the_whole_vocabulary_loss(with_teacher):
+    """The chunked loss (vocabulary-wide tensors for a few rows at a time, gradient taken
+    in the forward pass) gives the loss, metrics and gradients of plain autograd over
+    the full (rows × V) logits."""
+    import torch
+    import torch.nn.functional as F
+
+    from specstream_mlx.train.torch_objective import Teacher, head_loss
+
+    g = torch.Generator().manual_seed(0)
+    N, h, V, M = 13, 8, 50, 5
+    x = torch.randn(N, h, generator=g, requires_grad=True)
+    w = torch.randn(V, h, generator=g, requires_grad=True)
+    tgt = torch.randint(0, V, (N,), generator=g)
+    w_ce = torch.rand(N, generator=g) * (torch.rand(N, generator=g) > 0.2)
+    w_kl = torch.rand(N, generator=g) if with_teacher else None
+    teacher = torch.log_softmax(torch.randn(M, V, generator=g), -1) if with_teacher else None
+    idx = torch.randint(0, M, (N,), generator=g) if with_teacher else None
+
+    logits = x @ w.T
+    ce_ref = F.cross_entropy(logits, tgt, reduction="none")
+    ref = (w_ce * ce_ref).sum()
+    if with_teacher:
+        kl_ref = (teacher[idx].exp() * (teacher[idx] - F.log_softmax(logits, -1))).sum(-1)
+        ref = ref + (w_kl * kl_ref).sum()
+    gx_ref, gw_ref = torch.autograd.grad(ref, (x, w))
+
+    table = Teacher.from_logits(teacher) if with_teacher else None
+    loss, ce, kl, hit = head_loss(x, w, tgt, w_ce, w_kl, table, idx, chunk=4)
+    gx, gw = torch.autograd.grad(3.0 * loss, (x, w))  # an outer factor reaches both gradients
+    assert abs(float(loss.detach()) - float(ref)) < 1e-4
+    assert torch.allclose(ce, ce_ref.detach(), atol=1e-5)
+    assert torch.equal(hit.bool(), logits.argmax(-1) == tgt)
+    if with_teacher:
+        assert torch.allclose(kl, kl_ref.detach(), atol=1e-5)
+    assert torch.allclose(gx, 3.0 * gx_ref, atol=1e-5)
+    assert torch.allclose(gw, 3.0 * gw_ref, atol=1e-5)
+
+
 def _data_dir(root: Path) -> Path:
     from specstream_mlx.demo.datagen import write_phrase_corpus
 

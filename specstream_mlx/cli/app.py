@@ -613,6 +613,12 @@ def train(
         "several GPUs or machines under `accelerate launch -m specstream_mlx train ...`).",
     ),
     segment: int = typer.Option(32, "--segment", help="Stream positions per gradient segment (bounds memory)."),
+    precision: str = typer.Option(
+        "auto",
+        "--precision",
+        help="torch backend: float32, bfloat16 (frozen weights and matmuls; trained weights stay float32), "
+        "or auto: bfloat16 where the device multiplies it natively (AMX/AVX512-BF16 CPUs, recent GPUs).",
+    ),
     export_hf: Optional[str] = typer.Option(
         None, "--export-hf", help="Also write the trained model in Hugging Face layout here (as `export`)."
     ),
@@ -645,6 +651,7 @@ def train(
             force=force,
             backend=backend.value,
             segment=segment,
+            precision=precision if backend.value == "torch" or precision != "auto" else "float32",
         )
         res = _train(model, data, out, cfg, resume=resume, log=lambda s: typer.echo(s, err=True))
     except (DataError, TrainError, ModelLoadError, ValueError) as e:

@@ -52,6 +52,12 @@ class TrainConfig:
     distill_weight: float = 1.0
     stream_positions: int = 64
     segment: int = 32
+    # "float32", "bfloat16" (torch backend, frozen base: the frozen weights are held in
+    # bfloat16 and the matmuls run in it; trained weights and softmaxes stay float32), or
+    # "auto": bfloat16 where the torch device multiplies it natively, float32 elsewhere.
+    precision: str = "float32"
+    # Rows of a vocabulary-wide loss computed at once (torch backend): bounds (rows × V) tensors.
+    loss_chunk: int = 64
     seed: int = 0
     steps_per_report: int = 10
     steps_per_eval: int = 200
@@ -78,6 +84,12 @@ class TrainConfig:
             raise ValueError(f"mode must be lossless or shared, got {self.mode!r}")
         if self.full and self.mode != "shared":
             raise ValueError("full training of the base is only meaningful in shared mode")
+        if self.precision not in ("float32", "bfloat16", "auto"):
+            raise ValueError(f"precision must be float32, bfloat16 or auto, got {self.precision!r}")
+        if self.precision == "bfloat16" and (self.backend != "torch" or self.full):
+            raise ValueError("--precision bfloat16 needs --backend torch and a frozen base (not --full)")
+        if self.loss_chunk < 1:
+            raise ValueError(f"loss_chunk must be >= 1, got {self.loss_chunk}")
         if self.segment < 1:
             raise ValueError(f"segment must be >= 1, got {self.segment}")
         if self.backend not in ("mlx", "torch"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from pathlib import Path
 from typing import Dict
 
 import mlx.core as mx
@@ -90,6 +91,20 @@ def hf_model_from_mlx(model, config: dict):
     return hf
 
 
+def native_bfloat16(device) -> bool:
+    """Whether ``device`` multiplies bfloat16 in hardware (a CUDA GPU that supports it, or
+    an x86 CPU with AMX or AVX512-BF16); elsewhere bfloat16 is emulated and slower."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 def torch_trainable(trainable, lora_scale: float) -> tobj.TorchTrainable:
     """The MLX trainable's streams and LoRAs as torch parameters (full-weight ``base.*``
     tensors stay in the HF model)."""
@@ -129,6 +144,12 @@ class TorchRun:
         torch.manual_seed(cfg.seed)
         self.device = acc.device if acc is not None else torch.device("cpu")
         self.hf = hf_model_from_mlx(model, config).to(self.device)
+        if cfg.precision == "auto":
+            cfg.precision = "bfloat16" if native_bfloat16(self.device) and not cfg.full else "float32"
+            if self.is_main:
+                log(f"[train] precision {cfg.precision} (auto)")
+        if cfg.precision == "bfloat16":
+            self.hf.to(torch.bfloat16)  # frozen: trained tensors live in self.params, float32
         self.base_names = [k for k, _ in tree_flatten(trainable.trainable_parameters()) if k.startswith("base.")]
         self.params = torch_trainable(trainable, cfg.lora_scale)  # full mode: the HF weights train too
         self.params.to(self.device)

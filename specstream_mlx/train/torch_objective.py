@@ -122,10 +122,11 @@ def block(layer, x, mask, cos_sin, prefix: Optional[KV], loras: Dict[str, tuple]
     own = KV(k, v)
     if prefix is not None:
         k, v = torch.cat([prefix.keys, k], dim=2), torch.cat([prefix.values, v], dim=2)
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+    # mask None: causal (the main pass), which lets SDPA take its fused kernel.
+    gqa = q.shape[1] != k.shape[1]
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=attn.scaling, enable_gqa=gqa
+    )
     o = o.transpose(1, 2).reshape(B, R, -1)
     x = x + _proj(attn.o_proj, "o_proj", o, loras, scale)
     h = layer.post_attention_layernorm(x)
@@ -140,12 +141,94 @@ def lm_logits(hf_model, h: torch.Tensor) -> torch.Tensor:
     return hf_model.lm_head(hf_model.model.norm(h))
 
 
-def frozen_head_logits(hf_model, h: torch.Tensor) -> torch.Tensor:
-    """Final norm and LM head with their weights detached (the pruning loss must not move them)."""
+def frozen_norm(hf_model, h: torch.Tensor) -> torch.Tensor:
+    """The final norm with its weight detached (the pruning loss must not move it)."""
     norm = hf_model.model.norm
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm.weight.detach()
-    return h @ hf_model.lm_head.weight.detach().T
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm.weight.detach()
+
+
+class HeadLoss(torch.autograd.Function):
+    """Cross-entropy (and KL to a teacher) of ``rows @ weight.T``, computed in row chunks.
+
+    The vocabulary-wide tensors of a loss (logits, probabilities, their gradient)
+    exist for ``chunk`` rows at a time, never for all rows: at a 49k vocabulary a
+    (rows × V) float32 tensor is 200 KB per row, and a segment has hundreds of rows.
+    The gradient is taken in the forward pass, where the chunk's softmax is at
+    hand: d/dlogits of ``w_ce·CE + w_kl·KL(q‖p)`` is ``(w_ce + w_kl)·p − w_ce·onehot
+    − w_kl·q``; what is kept for the backward pass is (rows × h), not (rows × V).
+    Few passes over each (rows × V) chunk: they, not the matmuls, bound a bfloat16 step.
+
+    Inputs: ``x`` (N, h) normalised hidden rows, ``weight`` (V, h), ``targets`` (N,),
+    ``w_ce``/``w_kl`` (N,) per-row loss weights (0 for padding), ``teacher`` a
+    :class:`Teacher` or None with ``teacher_idx`` (N,) its row for each. Returns the
+    weighted loss (scalar) and, per row, CE, KL and whether the argmax is the target
+    (detached metrics)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, w_ce, w_kl, teacher, teacher_idx, chunk):
+        n = x.shape[0]
+        f32 = dict(dtype=torch.float32, device=x.device)
+        loss = torch.zeros((), **f32)
+        ce, kl, hit = torch.zeros(n, **f32), torch.zeros(n, **f32), torch.zeros(n, **f32)
+        gx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        with torch.no_grad():
+            for s in range(0, n, chunk):
+                sl = slice(s, min(s + chunk, n))
+                t = targets[sl][:, None]
+                # The matmuls run in the weight's precision; the softmax in float32.
+                z = (x[sl].to(weight.dtype) @ weight.T).float()
+                top, arg = z.max(-1)
+                z.sub_(top[:, None])  # z: logits - max
+                p = z.exp()
+                total = p.sum(-1)
+                p.div_(total[:, None])
+                lse = total.log()  # log-sum-exp of z
+                ce[sl] = lse - z.gather(-1, t)[:, 0]
+                hit[sl] = (arg == t[:, 0]).float()
+                g = p.mul_((w_ce[sl] + w_kl[sl])[:, None])
+                g.scatter_add_(-1, t, -w_ce[sl][:, None])
+                if teacher is not None:
+                    rows = teacher_idx[sl]
+                    q = teacher.probs[rows]
+                    # KL(q‖p) = Σ q log q − Σ q z + lse (Σ q = 1)
+                    kl[sl] = teacher.neg_entropy[rows] - (q * z).sum(-1) + lse
+                    g.sub_(q.mul_(w_kl[sl][:, None]))
+                loss += (w_ce[sl] * ce[sl] + w_kl[sl] * kl[sl]).sum()
+                g = g.to(weight.dtype)
+                if gx is not None:
+                    gx[sl] = (g @ weight).to(x.dtype)
+                if gw is not None:
+                    gw += g.T @ x[sl].to(weight.dtype)
+        ctx.save_for_backward(gx, gw)
+        ctx.mark_non_differentiable(ce, kl, hit)
+        return loss, ce, kl, hit
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        gx, gw = ctx.saved_tensors
+        return (
+            None if gx is None else grad_loss * gx,
+            None if gw is None else grad_loss * gw,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def head_loss(x, weight, targets, w_ce, w_kl=None, teacher=None, teacher_idx=None, chunk: int = 64):
+    """:class:`HeadLoss` on any leading shape: ``x`` (..., h), the rest (...)."""
+    shape = targets.shape
+    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+    w_kl = torch.zeros_like(w_ce) if w_kl is None else w_kl
+    loss, ce, kl, hit = HeadLoss.apply(
+        x.reshape(-1, x.shape[-1]), weight, flat(targets), flat(w_ce), flat(w_kl), teacher, flat(teacher_idx), chunk
+    )
+    return loss, ce.view(shape), kl.view(shape), hit.view(shape)
 
 
 @dataclass
@@ -169,12 +252,11 @@ def main_pass(hf_model, trainable: TorchTrainable, tokens: torch.Tensor, s0: int
     pos = torch.arange(L, device=dev).unsqueeze(0).expand(B, L)
     h = hf_model.model.embed_tokens(tokens)
     cos_sin = hf_model.model.rotary_emb(h, pos)
-    mask = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
     kvs, h_s0 = [], None
     for i, layer in enumerate(hf_model.model.layers):
         if i == s0:
             h_s0 = h
-        h, kv = block(layer, h, mask, cos_sin, None, trainable.loras("base_lora", i), trainable.lora_scale)
+        h, kv = block(layer, h, None, cos_sin, None, trainable.loras("base_lora", i), trainable.lora_scale)
         if i >= s0:
             kvs.append(kv)
     return MainPass(h_s0, kvs, h)
@@ -207,15 +289,37 @@ def stream_pass(hf_model, trainable: TorchTrainable, main: MainPass, spos: torch
     return x.reshape(B, S, gamma, -1)
 
 
-def _masked_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view(targets.shape)
-
-
 def stream_counts(spos, sweight, lengths, gamma: int) -> torch.Tensor:
     """(γ,) number of valid (position, stream) targets: the loss normaliser of every segment."""
     js = torch.arange(1, gamma + 1, device=spos.device)
     valid = ((spos[..., None] + 1 + js) < lengths[:, None, None]).float() * sweight[..., None]
     return valid.sum(dim=(0, 1))
+
+
+@dataclass
+class Teacher:
+    """The frozen main stream's distributions at some positions: ``probs`` (M, V) and
+    ``neg_entropy`` (M,) = Σ q log q, what the KL term needs of each row."""
+
+    probs: torch.Tensor
+    neg_entropy: torch.Tensor
+
+    @staticmethod
+    def from_logits(logits: torch.Tensor) -> "Teacher":
+        logq = torch.log_softmax(logits.float(), dim=-1)
+        q = logq.exp()
+        return Teacher(q, (q * logq).sum(-1))
+
+
+def teacher_table(hf_model, h_final: torch.Tensor, positions: torch.Tensor):
+    """The teacher at the distinct (sequence, position) pairs of ``positions`` (B, ...),
+    once per pair however many streams target it, and the row of each entry in it."""
+    B, L = h_final.shape[:2]
+    keys = positions + L * torch.arange(B, device=positions.device).view(B, *([1] * (positions.dim() - 1)))
+    uniq, rows = torch.unique(keys, return_inverse=True)
+    with torch.no_grad():
+        table = Teacher.from_logits(lm_logits(hf_model, h_final.flatten(0, 1)[uniq]))
+    return table, rows
 
 
 def segment_loss(hf_model, trainable, cfg, main: MainPass, tokens, spos, sweight, lengths, n: torch.Tensor, s0):
@@ -225,23 +329,20 @@ def segment_loss(hf_model, trainable, cfg, main: MainPass, tokens, spos, sweight
     B, L = tokens.shape
     js = torch.arange(1, gamma + 1, device=tokens.device)
     hs = stream_pass(hf_model, trainable, main, spos, gamma, s0, lossless)
-    logits = lm_logits(hf_model, hs)  # (B, seg, γ, V)
     tgt_pos = spos[..., None] + 1 + js
     valid = (tgt_pos < lengths[:, None, None]).float() * sweight[..., None]
     seg = spos.shape[1]
     tgt = torch.gather(tokens, 1, tgt_pos.clamp(0, L - 1).reshape(B, -1)).view(B, seg, gamma)
-    ce = (_masked_ce(logits, tgt) * valid).sum(dim=(0, 1))
-    acc = ((logits.argmax(-1) == tgt).float() * valid).sum(dim=(0, 1))
-    loss = ce / n
-    kl = torch.zeros(gamma, device=tokens.device)
+    w_ce = cfg.alpha_stream * valid / n
+    w_kl, teacher, rows = None, None, None
     if lossless and cfg.distill:
-        teach_pos = (spos[..., None] + js).clamp(0, L - 1).reshape(B, -1)
-        th = torch.gather(main.h_final, 1, teach_pos[..., None].expand(-1, -1, main.h_final.shape[-1]))
-        t_logp = F.log_softmax(lm_logits(hf_model, th.view(B, seg, gamma, -1)).detach(), dim=-1)
-        s_logp = F.log_softmax(logits, dim=-1)
-        kl = ((t_logp.exp() * (t_logp - s_logp)).sum(-1) * valid).sum(dim=(0, 1))
-        loss = loss + cfg.distill_weight * kl / n
-    return cfg.alpha_stream * loss.sum(), ce.detach(), acc.detach(), kl.detach()
+        teacher, rows = teacher_table(hf_model, main.h_final, (spos[..., None] + js).clamp(0, L - 1))
+        w_kl = cfg.distill_weight * w_ce
+    loss, ce, kl, hit = head_loss(
+        hf_model.model.norm(hs), hf_model.lm_head.weight, tgt, w_ce, w_kl, teacher, rows, cfg.loss_chunk
+    )
+    sums = [(t * valid).sum(dim=(0, 1)) for t in (ce, hit, kl)]
+    return loss, *sums
 
 
 def backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str, torch.Tensor], s0: int, train=True):
@@ -249,7 +350,8 @@ def backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str,
 
     Returns the metrics (loss, stream_ce, stream_acc, ... as floats/lists), like the MLX
     objective. ``train=False``: the metrics only (validation), no graph is built."""
-    with torch.set_grad_enabled(train):
+    dev = batch["tokens"].device.type
+    with torch.set_grad_enabled(train), torch.autocast(dev, torch.bfloat16, enabled=cfg.precision == "bfloat16"):
         return _backward_segments(hf_model, trainable, cfg, batch, s0, train)
 
 
@@ -274,11 +376,12 @@ def _backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str
     dev = tokens.device
     main_term = torch.zeros((), device=dev)
     if not lossless:
-        logits = lm_logits(hf_model, main.h_final[:, :-1])
-        main_ce = (_masked_ce(logits, tokens[:, 1:]) * lm).sum() / n_main
-        main_term = cfg.alpha_main * main_ce
-        metrics["main_ce"] = float(main_ce.detach())
-        metrics["main_acc"] = float(((logits.detach().argmax(-1) == tokens[:, 1:]).float() * lm).sum() / n_main)
+        h = hf_model.model.norm(main.h_final[:, :-1])
+        main_term, ce, _, hit = head_loss(
+            h, hf_model.lm_head.weight, tokens[:, 1:], cfg.alpha_main * lm / n_main, chunk=cfg.loss_chunk
+        )
+        metrics["main_ce"] = float((ce * lm).sum() / n_main)
+        metrics["main_acc"] = float((hit * lm).sum() / n_main)
     total = float(main_term.detach())
     if cfg.streams:
         n = stream_counts(spos, sweight, lengths, gamma).clamp(min=1.0)
@@ -299,12 +402,15 @@ def _backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str
         # Pruning adapter: early-exit next-token prediction at the insertion layer.
         down, up = trainable.get("streams.pruning.down"), trainable.get("streams.pruning.up")
         h = main.h_s0[:, :-1].detach()
-        ee = frozen_head_logits(hf_model, h + (h @ down) @ up)
-        prune_ce = (_masked_ce(ee, tokens[:, 1:]) * lm).sum() / n_main
+        ee = frozen_norm(hf_model, h + (h @ down) @ up)
+        weight = hf_model.lm_head.weight.detach()
+        prune_loss, ce, _, _ = head_loss(
+            ee, weight, tokens[:, 1:], cfg.alpha_stream * lm / n_main, chunk=cfg.loss_chunk
+        )
         if train:
-            (cfg.alpha_stream * prune_ce).backward()
-        total += float(cfg.alpha_stream * prune_ce.detach())
-        metrics["prune_ce"] = float(prune_ce.detach())
+            prune_loss.backward()
+        total += float(prune_loss.detach())
+        metrics["prune_ce"] = float((ce * lm).sum() / n_main)
     if train and not lossless:
         # The gradients reaching the main pass's outputs, sent through it once.
         outs = [main_term] + main.tensors()
@@ -339,14 +445,18 @@ def lr_lambda(total: int, warmup: int):
     return f
 
 
-def calibration_positions(hf_model, trainable: TorchTrainable, tokens: torch.Tensor, s0: int):
+def calibration_positions(hf_model, trainable: TorchTrainable, tokens: torch.Tensor, s0: int, chunk: int = 64):
     """Early-exit probabilities of the main stream's top-4 choices at every position
-    (B, L, 4): the torch side of :mod:`.calibrate`."""
-    with torch.no_grad():
+    (B, L, 4): the torch side of :mod:`.calibrate` (vocabulary-wide tensors for ``chunk``
+    positions at a time)."""
+    bf16 = hf_model.lm_head.weight.dtype == torch.bfloat16
+    with torch.no_grad(), torch.autocast(tokens.device.type, torch.bfloat16, enabled=bf16):
         main = main_pass(hf_model, trainable, tokens, s0)
-        logits = lm_logits(hf_model, main.h_final)
         down, up = trainable.get("streams.pruning.down"), trainable.get("streams.pruning.up")
-        h = main.h_s0
-        p_ee = torch.softmax(lm_logits(hf_model, h + (h @ down) @ up).float(), dim=-1)
-        order = logits.argsort(dim=-1, descending=True)[..., :4]
-        return torch.gather(p_ee, -1, order)
+        out = []
+        for s in range(0, tokens.shape[1], chunk):
+            h, h0 = main.h_final[:, s : s + chunk], main.h_s0[:, s : s + chunk]
+            order = lm_logits(hf_model, h).argsort(dim=-1, descending=True)[..., :4]
+            p_ee = torch.softmax(lm_logits(hf_model, h0 + (h0 @ down) @ up).float(), dim=-1)
+            out.append(torch.gather(p_ee, -1, order))
+        return torch.cat(out, dim=1)
