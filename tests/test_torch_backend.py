@@ -112,6 +112,35 @@ def test_torch_objective_matches_mlx_loss_and_gradients(hf_models, mode):
         assert np.abs(g - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max()), k
 
 
+def test_teacher_targets_equal_the_full_forward_distribution(hf_models):
+    """The teacher-forced targets (one table row per distinct sequence and position, as
+    the stream loss indexes them) are the reference model's next-token distribution at
+    that position, given the same prefix."""
+    import torch
+
+    from specstream_mlx.train import torch_objective as tobj
+
+    tm, _, mlx_dir = hf_models("qwen2")
+    loaded = _load(mlx_dir)
+    t, _ = _trainable(loaded, "lossless")
+    hf = torch_backend.hf_model_from_mlx(loaded.model, loaded.config)
+    params = torch_backend.torch_trainable(t, 2.0)
+    tokens = torch.from_numpy(_batch(loaded).tokens.astype(np.int64))
+    with torch.no_grad():
+        main = tobj.main_pass(hf, params, tokens, s0=len(loaded.model.layers) - 2)
+        ref = torch.softmax(tm(tokens).logits.float(), dim=-1)
+    B, L = tokens.shape
+    positions = torch.tensor([[[3, 4], [4, 5]], [[0, 1], [L - 1, 3]], [[7, 7], [2, 9]]])  # repeats across streams
+    table, rows = tobj.teacher_table(hf, main.h_final, positions)
+    assert table.probs.shape[0] == len({(b, p) for b in range(B) for p in positions[b].flatten().tolist()})
+    for b in range(B):
+        for idx in np.ndindex(*positions.shape[1:]):
+            got = table.probs[rows[(b, *idx)]]
+            assert torch.allclose(got, ref[b, positions[(b, *idx)]], atol=1e-5)
+    q = table.probs
+    assert torch.allclose(table.neg_entropy, (q * q.clamp_min(1e-30).log()).sum(-1), atol=1e-5)
+
+
 @pytest.mark.parametrize("with_teacher", [False, True])
 def test_chunked_head_loss_equals_the_whole_vocabulary_loss(with_teacher):
     """The chunked loss (vocabulary-wide tensors for a few rows at a time, gradient taken

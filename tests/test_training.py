@@ -526,14 +526,23 @@ def test_distill_writes_the_models_own_replies(tmp_path, base_dir):
     )
     assert r.returncode == 0, r.stderr
     out = [json.loads(line) for line in (tmp_path / "d" / "train.jsonl").read_text().splitlines()]
-    assert len(out) == 6 and out[2]["completion"] != "old" and out[1]["messages"][-1]["content"] != "human reply"
+    assert "tok/s" in r.stderr and not (tmp_path / "d" / "test.jsonl").exists()
+    # Records come in length-sorted order: match them to their rows by the first user text.
+    keys = ["abc", "hello", "x", "qq", "zz", "one"]
+    first = lambda rec: (
+        rec["prompt"] if "prompt" in rec else next(m for m in rec["messages"] if m["role"] == "user")["content"]
+    )  # noqa: E731
+    by_key = {first(rec): rec for rec in out}
+    assert len(out) == 6 and sorted(by_key) == sorted(keys)
+    assert by_key["x"]["completion"] != "old" and by_key["hello"]["messages"][-1]["content"] != "human reply"
     model, tok = load(str(base_dir), warn=False)
     # Every assistant turn is the model's: the first answers "one", the second the conversation so far.
-    conv = out[5]["messages"]
+    conv = by_key["one"]["messages"]
     assert [m["role"] for m in conv] == ["system", "user", "assistant", "user", "assistant"]
     assert conv[2]["content"] == generate(model, tok, conv[:2], max_tokens=12).text != "human 1"
     assert conv[4]["content"] == generate(model, tok, conv[:4], max_tokens=12).text
-    for row, rec in zip(rows[:5], out):
+    for row, key in zip(rows[:5], keys):
+        rec = by_key[key]
         prompt = row["messages"][:1] if "messages" in row else row.get("prompt", row.get("text"))
         want = generate(model, tok, prompt, max_tokens=12).text
         got = rec["completion"] if "completion" in rec else rec["messages"][-1]["content"]
@@ -653,6 +662,66 @@ def test_segmented_gradients_equal_the_one_graph_gradients(base_dir, mode):
     for k in ref:
         scale = max(1.0, float(np.abs(np.array(ref[k])).max()))
         assert np.abs(np.array(got[k]) - np.array(ref[k])).max() <= 1e-5 * scale, k
+
+
+def test_loop_start_finds_where_a_reply_starts_repeating():
+    from specstream_mlx.train.distill import loop_start
+
+    assert loop_start([1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 2) is None  # one repeat is not a loop
+    assert loop_start([9, 8] + [1, 2, 3] * 8) == 2
+    assert loop_start([5] * 20) == 0
+    assert loop_start([1, 2] + [7, 7, 7]) is None  # too short to call a loop
+    assert loop_start(list(range(40))) is None
+
+
+def test_distill_cuts_a_repetition_loop_after_its_first_round():
+    from types import SimpleNamespace
+
+    from specstream_mlx.train.distill import SplitStats, _cut_loop
+
+    tok = SimpleNamespace(encode=lambda t, add_special_tokens: list(t.encode()), decode=lambda ids: bytes(ids).decode())
+    st = SplitStats()
+    text = "Topics: " + "Cloud Computing, " * 6
+    assert _cut_loop(tok, text, st, True) == "Topics: Cloud Computing,"  # one round of " Cloud Computing,"
+    assert st.cut_loops == 1 and st.tokens == len(text.encode())
+    assert _cut_loop(tok, "a plain reply.", st, True) == "a plain reply." and st.cut_loops == 1
+    assert _cut_loop(tok, text, st, False) == text
+
+
+def test_distill_caps_prompts_writes_valid_first_and_stops_on_its_time_budget(tmp_path, base_dir):
+    from specstream_mlx.train.distill import DistillOptions, distill
+
+    src = tmp_path / "src"
+    src.mkdir()
+    lengths = [9, 2, 30, 5, 14, 3]
+    (src / "train.jsonl").write_text("".join(json.dumps({"prompt": "w " * n}) + "\n" for n in lengths))
+    (src / "valid.jsonl").write_text("".join(json.dumps({"prompt": "v " * n}) + "\n" for n in (4, 1)))
+    (src / "test.jsonl").write_text(json.dumps({"prompt": "t"}) + "\n")
+    from specstream_mlx.train.distill import _encode
+
+    _, tok = load(str(base_dir), warn=False)
+    limit = len(_encode(tok, [{"role": "user", "content": "w " * 14}]))  # the 30-word prompt is longer
+    logs = []
+    opts = DistillOptions(max_tokens=4, batch_size=2, max_prompts=5, max_prompt_tokens=limit)
+    counts = distill(str(base_dir), str(src), str(tmp_path / "d"), opts, log=logs.append, progress=False)
+    assert list(counts) == ["valid", "train"] and counts == {"valid": 2, "train": 5}
+    assert not (tmp_path / "d" / "test.jsonl").exists()
+    assert any(
+        "train: 5 replies" in x and f"1 prompts longer than {limit} tokens skipped" in x and "tok/s" in x for x in logs
+    )
+    got = [json.loads(x)["prompt"] for x in (tmp_path / "d" / "train.jsonl").read_text().splitlines()]
+    # The first five prompts that fit (the long one skipped), shortest first.
+    assert got == ["w " * n for n in (2, 3, 5, 9, 14)]
+    # A budget spent after the first batch: valid is complete, train not started; the rerun finishes.
+    slow = DistillOptions(max_tokens=4, batch_size=1, time_budget=1e-9)
+    logs = []
+    counts = distill(str(base_dir), str(src), str(tmp_path / "e"), slow, log=logs.append, progress=False)
+    assert counts == {"valid": 0} and any("time budget" in x for x in logs)
+    opts = DistillOptions(max_tokens=4, batch_size=2, splits=("valid", "train", "test"))
+    counts = distill(str(base_dir), str(src), str(tmp_path / "e"), opts, log=logs.append, progress=False)
+    assert counts == {"valid": 2, "train": 6, "test": 1}
+    with pytest.raises(ValueError, match="--splits"):
+        distill(str(base_dir), str(src), str(tmp_path / "f"), DistillOptions(splits=("dev",)), progress=False)
 
 
 def test_distill_skips_prompts_that_leave_no_room_for_a_reply(tmp_path, base_dir):

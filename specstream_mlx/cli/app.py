@@ -531,6 +531,17 @@ def distill(
     samples_per_prompt: int = typer.Option(1, "--samples-per-prompt", help="Replies per prompt."),
     batch_size: int = typer.Option(8, "--batch-size", help="Prompts generated together."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="At most this many prompts per split."),
+    max_prompt_tokens: Optional[int] = typer.Option(
+        None, "--max-prompt-tokens", help="Skip (and count) prompts longer than this many tokens."
+    ),
+    splits: str = typer.Option("valid,train", "--splits", help="Splits to answer, in order (add test if wanted)."),
+    time_budget: Optional[float] = typer.Option(
+        None, "--time-budget", help="Seconds; stop between batches once spent (run again to continue)."
+    ),
+    keep_loops: bool = typer.Option(
+        False, "--keep-loops", help="Keep replies caught in a repetition loop whole (default: cut after one round)."
+    ),
 ):
     """Generate the model's own replies to prompts: self-distillation data for `train`."""
     from ..io.loading import ModelLoadError
@@ -538,7 +549,19 @@ def distill(
     from ..train.distill import DistillOptions
     from ..train.distill import distill as _distill
 
-    opts = DistillOptions(max_tokens, temp, top_p, samples_per_prompt, batch_size, seed)
+    opts = DistillOptions(
+        max_tokens,
+        temp,
+        top_p,
+        samples_per_prompt,
+        batch_size,
+        seed,
+        max_prompts=max_prompts,
+        max_prompt_tokens=max_prompt_tokens,
+        splits=tuple(x.strip() for x in splits.split(",") if x.strip()),
+        time_budget=time_budget,
+        cut_loops=not keep_loops,
+    )
     try:
         counts = _distill(model, prompts, out, opts, log=lambda s: typer.echo(s, err=True))
     except (ModelLoadError, DataError, ValueError, OSError) as e:

@@ -9,13 +9,21 @@ mlx-lm model), and writes a data directory ``train`` reads, replacing any
 existing completions; in a conversation every assistant turn is regenerated,
 turn by turn, so the context of each reply is the model's own. It is resumable: replies already written are kept and
 their prompts skipped.
+
+Real prompt sets are long and uneven (ShareGPT: median 730 tokens), so the
+valid split is written first (``train`` needs it), the test split only when
+asked, prompts are capped in number and length, batches are formed from
+length-sorted prompts (a batch pads to its longest prompt), replies caught in a
+repetition loop are cut after the loop's first round, and a time budget stops
+cleanly between batches.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -26,6 +34,7 @@ from ..io.prompts import PromptRow, read_prompt_rows
 from .data import DataError
 
 SPLITS = ("train", "valid", "test")
+DEFAULT_SPLITS = ("valid", "train")  # valid first: a run stopped during train still has it
 
 
 @dataclass
@@ -39,6 +48,11 @@ class DistillOptions:
         samples_per_prompt: replies per prompt (sampled ones differ). Default 1.
         batch_size: prompts generated together. Default 8.
         seed: sampling seed. Default 0.
+        max_prompts: at most this many prompts per split (the first ones). Default all.
+        max_prompt_tokens: prompts longer than this (rendered) are skipped, counted. Default: the context.
+        splits: which splits, in this order. Default valid then train (test only when asked).
+        time_budget: seconds; stop between batches once spent (run again to continue). Default none.
+        cut_loops: cut a reply caught in a repetition loop after the loop's first round. Default True.
     """
 
     max_tokens: int = 256
@@ -47,12 +61,62 @@ class DistillOptions:
     samples_per_prompt: int = 1
     batch_size: int = 8
     seed: int = 0
+    max_prompts: Optional[int] = None
+    max_prompt_tokens: Optional[int] = None
+    splits: tuple = DEFAULT_SPLITS
+    time_budget: Optional[float] = None
+    cut_loops: bool = True
 
     def check(self) -> None:
         if self.max_tokens < 1 or self.samples_per_prompt < 1 or self.batch_size < 1:
             raise ValueError("--max-tokens, --samples-per-prompt and --batch-size must be at least 1")
         if not self.temperature >= 0 or not 0 < self.top_p <= 1:
             raise ValueError("--temp must be >= 0 and --top-p in (0, 1]")
+        for name, v in (("--max-prompts", self.max_prompts), ("--max-prompt-tokens", self.max_prompt_tokens)):
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be at least 1, got {v}")
+        if self.time_budget is not None and not self.time_budget > 0:
+            raise ValueError(f"--time-budget must be positive, got {self.time_budget}")
+        bad = [x for x in self.splits if x not in SPLITS]
+        if bad or not self.splits or len(set(self.splits)) < len(self.splits):
+            raise ValueError(f"--splits must name some of {', '.join(SPLITS)} once each, got {','.join(self.splits)}")
+
+
+@dataclass
+class SplitStats:
+    """What one split's run did (printed, and returned by :func:`distill`)."""
+
+    written: int = 0
+    skipped_long: int = 0
+    cut_loops: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    stopped: bool = False  # the time budget ran out in this split
+    limit: int = 0  # longest prompt answered, in tokens
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def loop_start(tokens: List[int], max_period: int = 32, min_repeats: int = 3, min_span: int = 16) -> Optional[int]:
+    """Where a reply's repetition loop starts, or None: its tail repeats one period p
+    (≤ ``max_period``) at least ``min_repeats`` times over ≥ ``min_span`` tokens — the
+    "Cloud Computing, Cloud Computing, …" a small model falls into at temperature 0.
+    Returns the index of the loop's first token (the earliest start of the periodic tail)."""
+    n = len(tokens)
+    best = None
+    for p in range(1, max_period + 1):
+        if n < max(min_repeats * p, min_span):
+            break
+        i = n - 1
+        while i - p >= 0 and tokens[i] == tokens[i - p]:
+            i -= 1
+        start = i - p + 1  # tokens[start:] is periodic with period p
+        if n - start >= max(min_repeats * p, min_span) and (best is None or start < best):
+            best = start
+    return best
 
 
 def read_prompts(path: Path) -> Dict[str, List[PromptRow]]:
@@ -103,7 +167,19 @@ def _record(row: PromptRow, conversation: List[Dict[str, str]]) -> dict:
     return {"messages": conversation}
 
 
-def _answer_batch(model, tokenizer, rows: List[PromptRow], opts: "DistillOptions", sampler) -> List[list]:
+def _cut_loop(tokenizer, text: str, stats: SplitStats, cut: bool) -> str:
+    """``text`` (a reply) without the repeats of a repetition loop, counting tokens and cuts."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    stats.tokens += len(ids)
+    start = loop_start(ids) if cut else None
+    if start is None:
+        return text
+    period = next(p for p in range(1, 33) if all(ids[i] == ids[i - p] for i in range(start + p, len(ids))))
+    stats.cut_loops += 1
+    return tokenizer.decode(ids[: start + period])
+
+
+def _answer_batch(model, tokenizer, rows: List[PromptRow], opts: "DistillOptions", sampler, stats) -> List[list]:
     """One conversation per row and sample, every assistant turn generated by the model."""
     from mlx_lm.generate import batch_generate
 
@@ -116,7 +192,7 @@ def _answer_batch(model, tokenizer, rows: List[PromptRow], opts: "DistillOptions
         ids = [_encode(tokenizer, convs[k]) for k in active]
         res = batch_generate(model, tokenizer, ids, max_tokens=opts.max_tokens, sampler=sampler)
         for k, text in zip(active, res.texts):
-            convs[k].append({"role": "assistant", "content": text})
+            convs[k].append({"role": "assistant", "content": _cut_loop(tokenizer, text, stats, opts.cut_loops)})
     return convs
 
 
@@ -128,42 +204,93 @@ def distill(
     log: Callable[[str], None] = print,
     progress: bool = True,
 ) -> Dict[str, int]:
-    """Write the model's replies to ``prompts`` into ``out_dir``; returns records per split."""
+    """Write the model's replies to ``prompts`` into ``out_dir``; returns records per split
+    (finished ones; fewer when the time budget ran out)."""
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
     opts.check()
-    splits = read_prompts(Path(prompts))
+    found = read_prompts(Path(prompts))
+    splits = {s: found[s] for s in opts.splits if s in found}
+    if not splits:
+        raise DataError(f"{prompts}: none of the splits {', '.join(opts.splits)}")
     path = resolve_model_path(model_path)
     model, tokenizer = mlx_lm.load(str(path))
     dtype = compute_dtype_for_device()
     if dtype is not None:
         cast_floating(model, dtype)
     sampler = make_sampler(opts.temperature, opts.top_p)
-    splits = _fitting(splits, tokenizer, _context(path) - opts.max_tokens, log)
+    limit = _context(path) - opts.max_tokens
+    if limit <= 0:
+        raise DataError(f"--max-tokens leaves no room for a prompt in the model's context ({limit} positions left)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    counts = {}
+    counts, t0 = {}, time.perf_counter()
     for split, rows in splits.items():
-        f = out / f"{split}.jsonl"
-        start = _done_lines(f) // opts.samples_per_prompt
-        if start:
-            log(f"[distill] {split}: {start} prompts already done, resuming")
-        bar = _bar(len(rows), start, split, progress)
-        mx.random.seed(opts.seed + start)  # resumed runs do not repeat the same draws
-        with open(f, "a", encoding="utf-8") as fh:
-            for i in range(start, len(rows), opts.batch_size):
-                batch = rows[i : i + opts.batch_size]
-                for k, conv in enumerate(_answer_batch(model, tokenizer, batch, opts, sampler)):
-                    fh.write(json.dumps(_record(batch[k // opts.samples_per_prompt], conv), ensure_ascii=False))
-                    fh.write("\n")
-                fh.flush()  # a killed run keeps every finished batch
-                if bar:
-                    bar.update(len(batch))
-        if bar:
-            bar.close()
-        counts[split] = len(rows) * opts.samples_per_prompt
+        stats = SplitStats()
+        rows = _selected(rows, tokenizer, limit, opts, stats)
+        counts[split] = _distill_split(
+            model, tokenizer, rows, out / f"{split}.jsonl", split, opts, sampler, stats, t0, log, progress
+        )
+        log(_summary(split, stats))
+        if stats.stopped:
+            log(f"[distill] time budget of {opts.time_budget:g} s spent; run again to continue")
+            break
     return counts
+
+
+def _distill_split(model, tokenizer, rows, f: Path, split, opts, sampler, stats: SplitStats, t0, log, progress) -> int:
+    start = _done_lines(f) // opts.samples_per_prompt
+    stats.written = start * opts.samples_per_prompt
+    if start:
+        log(f"[distill] {split}: {start} prompts already done, resuming")
+    bar = _bar(len(rows), start, split, progress)
+    mx.random.seed(opts.seed + start)  # resumed runs do not repeat the same draws
+    t_split = time.perf_counter()
+    with open(f, "a", encoding="utf-8") as fh:
+        for i in range(start, len(rows), opts.batch_size):
+            if opts.time_budget is not None and time.perf_counter() - t0 >= opts.time_budget:
+                stats.stopped = True
+                break
+            batch = rows[i : i + opts.batch_size]
+            for k, conv in enumerate(_answer_batch(model, tokenizer, batch, opts, sampler, stats)):
+                fh.write(json.dumps(_record(batch[k // opts.samples_per_prompt], conv), ensure_ascii=False))
+                fh.write("\n")
+                stats.written += 1
+            fh.flush()  # a killed run keeps every finished batch
+            stats.seconds = time.perf_counter() - t_split
+            if bar:
+                bar.set_postfix_str(f"{stats.tokens_per_second:.1f} tok/s", refresh=False)
+                bar.update(len(batch))
+    if bar:
+        bar.close()
+    return stats.written
+
+
+def _summary(split: str, st: SplitStats) -> str:
+    parts = [f"[distill] {split}: {st.written} replies"]
+    if st.seconds:
+        parts.append(f"{st.tokens} tokens generated in {st.seconds:.0f} s ({st.tokens_per_second:.1f} tok/s)")
+    if st.skipped_long:
+        parts.append(f"{st.skipped_long} prompts longer than {st.limit} tokens skipped")
+    if st.cut_loops:
+        parts.append(f"{st.cut_loops} replies cut at a repetition loop")
+    return ", ".join(parts)
+
+
+def _selected(rows: List[PromptRow], tokenizer, limit: int, opts: DistillOptions, stats: SplitStats):
+    """The prompts to answer, in the order they are generated: those that fit (counted),
+    the first ``max_prompts`` of them, sorted by length so a batch pads little.
+    Deterministic, so a resumed run skips the same rows."""
+    if opts.max_prompt_tokens is not None:
+        limit = min(limit, opts.max_prompt_tokens)
+    stats.limit = limit
+    # A conversation's last prompt, rendered with its original turns: the longest one answered.
+    sized = [(len(_encode(tokenizer, r.messages)), r) for r in rows]
+    keep = [(n, r) for n, r in sized if n <= limit]
+    stats.skipped_long = len(sized) - len(keep)
+    keep = keep[: opts.max_prompts]
+    return [r for _, r in sorted(keep, key=lambda nr: nr[0])]
 
 
 def _context(path: Path) -> int:
@@ -171,21 +298,6 @@ def _context(path: Path) -> int:
     cfg = json.loads((path / "config.json").read_text())
     n = cfg.get("max_position_embeddings")
     return n if isinstance(n, int) and n > 0 else 1 << 30
-
-
-def _fitting(splits: Dict[str, List[PromptRow]], tokenizer, limit: int, log) -> Dict[str, List[PromptRow]]:
-    """Drop prompts that leave no room for a reply in the context window (they would give
-    garbage past the last position). Deterministic, so resumed runs skip the same rows."""
-    if limit <= 0:
-        raise DataError(f"--max-tokens leaves no room for a prompt in the model's context ({limit} positions left)")
-    out = {}
-    for split, rows in splits.items():
-        # A conversation's last prompt, rendered with its original turns: the longest one answered.
-        keep = [r for r in rows if len(_encode(tokenizer, r.messages)) <= limit]
-        if len(keep) < len(rows):
-            log(f"[distill] {split}: {len(rows) - len(keep)} prompts longer than {limit} tokens skipped")
-        out[split] = keep
-    return out
 
 
 def _bar(total: int, initial: int, split: str, progress: bool) -> Optional[object]:
