@@ -57,6 +57,29 @@ def test_compiled_pass_equals_the_op_by_op_pass_across_capacity_growth(model_str
     assert caches["compiled"][0].capacity == 512
 
 
+def test_compiled_pass_after_a_pruned_pass_that_straddles_a_cache_growth(model_streams):
+    """A pruned pass writes every tree row in the lower layers but only the kept rows in
+    the stream layers: at 250 + 9 rows the lower layers' buffers grow past 256 and the
+    stream layers' do not. The next compiled pass must still run, and agree with the
+    op-by-op pass."""
+    model, streams = model_streams
+    fwd = SSPass(model, streams, compiled=True)
+    chain = Tree(tuple(range(10, 19)), tuple(range(-1, 8)))
+    caches = {"eager": _prefilled(model, 250), "compiled": _prefilled(model, 250)}
+    for c in caches.values():
+        out = ss_forward(model, streams, chain, 250, c, pruning_threshold=0.9999, num_streams=2)
+        assert len(out.kept) < len(chain)  # pruned: the stream layers wrote fewer rows
+        commit_ss(c, streams, out, [0])
+    caps = {c.capacity for c in caches["compiled"]}
+    root = Tree((21,), (-1,))
+    offset = caches["eager"][0].offset
+    ref = ss_forward(model, streams, root, offset, caches["eager"], num_streams=2)
+    got = fwd(root, offset, caches["compiled"], num_streams=2)
+    assert len(caps) > 1 and len({c.capacity for c in caches["compiled"]}) == 1
+    assert mx.allclose(ref.main_logits, got.main_logits, atol=1e-4).item()
+    assert mx.allclose(ref.stream_hidden, got.stream_hidden, atol=1e-4).item()
+
+
 def test_compiled_pass_sees_weights_changed_after_compiling(model_streams):
     """Weights are inputs of the compiled graph, not constants: updating the streams
     (as training does) changes the next compiled pass like the op-by-op one."""

@@ -64,6 +64,11 @@ class KVCache:
         if self.offset + n > self.capacity:
             self._grow(self.offset + n, self.keys, self.values)
 
+    def grow_to(self, capacity: int) -> None:
+        """Grow the buffers to at least ``capacity`` rows (stored rows are kept)."""
+        if self.capacity < capacity:
+            self._grow(capacity, self.keys, self.values)
+
     def adopt(self, keys: mx.array, values: mx.array, n: int) -> None:
         """Take buffers in which a step wrote ``n`` rows at the offset (see :class:`OffsetWriter`)."""
         self.keys, self.values = keys, values

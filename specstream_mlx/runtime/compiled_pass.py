@@ -106,6 +106,11 @@ class SSPass:
         msa_part = msa_part_for(parents, gamma, None if every else tuple(int(h) for h in host_idx))
         for c in cache:
             c.reserve(n)
+        # One capacity for every layer: the graph builds all masks from layer 0's. Layers
+        # can differ after a pruned pass, whose stream layers write only the kept rows.
+        capacity = max(c.capacity for c in cache)
+        for c in cache:
+            c.grow_to(capacity)
         keys: List[mx.array] = [c.keys for c in cache]
         values: List[mx.array] = [c.values for c in cache]
         main_logits, stream_hidden, s_logits, new_keys, new_values = self._fn(every)(
