@@ -1,5 +1,7 @@
 """Tree buffers and drafters, without a model."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -127,6 +129,26 @@ def test_tree_spec_parse(text, nodes):
 def test_tree_spec_parse_error():
     with pytest.raises(ValueError, match="bad tree spec"):
         TreeSpec.parse("bushy")
+
+
+@pytest.mark.parametrize(
+    "text, rule",
+    [
+        ("dynamic:0", "the budget and the depth must be at least 1"),
+        ("dynamic:-3", "the budget and the depth must be at least 1"),
+        ("dynamic:4,0", "the budget and the depth must be at least 1"),
+        ("topk:0,3", "K must be at least 1"),
+        ("topk:3,0", "DEPTH must be at least 1"),
+        ("chain:0", "N must be at least 1"),
+        ("cartesian:2x0", "every width must be at least 1"),
+    ],
+)
+def test_tree_specs_that_would_draft_nothing_are_refused(text, rule):
+    """Such specs used to run root-only passes silently (chain:0: an empty max())."""
+    with pytest.raises(ValueError, match=f"bad tree spec '{re.escape(text)}': {rule}"):
+        TreeSpec.parse(text)
+    with pytest.raises(ValueError, match="at least"):
+        TreeSpec("dynamic", budget=0)
 
 
 def test_hosting_policy_buffers():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -158,6 +158,17 @@ class TreeSpec:
     depth: int = 4
     hosts: int = 0
 
+    def __post_init__(self):
+        # A spec that would draft nothing is a mistake, not a root-only pass.
+        if self.kind not in ("cartesian", "dynamic"):
+            raise ValueError(f"tree kind must be cartesian or dynamic, got {self.kind!r}")
+        if self.kind == "cartesian" and (not self.widths or min(self.widths) < 1):
+            raise ValueError(f"{self.describe()}: every width must be at least 1 (and there must be one)")
+        if self.kind == "dynamic" and (self.budget < 1 or self.depth < 1):
+            raise ValueError(f"{self.describe()}: the budget and the depth must be at least 1")
+        if self.hosts < 0:
+            raise ValueError(f"{self.describe()}: the number of hosting nodes must be at least 0")
+
     @property
     def max_depth(self) -> int:
         # A dynamic tree of b nodes is at most b deep.
@@ -186,22 +197,40 @@ class TreeSpec:
             return replace(TreeSpec.parse(body), hosts=m)
         kind, _, arg = text.partition(":")
         try:
-            if kind == "cartesian":
-                return TreeSpec("cartesian", tuple(int(w) for w in arg.split("x")))
-            if kind == "topk":
-                k, d = (int(x) for x in arg.split(","))
-                return TreeSpec("cartesian", (k,) * d)
-            if kind == "chain":
-                return TreeSpec("cartesian", (1,) * int(arg))
-            if kind == "dynamic":
-                budget, _, depth = arg.partition(",")
-                return TreeSpec("dynamic", budget=int(budget), depth=int(depth) if depth else 4)
+            fields = TreeSpec._fields(kind, arg)
         except ValueError:
-            pass
+            fields = None
+        if fields is not None:
+            if kind == "topk" and fields["widths"] and fields["widths"][0] < 1:
+                raise ValueError(f"bad tree spec {text!r}: K must be at least 1")
+            if kind == "topk" and not fields["widths"]:
+                raise ValueError(f"bad tree spec {text!r}: DEPTH must be at least 1")
+            if kind == "chain" and not fields["widths"]:
+                raise ValueError(f"bad tree spec {text!r}: N must be at least 1")
+            try:
+                return TreeSpec(**fields)
+            except ValueError as e:
+                raise ValueError(f"bad tree spec {text!r}: {str(e).partition(': ')[2]}") from None
         raise ValueError(
             f"bad tree spec {text!r}; use cartesian:3x2x1, topk:K,DEPTH, chain:N, dynamic:BUDGET[,DEPTH] "
             "(each optionally @M: streams at the M likeliest endpoints) or auto"
         )
+
+
+    @staticmethod
+    def _fields(kind: str, arg: str) -> Optional[dict]:
+        """The constructor arguments a spec's text names (unchecked), or None for an unknown kind."""
+        if kind == "cartesian":
+            return dict(kind="cartesian", widths=tuple(int(w) for w in arg.split("x")))
+        if kind == "topk":
+            k, d = (int(x) for x in arg.split(","))
+            return dict(kind="cartesian", widths=(k,) * max(d, 0))
+        if kind == "chain":
+            return dict(kind="cartesian", widths=(1,) * max(int(arg), 0))
+        if kind == "dynamic":
+            budget, _, depth = arg.partition(",")
+            return dict(kind="dynamic", budget=int(budget), depth=int(depth) if depth else 4)
+        return None
 
 
 def cartesian_tree(root: int, candidates: Sequence[Sequence[int]], widths: Sequence[int]) -> Tree:
