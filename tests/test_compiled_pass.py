@@ -200,6 +200,8 @@ def test_auto_times_passes_and_plain_probes_without_changing_the_output(model_st
     # Every pass over a drafted tree is booked to its arm (exploring ones and those just
     # before a probe included), except the last, still running when we stopped.
     assert sum(auto.pass_timed.values()) == tree_passes - 1
+    # ... and to an arm the tuner has: sampled drafts used to be booked to a budget-0 arm.
+    assert set(auto.pass_timed) <= {(b, h) for b, h, _ in auto.arms()}, auto.pass_timed
     assert any(n >= A.TIME_MIN for n in auto.pass_timed.values())
     assert auto._online_cost(*max(auto.pass_timed, key=auto.pass_timed.get)) is not None
     if temperature == 0:

@@ -441,6 +441,13 @@ class AutoTree:
     plain_timed: int = 0
     since_probe: int = 0
 
+    def __post_init__(self):
+        # Start on an arm the tuner has a cost for (the largest budget up to the default),
+        # so the passes of the warm-up are booked to an arm it can choose.
+        budgets = sorted(b for b in self.costs if b > 0)
+        if budgets and self.budget not in budgets:
+            self.budget = max([b for b in budgets if b <= self.budget] or budgets[:1])
+
     def spec(self) -> TreeSpec:
         return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosts=self.hosting)
 

@@ -112,7 +112,9 @@ def draft_tree(
     draws = [rng.choice(q.shape[1], size=w, p=q[g]) for g, w in enumerate(widths)]
     tree = cartesian_tree(root, draws, widths)
     ranked = [c[2] for c in dynamic_candidates(top, ptop, len(tree) - 1)]
-    return Draft(tree, q, float(sum(ranked)), scores, all_depth, node_reach(tree, top, ptop))
+    # The budget it was drafted with, as for greedy trees: --tree auto books the pass's time to it.
+    budget = spec.budget if spec.kind == "dynamic" else 0
+    return Draft(tree, q, float(sum(ranked)), scores, all_depth, node_reach(tree, top, ptop), budget)
 
 
 def _budget_widths(budget: int, depth: int) -> tuple:
