@@ -98,6 +98,33 @@ def test_greedy_and_sampled_decoding_keep_separate_tuners(monkeypatch):
     assert sm.tuner(SamplingParams()) is g1 and sm.tuner(SamplingParams(temperature=1.0)) is s1
 
 
+def test_one_clients_fallback_does_not_switch_another_to_plain_decoding(monkeypatch):
+    """Back-off and acceptance evidence are per client; machine facts (costs, pass and
+    plain timings, the compiled choice) are shared, and measured once."""
+    import specstream_mlx.runtime.engine as engine
+    from specstream_mlx.runtime.sampling import SamplingParams
+
+    made = []
+    monkeypatch.setattr(
+        engine, "auto_tree_for", lambda *a, **k: made.append(1) or AutoTree({0: 1.0, 2: 1.2, 4: 1.5}, depth=4)
+    )
+    sm = engine.SpeculativeModel(base=None, streams=None)
+    greedy = SamplingParams()
+    a, b = sm.tuner(greedy, client="alice"), sm.tuner(greedy, client="bob")
+    assert a is not b and sm.tuner(greedy, client="alice") is a and len(made) == 1
+    assert a.costs is b.costs and a.pass_seconds is b.pass_seconds and a.budget == 4
+    a.observe_pass_seconds(4, 0, 0.5)
+    assert b.pass_timed[(4, 0)] == 1  # one client's timing is a machine fact for all
+    a.note_fallback()
+    assert not a.new_request()  # alice's next request decodes plainly ...
+    assert b.new_request() and sm.tuner(greedy).new_request()  # ... nobody else's
+    a.observe(3.0, 2, [0.9, 0.8, 0.5, 0.4], 4, 0, 4)
+    assert not b.scores_sum  # acceptance evidence stays with its client
+    for i in range(engine.MAX_CLIENT_TUNERS + 5):  # bounded: the least recently served go
+        sm.tuner(greedy, client=i)
+    assert len(sm.client_tuners) == engine.MAX_CLIENT_TUNERS and ("greedy", "alice") not in sm.client_tuners
+
+
 def test_step_costs_are_remeasured_when_stale_or_taken_under_load():
     from specstream_mlx.runtime.autotune import LOADED, MAX_COST_AGE_S, _fresh
 

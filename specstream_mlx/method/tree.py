@@ -216,7 +216,6 @@ class TreeSpec:
             "(each optionally @M: streams at the M likeliest endpoints) or auto"
         )
 
-
     @staticmethod
     def _fields(kind: str, arg: str) -> Optional[dict]:
         """The constructor arguments a spec's text names (unchecked), or None for an unknown kind."""

@@ -448,6 +448,22 @@ class AutoTree:
         if budgets and self.budget not in budgets:
             self.budget = max([b for b in budgets if b <= self.budget] or budgets[:1])
 
+    def for_client(self) -> "AutoTree":
+        """A tuner for another client: this one's machine facts (step costs, the compiled
+        choice, and the pass timings, shared so every client's measurements feed them),
+        none of its acceptance evidence or back-off."""
+        return AutoTree(
+            costs=self.costs,
+            depth=self.depth,
+            host_costs=self.host_costs,
+            compiled=self.compiled,
+            prune_levels=self.prune_levels,
+            pass_seconds=self.pass_seconds,
+            pass_timed=self.pass_timed,
+            plain_seconds=self.plain_seconds,
+            plain_timed=self.plain_timed,
+        )
+
     def spec(self) -> TreeSpec:
         return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosts=self.hosting)
 

@@ -9,6 +9,7 @@ be used wherever a plain MLX language model is expected.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -22,6 +23,8 @@ from ..models.base import ModelArgs
 from .autotune import AutoTree, auto_tree_for
 from .compiled_pass import SSPass
 from .sampling import SamplingParams
+
+MAX_CLIENT_TUNERS = 64
 
 
 @dataclass
@@ -44,6 +47,9 @@ class SpeculativeModel:
     streams: Optional[StreamParams] = None
     path: Optional[Path] = None
     tuners: Dict[str, AutoTree] = field(default_factory=dict)
+    # Per (kind, client): a tuner sharing its kind's machine facts, with its own acceptance
+    # evidence and back-off (one client's prompts must not switch another to plain decoding).
+    client_tuners: "OrderedDict[tuple, AutoTree]" = field(default_factory=OrderedDict, repr=False)
     compiled: Optional[bool] = field(default_factory=lambda: _compile_setting(os.environ.get("SPECSTREAM_COMPILE")))
     _passes: Dict[bool, SSPass] = field(default_factory=dict, repr=False)
 
@@ -68,14 +74,26 @@ class SpeculativeModel:
             p = self._passes[compiled] = SSPass(self.base, self.streams, compiled)
         return p
 
-    def tuner(self, sampling: SamplingParams, log: Optional[Callable[[str], None]] = None) -> AutoTree:
-        """The auto-tuner for this decoding kind, created (and costs measured) on first use."""
+    def tuner(
+        self, sampling: SamplingParams, log: Optional[Callable[[str], None]] = None, client: Any = None
+    ) -> AutoTree:
+        """The auto-tuner for this decoding kind, created (and costs measured) on first use;
+        with ``client``, that client's own tuner over the same machine facts."""
         kind = "greedy" if sampling.greedy else "sampled"
         if kind not in self.tuners:
             self.tuners[kind] = auto_tree_for(
                 self.base, self.streams, log, sampled=kind == "sampled", compiled=self.compiled
             )
-        return self.tuners[kind]
+        if client is None:
+            return self.tuners[kind]
+        key = (kind, client)
+        t = self.client_tuners.get(key)
+        if t is None:
+            t = self.client_tuners[key] = self.tuners[kind].for_client()
+            while len(self.client_tuners) > MAX_CLIENT_TUNERS:
+                self.client_tuners.popitem(last=False)  # the least recently served client
+        self.client_tuners.move_to_end(key)
+        return t
 
 
 def _compile_setting(value: Optional[str]) -> Optional[bool]:

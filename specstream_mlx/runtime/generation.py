@@ -90,12 +90,15 @@ def make_steps(
     tree: Union[None, str, TreeSpec] = None,
     pruning_threshold: Optional[float] = None,
     log: Optional[Callable[[str], None]] = None,
+    client: Any = None,
 ) -> Iterator[Step]:
-    """The step generator of a decoding mode; ``tree``/``pruning_threshold``/``log`` are ss-only."""
+    """The step generator of a decoding mode; ``tree``/``pruning_threshold``/``log``/``client`` are ss-only."""
     if mode == "ar":
         return ar_steps(base_model(model), ids, sampling, cache=cache)
     if mode == "ss":
-        return ss_steps(model, ids, sampling, cache=cache, tree=tree, pruning_threshold=pruning_threshold, log=log)
+        return ss_steps(
+            model, ids, sampling, cache=cache, tree=tree, pruning_threshold=pruning_threshold, log=log, client=client
+        )
     if mode == "lookup":
         return lookup_steps(base_model(model), ids, sampling, cache=cache)
     raise ValueError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
@@ -131,6 +134,7 @@ def stream_generate(
     tree: Union[None, str, TreeSpec] = None,
     pruning_threshold: Optional[float] = None,
     log: Optional[Callable[[str], None]] = None,
+    client: Any = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Stream a completion of ``prompt``; yields one response per forward pass.
 
@@ -145,6 +149,8 @@ def stream_generate(
         tree: ss only: a :class:`TreeSpec` or its text form, ``"auto"``, or None (default tree).
         pruning_threshold: ss only: early-exit pruning threshold; default the model's.
         log: ss only: where ``--tree auto`` reports that it is measuring step costs.
+        client: ss with ``tree="auto"``: whose acceptance evidence and back-off to use
+            (servers pass the client; default the model's shared tuner).
     """
     sampling = sampling or SamplingParams()
     ids = encode_prompt(tokenizer, prompt, use_chat_template)
@@ -157,7 +163,9 @@ def stream_generate(
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()
-    steps = make_steps(mode, model, mx.array(ids, dtype=mx.int32), sampling, cache, tree, pruning_threshold, log)
+    steps = make_steps(
+        mode, model, mx.array(ids, dtype=mx.int32), sampling, cache, tree, pruning_threshold, log, client
+    )
     tic = time.perf_counter()
     gen_start = None
     first_tokens = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, Generator, List, Optional, Sequence, Union
+from typing import Any, Dict, Generator, List, Optional, Sequence, Union
 
 from ..method.tree import TreeSpec
 from .cache import make_cache, trim_cache
@@ -112,12 +112,13 @@ class ChatSession:
         cancel: Optional[threading.Event] = None,
         reply: Optional[Reply] = None,
         tree: Union[None, str, TreeSpec] = "auto",
+        client: Any = None,
     ) -> Generator[str, None, Reply]:
         """Stream the reply to token ids ``ids``, yielding text deltas.
 
         Stops on EOS, ``max_tokens``, a stop string, or when ``cancel`` is set
         (``finish_reason`` "cancelled"). ``tree`` is the ss draft tree (default
-        ``auto``). Returns the :class:`Reply`."""
+        ``auto``); ``client`` keys auto's per-client state. Returns the :class:`Reply`."""
         if not ids:
             raise ValueError("empty prompt")
         reply = reply if reply is not None else Reply()
@@ -134,6 +135,7 @@ class ChatSession:
             use_chat_template=False,
             cache=self.cache,
             tree=tree if mode == "ss" else None,
+            client=client,
         )
         try:
             for r in gen:

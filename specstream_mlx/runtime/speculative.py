@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Generator, Optional, Union
+from typing import Any, Callable, Generator, Optional, Union
 
 import mlx.core as mx
 import numpy as np
@@ -69,11 +69,13 @@ class PassResult:
     resync: bool = False
 
 
-def plan_trees(sm: SpeculativeModel, tree: Union[None, str, TreeSpec], sampling: SamplingParams, log) -> TreePlan:
+def plan_trees(
+    sm: SpeculativeModel, tree: Union[None, str, TreeSpec], sampling: SamplingParams, log, client: Any = None
+) -> TreePlan:
     if isinstance(tree, str) and tree != "auto":
         tree = TreeSpec.parse(tree)
     if tree == "auto":
-        auto = sm.tuner(sampling, log)
+        auto = sm.tuner(sampling, log, client)
         budget = max(auto.costs)
         return TreePlan(auto.spec(), auto, num_candidates(auto.spec(), budget), budget)
     spec = tree or DEFAULT_TREE
@@ -225,6 +227,7 @@ def ss_steps(
     pruning_threshold: Optional[float] = None,
     prefill_chunk: int = 512,
     log: Optional[Callable[[str], None]] = None,
+    client: Any = None,
 ) -> Generator[Step, None, None]:
     """Speculative Streaming decoding; yields the tokens each pass decided.
 
@@ -239,11 +242,13 @@ def ss_steps(
         pruning_threshold: early-exit pruning threshold; default from specstream.json.
             Applied to greedy decoding only: under sampling the surviving children
             would no longer be draws from the proposal that verification assumes.
+        client: with ``tree="auto"``, whose acceptance evidence and back-off to use
+            (a server passes its client; None: the model's shared tuner).
     """
     sm = as_speculative(model, streams)
     if sm.streams is None:
         raise NoStreamsError("this model has no speculative streams; use --mode ar or lookup")
-    plan = plan_trees(sm, tree, sampling, log)
+    plan = plan_trees(sm, tree, sampling, log, client)
     cache = cache if cache is not None else make_cache(sm)
     if plan.auto is not None and not plan.auto.new_request():
         yield from _plain_fallback(sm.base, prompt, sampling, cache, prefill_chunk, plan.auto)

@@ -145,6 +145,7 @@ class App:
                     mode=req.mode,
                     stop=req.stop,
                     cancel=req.cancel,
+                    client=req.owner,
                 )
                 while True:
                     try:
