@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+from contextlib import contextmanager
 from typing import Optional
 
 REEXEC_ENV = "SPECSTREAM_BLAS_REEXEC"
@@ -129,6 +130,20 @@ def set_blas_threads(n: int) -> bool:
         return False
     syms[1](int(n))
     return True
+
+
+@contextmanager
+def using_blas_threads(n: Optional[int]):
+    """Run a block with ``n`` BLAS threads (None: as they are), then restore the previous count."""
+    before = blas_threads()
+    if n is None or before is None or n == before:
+        yield
+        return
+    set_blas_threads(n)
+    try:
+        yield
+    finally:
+        set_blas_threads(before)
 
 
 def blas_in_use() -> str:

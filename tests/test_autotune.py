@@ -154,10 +154,12 @@ def test_hosting_policy_is_an_arm_judged_by_its_own_acceptance():
     assert auto.spec().hosts == 0
 
 
-def test_blas_threads_are_chosen_by_measurement_and_restored_with_the_costs(tmp_path, monkeypatch, tiny_model_dir):
+def test_blas_threads_are_measured_stored_and_used_only_while_decoding(tmp_path, monkeypatch, tiny_model_dir):
     """Where the BLAS has a thread control (OpenBLAS, preloaded by `make test`), the faster
     count wins the timing, is stored with the step costs, and is set again when they are read."""
     import json
+
+    import mlx.core as mx
 
     import specstream_mlx.runtime.autotune as A
     from specstream_mlx import load
@@ -175,16 +177,28 @@ def test_blas_threads_are_chosen_by_measurement_and_restored_with_the_costs(tmp_
     monkeypatch.setattr(A, "_plain_step_seconds", lambda *a, **k: 1.0 if blas_threads() == 1 else 3.0)
     monkeypatch.setattr(A, "_timed", lambda fn, reps: 1.0 if blas_threads() == 1 else 3.0)
     try:
-        assert A.choose_blas_threads(model.base, model.streams) == 1 and blas_threads() == 1
+        # Chosen by measurement; the process keeps the count it had.
+        assert A.choose_blas_threads(model.base, model.streams) == 1 and blas_threads() == default
         monkeypatch.setattr(A, "CACHE_FILE", tmp_path / "costs.json")
-        monkeypatch.setattr(A, "measure_step_costs", lambda *a, **k: {0: 1.0, 2: 1.5})
-        A.load_or_measure_costs(model.base, model.streams)
+        monkeypatch.setattr(A, "measure_step_costs", lambda *a, **k: {0: 1.0, 2: 1.5} if blas_threads() == 1 else {})
+        assert A.load_or_measure_costs(model.base, model.streams)[3] == 1 and blas_threads() == default
         entries = list(json.loads((tmp_path / "costs.json").read_text()).values())
         assert [e["blas_threads"] for e in entries if "costs" in e] == [1]
         assert [e["threads"] for e in entries if "threads" in e] == [1]
-        set_blas_threads(default)
-        A.load_or_measure_costs(model.base, model.streams)  # from the cache: the stored count again
-        assert blas_threads() == 1
+        auto = A.auto_tree_for(model.base, model.streams)  # from the cache: the stored count again
+        assert auto.blas_threads == 1 and auto.costs == {0: 1.0, 2: 1.5} and blas_threads() == default
+        # Speculative decoding runs with it, and gives the process its count back when done.
+        from specstream_mlx.runtime.sampling import SamplingParams
+        from specstream_mlx.runtime.speculative import ss_steps
+
+        model.tuners["greedy"] = auto
+        seen = []
+        for _ in ss_steps(model, mx.array([3, 4, 5]), SamplingParams(), tree="auto"):
+            seen.append(blas_threads())
+            if len(seen) == 3:
+                break
+        assert seen == [1, 1, 1]
+        assert blas_threads() == default
     finally:
         set_blas_threads(default)
 

@@ -59,17 +59,30 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
+from ..io.bundles import cache_root
 from ..method.acceptance import greedy_accepted_node
 from ..method.msa import stream_logits
 from ..method.tree import Tree, TreeSpec, dynamic_tree, tree_buffers
-from ..platform_info import blas_in_use, blas_max_threads, set_blas_threads
+from ..platform_info import blas_in_use, blas_max_threads, using_blas_threads
 from .cache import make_cache
 from .compiled_pass import SSPass
 from .drafting import stream_candidates
 from .sampling import SamplingParams, target_probs
 
 CANDIDATE_BUDGETS = (2, 4, 8, 12, 16, 24)
-CACHE_FILE = Path(os.environ.get("SPECSTREAM_CACHE_DIR", Path.home() / ".cache" / "specstream-mlx")) / "step_costs.json"
+# Where measured step costs are kept: this path when set (tests), else step_costs.json in
+# $SPECSTREAM_CACHE_DIR, else in the user cache of converted models (cache_root()), read
+# at each use rather than at import.
+CACHE_FILE: Optional[Path] = None
+
+
+def cost_cache_file() -> Path:
+    if CACHE_FILE is not None:
+        return Path(CACHE_FILE)
+    env = os.environ.get("SPECSTREAM_CACHE_DIR")
+    return (Path(env).expanduser() if env else cache_root()) / "step_costs.json"
+
+
 WARMUP_STEPS = 6
 MAX_BACKOFF = 16
 EXPLORE_EVERY = 4
@@ -242,8 +255,9 @@ def _fresh(entry, now: float, load_now: float) -> bool:
 
 
 def choose_blas_threads(model, streams, context: int = 128, reps: int = 5, log=None) -> Optional[int]:
-    """The BLAS thread count that decodes fastest here, set for this process; None when the
-    BLAS has no thread control (Accelerate, a GPU) or runs one thread anyway.
+    """The BLAS thread count that decodes fastest here (the count in place before is
+    restored); None when the BLAS has no thread control (Accelerate, a GPU) or runs one
+    thread anyway.
 
     Speculative passes multiply a few rows by each weight matrix, where extra BLAS threads
     can cost more in synchronisation than they save (more so on a loaded machine), so
@@ -258,12 +272,11 @@ def choose_blas_threads(model, streams, context: int = 128, reps: int = 5, log=N
     forward = SSPass(model, streams)
     times = {}
     for n in sorted({1, default}):
-        set_blas_threads(n)
-        plain = _plain_step_seconds(model, cache, context, reps)
-        spec = _timed(_pass_fn(forward, cache, context, 4, False, HOSTING), reps)
+        with using_blas_threads(n):
+            plain = _plain_step_seconds(model, cache, context, reps)
+            spec = _timed(_pass_fn(forward, cache, context, 4, False, HOSTING), reps)
         times[n] = (plain * spec) ** 0.5
     best = min(times, key=times.get)
-    set_blas_threads(best)
     if log:
         log(
             f"BLAS threads: {best} (of {default}; "
@@ -274,9 +287,10 @@ def choose_blas_threads(model, streams, context: int = 128, reps: int = 5, log=N
 
 
 def _read_table() -> dict:
-    if CACHE_FILE.exists():
+    path = cost_cache_file()
+    if path.exists():
         try:
-            return json.loads(CACHE_FILE.read_text())
+            return json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             pass
     return {}
@@ -284,10 +298,11 @@ def _read_table() -> dict:
 
 def _write_table(table: dict) -> None:
     try:
-        CACHE_FILE.parent.mkdir(parents=True, exist_ok=True)
-        tmp = CACHE_FILE.with_suffix(".tmp")
+        path = cost_cache_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, CACHE_FILE)
+        os.replace(tmp, path)
     except OSError:
         pass  # a read-only home only costs a re-measurement next time
 
@@ -335,18 +350,17 @@ def choose_compiled(model, streams, context: int = 128, reps: int = 5, log=None)
 
 def _machine_choices(model, streams, table: dict, now: float, load_now: float, log, compiled: Optional[bool]):
     """(BLAS thread count, compiled passes) for this model on this machine (one per model,
-    shared by greedy and sampled decoding; the thread count is set for this process):
+    shared by greedy and sampled decoding; speculative decoding runs with that count):
     from the cache when fresh, else measured and stored. ``compiled`` not None is a
     choice already made (``SPECSTREAM_COMPILE``), not measured."""
     key = _model_key(model, streams, kind="machine")
     entry = table.get(key)
     fresh = isinstance(entry, dict) and _fresh(dict(entry, costs={}, host_costs={}), now, load_now)
     if fresh and (compiled is None or "compiled" in entry):
-        if entry.get("threads"):
-            set_blas_threads(int(entry["threads"]))
         return entry.get("threads"), entry.get("compiled", False) if compiled is None else compiled
     threads = choose_blas_threads(model, streams, log=log)
-    measured = choose_compiled(model, streams, log=log) if compiled is None else None
+    with using_blas_threads(threads):
+        measured = choose_compiled(model, streams, log=log) if compiled is None else None
     table[key] = {"threads": threads, "measured_at": now, "load": max(load_now, _load_per_core())}
     if measured is not None:
         table[key]["compiled"] = measured
@@ -356,9 +370,9 @@ def _machine_choices(model, streams, table: dict, now: float, load_now: float, l
 def load_or_measure_costs(
     model, streams, log=None, sampled: bool = False, compiled: Optional[bool] = None
 ) -> "tuple[Dict[int, float], Dict[int, float], bool]":
-    """(costs with streams at every node, costs with the hosting policy, compiled passes),
-    from the on-disk cache when fresh (and measured with this BLAS thread count and pass
-    kind), else measured now. ``compiled`` None lets the measurement choose."""
+    """(costs with streams at every node, costs with the hosting policy, compiled passes,
+    BLAS threads), from the on-disk cache when fresh (and measured with this BLAS thread
+    count and pass kind), else measured now. ``compiled`` None lets the measurement choose."""
     kind = "sampled" if sampled else "greedy"
     table = _read_table()
     now, load_now = time.time(), _load_per_core()
@@ -367,11 +381,12 @@ def load_or_measure_costs(
     entry = table.get(key)
     if _fresh(entry, now, load_now) and entry.get("blas_threads") == threads:
         costs = {int(k): v for k, v in entry["costs"].items()}
-        return costs, {int(k): v for k, v in entry["host_costs"].items()}, compiled
+        return costs, {int(k): v for k, v in entry["host_costs"].items()}, compiled, threads
     if log:
         log(f"measuring {kind} draft-tree step costs on this machine (cached per model)...")
-    costs = measure_step_costs(model, streams, sampled=sampled, compiled=compiled)
-    host_costs = measure_step_costs(model, streams, sampled=sampled, hosting=HOSTING, compiled=compiled)
+    with using_blas_threads(threads):
+        costs = measure_step_costs(model, streams, sampled=sampled, compiled=compiled)
+        host_costs = measure_step_costs(model, streams, sampled=sampled, hosting=HOSTING, compiled=compiled)
     table[key] = {
         "costs": costs,
         "host_costs": host_costs,
@@ -380,7 +395,7 @@ def load_or_measure_costs(
         "blas_threads": threads,
     }
     _write_table(table)
-    return costs, host_costs, compiled
+    return costs, host_costs, compiled, threads
 
 
 def auto_tree_for(model, streams, log=None, sampled: bool = False, compiled: Optional[bool] = None) -> "AutoTree":
@@ -389,8 +404,8 @@ def auto_tree_for(model, streams, log=None, sampled: bool = False, compiled: Opt
     (:class:`~specstream_mlx.runtime.engine.SpeculativeModel` does, per
     decoding kind) so acceptance statistics carry over between requests.
     Each generation starts with :meth:`AutoTree.new_request`."""
-    costs, host_costs, compiled = load_or_measure_costs(model, streams, log, sampled, compiled)
-    return AutoTree(costs, depth=streams.num_streams, host_costs=host_costs, compiled=compiled)
+    costs, host_costs, compiled, threads = load_or_measure_costs(model, streams, log, sampled, compiled)
+    return AutoTree(costs, depth=streams.num_streams, host_costs=host_costs, compiled=compiled, blas_threads=threads)
 
 
 @dataclass
@@ -440,6 +455,8 @@ class AutoTree:
     plain_seconds: float = 0.0
     plain_timed: int = 0
     since_probe: int = 0
+    # The BLAS thread count speculative decoding runs with (measured), or None: as set.
+    blas_threads: Optional[int] = None
 
     def __post_init__(self):
         # Start on an arm the tuner has a cost for (the largest budget up to the default),
@@ -457,6 +474,7 @@ class AutoTree:
             depth=self.depth,
             host_costs=self.host_costs,
             compiled=self.compiled,
+            blas_threads=self.blas_threads,
             prune_levels=self.prune_levels,
             pass_seconds=self.pass_seconds,
             pass_timed=self.pass_timed,

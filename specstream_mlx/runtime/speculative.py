@@ -24,6 +24,7 @@ from ..method.acceptance import Verdict, greedy_accepted_node
 from ..method.msa import SSOutput, all_stream_logits, commit_ss, stream_logits
 from ..method.streams import NoStreamsError, StreamParams
 from ..method.tree import Tree, TreeSpec, hosting_nodes
+from ..platform_info import using_blas_threads
 from .autotune import PLAIN_PROBE, AutoTree
 from .cache import make_cache
 from .drafting import Draft, draft_tree, num_candidates, stream_candidates
@@ -250,6 +251,14 @@ def ss_steps(
         raise NoStreamsError("this model has no speculative streams; use --mode ar or lookup")
     plan = plan_trees(sm, tree, sampling, log, client)
     cache = cache if cache is not None else make_cache(sm)
+    # auto decodes with the BLAS thread count it measured, restored when the generation ends.
+    with using_blas_threads(plan.auto.blas_threads if plan.auto is not None else None):
+        yield from _ss_loop(sm, plan, prompt, sampling, cache, pruning_threshold, prefill_chunk)
+
+
+def _ss_loop(
+    sm, plan: TreePlan, prompt, sampling, cache, pruning_threshold, prefill_chunk
+) -> Generator[Step, None, None]:
     if plan.auto is not None and not plan.auto.new_request():
         yield from _plain_fallback(sm.base, prompt, sampling, cache, prefill_chunk, plan.auto)
         return
