@@ -246,6 +246,9 @@ def test_auto_with_a_calibrated_threshold_stays_exact(tiny_model_dir):
     assert ss.tokens == ar
     auto = model.tuner(SamplingParams(), None)
     assert auto.prune_levels == (0.0, 0.05)
+    # Both levels were used, the pruned one on passes that did prune.
+    assert auto.prune_n.get(0.0, 0) > 0 and auto.prune_n.get(0.05, 0) > 0, auto.prune_n
+    assert ss.stats.pruned_nodes > 0
 
 
 def test_online_timings_replace_a_pessimistic_cost_table():

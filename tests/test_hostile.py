@@ -416,3 +416,46 @@ def test_stdio_id_that_is_not_text_is_invalid_id(tiny_model_dir):
     assert r.returncode == 0
     assert [e.get("code") for e in events if e["event"] == "error"] == ["invalid_id"]
     assert any(e["event"] == "done" and e["id"] == "ok" for e in events)
+
+
+def test_ctrl_c_ends_a_running_stream_with_a_final_chunk_and_done():
+    """Ctrl-C while a stream is being generated: the client gets a final chunk
+    (finish_reason "cancelled") and [DONE], and the server exits. Repeated, because a
+    KeyboardInterrupt raised at a random bytecode was sometimes swallowed (the server
+    then finished the request and never stopped)."""
+    import signal
+
+    from specstream_mlx.io.loading import resolve_model_path
+
+    body = json.dumps(
+        {"prompt": "CREATE TABLE t (a INT)\n--", "max_tokens": 900, "temperature": 100, "seed": 11, "stream": True}
+    ).encode()
+    for attempt in range(4):
+        proc, port = _start_server(resolve_model_path("demo-sql"), "--mode", "ar")
+        try:
+            c = socket.create_connection(("127.0.0.1", port), timeout=30)
+            c.sendall(
+                (
+                    f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n"
+                ).encode()
+                + body
+            )
+            first = b""
+            while b"data: {" not in first:
+                first += c.recv(4096)
+            time.sleep(0.05 * attempt)  # interrupt at different points of the generation
+            proc.send_signal(signal.SIGINT)
+            rest = first + _read_all(c, timeout=30)
+            c.close()
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            _, err = proc.communicate(timeout=30)
+        text = rest.decode(errors="replace")
+        # The OpenAI stream's final chunk (finish_reason "stop": the API has no "cancelled"), then [DONE].
+        final = text.rfind('"finish_reason": "stop"')
+        assert 0 <= final < text.find("data: [DONE]"), (attempt, text[-500:])
+        log = [line for line in err.decode().splitlines() if "cancelled after" in line]
+        assert len(log) == 1 and int(log[0].split("cancelled after ")[1].split()[0]) < 900, err.decode()[-1000:]

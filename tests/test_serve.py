@@ -258,7 +258,7 @@ def http_server(ss_model):
     proc.wait(timeout=30)
 
 
-def test_http_with_openai_client(http_server):
+def test_http_with_openai_client(http_server, ss_model):
     from openai import OpenAI
 
     base, model_id = http_server
@@ -276,6 +276,11 @@ def test_http_with_openai_client(http_server):
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == "length"
+    # Both paths give plain greedy decoding's reply (not merely each other's).
+    from specstream_mlx import generate, load
+
+    model, tok = load(str(ss_model), warn=False)
+    assert generate(model, tok, [{"role": "user", "content": "hi"}], max_tokens=8, mode="ar").text == text
     c = client.completions.create(model=model_id, prompt="abc", max_tokens=5, temperature=0)
     assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 5
     streamed = list(client.completions.create(model=model_id, prompt="abc", max_tokens=5, temperature=0, stream=True))

@@ -27,7 +27,9 @@ TREES = [
 ]
 
 
-def take(steps, n):
+def take(steps, n, pruned=None):
+    """The first ``n`` tokens and the passes they took; ``pruned`` (a list) collects the
+    nodes each pass pruned."""
     out, passes = [], 0
     while len(out) < n:
         step = next(steps)
@@ -36,6 +38,8 @@ def take(steps, n):
         assert not step.info.resync, "device and host acceptance disagree"
         out += step.tokens
         passes += 1
+        if pruned is not None:
+            pruned.append(step.info.pruned)
     return out[:n], passes
 
 
@@ -49,20 +53,26 @@ def pretend_trained(streams, seed=1):
 
 
 def check_exact(model, streams, vocab, n_prompts=6, n_tokens=24, seed=0, lengths=(1, 40), chunk=512):
+    """Greedy ss (and lookup) equal ar on random prompts, every third one with early-exit
+    pruning (which must prune something), plus a 250-token prompt whose pruned passes
+    cross the cache's 256-row growth."""
     rng = np.random.RandomState(seed)
-    for i in range(n_prompts):
-        L = int(rng.randint(*lengths))
+    pruned = []
+    for i in range(n_prompts + 1):
+        L = int(rng.randint(*lengths)) if i < n_prompts else 250
         prompt = mx.array(rng.randint(3, vocab, size=L).tolist())
         ref, _ = take(ar_steps(model, prompt, GREEDY, prefill_chunk=chunk), n_tokens)
         spec = TREES[i % len(TREES)]
-        thr = 0.02 if i % 3 == 2 else 0.0
+        thr = 0.02 if i % 3 == 2 or i == n_prompts else 0.0
         got, _ = take(
             ss_steps(model, prompt, GREEDY, streams=streams, tree=spec, pruning_threshold=thr, prefill_chunk=chunk),
             n_tokens,
+            pruned if thr else None,
         )
         assert got == ref, f"ss != ar (prompt {i}, len {L}, tree {spec.describe()}, prune {thr})"
         got, _ = take(lookup_steps(model, prompt, GREEDY, prefill_chunk=chunk), n_tokens)
         assert got == ref, f"lookup != ar (prompt {i}, len {L})"
+    assert sum(pruned) > 0, "the pruned runs pruned nothing: they did not test pruning"
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

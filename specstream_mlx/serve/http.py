@@ -22,6 +22,7 @@ import itertools
 import json
 import queue
 import select
+import signal
 import socket
 import sys
 import threading
@@ -119,6 +120,18 @@ class App:
         self.cache_owner: Any = None
         self.current: Optional[Tuple[GenerationRequest, "queue.Queue"]] = None
         self.jobs: "queue.Queue[Tuple[GenerationRequest, queue.Queue]]" = queue.Queue()
+        self.interrupted = False
+
+    def interrupt(self) -> None:
+        """Ctrl-C: the running generation stops at its next token (its cancel flag) and
+        :meth:`work_forever` returns. Called from the signal handler, which runs on the
+        working thread between two bytecodes: it only sets flags (no queue or lock the
+        interrupted code may hold). A raised KeyboardInterrupt could land inside a
+        finaliser and be swallowed, and the server would never stop."""
+        self.interrupted = True
+        current = self.current
+        if current is not None:
+            current[0].cancel.set()
 
     def submit(self, req: GenerationRequest) -> "queue.Queue":
         """Queue a generation; returns its events queue: ("delta", text), then
@@ -128,7 +141,7 @@ class App:
         return events
 
     def work_forever(self, stop_event: threading.Event) -> None:
-        while not stop_event.is_set():
+        while not stop_event.is_set() and not self.interrupted:
             try:
                 req, events = self.jobs.get(timeout=0.2)
             except queue.Empty:
@@ -639,11 +652,17 @@ def serve_http(model, tokenizer, model_id, mode, max_context, modes, host, port,
     http_thread = threading.Thread(target=server.serve_forever, daemon=True)
     http_thread.start()
     stop = threading.Event()
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: app.interrupt()) if on_main else None
     try:
         app.work_forever(stop)  # MLX work stays on this (the loading) thread
+        if app.interrupted:
+            app.cancel_all()  # queued requests get their final chunk too
     except KeyboardInterrupt:
         app.cancel_all()
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         stop.set()
         server.shutdown()
         server.server_close()
