@@ -100,11 +100,11 @@ class SplitStats:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def loop_start(tokens: List[int], max_period: int = 32, min_repeats: int = 3, min_span: int = 16) -> Optional[int]:
-    """Where a reply's repetition loop starts, or None: its tail repeats one period p
-    (≤ ``max_period``) at least ``min_repeats`` times over ≥ ``min_span`` tokens — the
+def find_loop(tokens: List[int], max_period: int = 32, min_repeats: int = 3, min_span: int = 16):
+    """A reply's repetition loop as (start, period), or None: its tail repeats one period
+    p (≤ ``max_period``) at least ``min_repeats`` times over ≥ ``min_span`` tokens — the
     "Cloud Computing, Cloud Computing, …" a small model falls into at temperature 0.
-    Returns the index of the loop's first token (the earliest start of the periodic tail)."""
+    ``start`` is the loop's first token (the earliest start of a periodic tail)."""
     n = len(tokens)
     best = None
     for p in range(1, max_period + 1):
@@ -114,9 +114,15 @@ def loop_start(tokens: List[int], max_period: int = 32, min_repeats: int = 3, mi
         while i - p >= 0 and tokens[i] == tokens[i - p]:
             i -= 1
         start = i - p + 1  # tokens[start:] is periodic with period p
-        if n - start >= max(min_repeats * p, min_span) and (best is None or start < best):
-            best = start
+        if n - start >= max(min_repeats * p, min_span) and (best is None or start < best[0]):
+            best = (start, p)
     return best
+
+
+def loop_start(tokens: List[int], **kw) -> Optional[int]:
+    """Where a reply's repetition loop starts (see :func:`find_loop`), or None."""
+    loop = find_loop(tokens, **kw)
+    return None if loop is None else loop[0]
 
 
 def read_prompts(path: Path) -> Dict[str, List[PromptRow]]:
@@ -171,10 +177,10 @@ def _cut_loop(tokenizer, text: str, stats: SplitStats, cut: bool) -> str:
     """``text`` (a reply) without the repeats of a repetition loop, counting tokens and cuts."""
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     stats.tokens += len(ids)
-    start = loop_start(ids) if cut else None
-    if start is None:
+    loop = find_loop(ids) if cut else None
+    if loop is None:
         return text
-    period = next(p for p in range(1, 33) if all(ids[i] == ids[i - p] for i in range(start + p, len(ids))))
+    start, period = loop
     stats.cut_loops += 1
     return tokenizer.decode(ids[: start + period])
 
