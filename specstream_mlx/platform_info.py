@@ -13,7 +13,6 @@ import os
 import platform
 import subprocess
 import sys
-from contextlib import contextmanager
 from typing import Optional
 
 REEXEC_ENV = "SPECSTREAM_BLAS_REEXEC"
@@ -114,36 +113,6 @@ def blas_threads() -> Optional[int]:
     """Threads the BLAS in this process uses for a matrix product, when it can be controlled."""
     syms = _openblas_symbols()
     return int(syms[0]()) if syms else None
-
-
-def blas_max_threads() -> Optional[int]:
-    """The most threads this process's BLAS can use (its processors), when it has a thread control."""
-    if _openblas_symbols() is None:
-        return None
-    return os.cpu_count() or 1
-
-
-def set_blas_threads(n: int) -> bool:
-    """Set the BLAS thread count (OpenBLAS); False when this process's BLAS has no such control."""
-    syms = _openblas_symbols()
-    if syms is None or n < 1:
-        return False
-    syms[1](int(n))
-    return True
-
-
-@contextmanager
-def using_blas_threads(n: Optional[int]):
-    """Run a block with ``n`` BLAS threads (None: as they are), then restore the previous count."""
-    before = blas_threads()
-    if n is None or before is None or n == before:
-        yield
-        return
-    set_blas_threads(n)
-    try:
-        yield
-    finally:
-        set_blas_threads(before)
 
 
 def blas_in_use() -> str:

@@ -129,45 +129,17 @@ def test_compiled_sampling_draws_what_the_op_by_op_pass_draws(model_streams):
     assert runs[0] == runs[1]
 
 
-def test_auto_compiles_passes_only_when_measured_faster(model_streams, monkeypatch, tmp_path):
-    """--tree auto times both pass kinds; compiling must win by the margin, the choice is
-    stored with the machine's other choices, and decoding then uses that pass kind."""
-    import specstream_mlx.runtime.autotune as A
+def test_auto_runs_the_pass_kind_the_model_is_set_to(model_streams, monkeypatch):
+    """Compiled passes are a setting (``SPECSTREAM_COMPILE=1``), not a measurement:
+    --tree auto runs the kind the model says, and op by op by default."""
+    from specstream_mlx.runtime.engine import SpeculativeModel as SM
 
     model, streams = model_streams
-
-    def fake_pass_fn(forward, *a, **k):
-        def fn():
-            pass
-
-        fn.compiled = forward.compiled
-        return fn
-
-    monkeypatch.setattr(A, "_pass_fn", fake_pass_fn)
-    monkeypatch.setattr(A, "_timed", lambda fn, reps: 0.5 if fn.compiled else 1.0)
-    cold = {True: 0.5, False: 1.0}
-    monkeypatch.setattr(A, "_cold_sequence_seconds", lambda m, s, compiled, *a, **k: cold[compiled])
-    assert A.choose_compiled(model, streams)
-    cold[True] = 1.5  # faster once traced, but tracing the shapes of dynamic trees costs more
-    assert not A.choose_compiled(model, streams)
-    cold[True] = 0.5
-    monkeypatch.setattr(A, "_timed", lambda fn, reps: 0.99 if fn.compiled else 1.0)
-    assert not A.choose_compiled(model, streams)  # within the margin: op by op
-    monkeypatch.setattr(A, "_timed", lambda fn, reps: 0.85 if fn.compiled else 1.0)
-    assert not A.choose_compiled(model, streams)  # 15% is not enough to pay for tracing either
-
-    monkeypatch.setattr(A, "_timed", lambda fn, reps: 0.5 if fn.compiled else 1.0)
-    monkeypatch.setattr(A, "_plain_step_seconds", lambda *a, **k: 1.0)
-    monkeypatch.setattr(A, "CACHE_FILE", tmp_path / "costs.json")
-    monkeypatch.setattr(A, "measure_step_costs", lambda *a, **k: {0: 1.0, 2: 0.9, 4: 0.9})
-    assert A.load_or_measure_costs(model, streams)[2] is True
-    monkeypatch.setattr(A, "_timed", lambda fn, reps: 1.0)  # the stored choice is reused, not re-measured
-    assert A.load_or_measure_costs(model, streams)[2] is True
-    assert A.load_or_measure_costs(model, streams, compiled=False)[2] is False  # an explicit choice wins
-
-    sm = SpeculativeModel(model, streams, compiled=None)
-    list(zip(range(12), ss_steps(sm, mx.array([5, 17, 33, 2]), SamplingParams(), tree="auto")))
-    assert sm.tuners["greedy"].compiled and list(sm._passes) == [True]
+    for env, want in (("1", True), ("", False), ("0", False)):
+        monkeypatch.setenv("SPECSTREAM_COMPILE", env)
+        sm = SM(model, streams)
+        list(zip(range(12), ss_steps(sm, mx.array([5, 17, 33, 2]), SamplingParams(), tree="auto")))
+        assert sm.tuners["greedy"].compiled is want and list(sm._passes) == [want]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
@@ -182,9 +154,9 @@ def test_auto_times_passes_and_plain_probes_without_changing_the_output(model_st
 
     model, streams = model_streams
     monkeypatch.setattr(A, "PLAIN_EVERY", 5)
-    monkeypatch.setattr(engine, "auto_tree_for", lambda *a, **k: A.AutoTree({0: 1.0, 2: 1.1, 4: 1.2}, depth=3))
+    monkeypatch.setattr(engine, "auto_policy_for", lambda *a, **k: A.AutoPolicy(A.PassCosts(), depth=3))
     # Keep drafting trees whatever the timings say (this test is about the probes, not the choice).
-    monkeypatch.setattr(A.AutoTree, "choose", lambda self: self.budget)
+    monkeypatch.setattr(A.AutoPolicy, "_choose", lambda self: None)
     sm = SpeculativeModel(model, streams, compiled=False)
     prompt = mx.array([5, 17, 33, 2, 90, 41, 7])
     sampling = SamplingParams(temperature=temperature, top_p=0.9, seed=3)
@@ -196,14 +168,15 @@ def test_auto_times_passes_and_plain_probes_without_changing_the_output(model_st
         probes += step.info.tree is None and step.info.accepted == 0 and len(step.tokens) == 1
         tree_passes += step.info.nodes > 0
     auto = sm.tuners["greedy" if temperature == 0 else "sampled"]
-    assert probes >= 2 * A.PLAIN_PROBE and auto.plain_timed >= A.TIME_MIN
+    costs = auto.costs
+    assert probes >= 2 * A.PLAIN_PROBE and costs.plain_n >= A.TIME_MIN
     # Every pass over a drafted tree is booked to its arm (exploring ones and those just
     # before a probe included), except the last, still running when we stopped.
-    assert sum(auto.pass_timed.values()) == tree_passes - 1
-    # ... and to an arm the tuner has: sampled drafts used to be booked to a budget-0 arm.
-    assert set(auto.pass_timed) <= {(b, h) for b, h, _ in auto.arms()}, auto.pass_timed
-    assert any(n >= A.TIME_MIN for n in auto.pass_timed.values())
-    assert auto._online_cost(*max(auto.pass_timed, key=auto.pass_timed.get)) is not None
+    assert sum(costs.timed.values()) == tree_passes - 1
+    # ... and to an arm the policy has: sampled drafts used to be booked to a budget-0 arm.
+    assert set(costs.timed) <= set(auto.arms()), costs.timed
+    assert any(n >= A.TIME_MIN for n in costs.timed.values())
+    assert costs.measured(max(costs.timed, key=costs.timed.get)) is not None
     if temperature == 0:
         ref, _ = take(ar_steps(model, prompt, sampling), 90)
         assert out[:90] == ref

@@ -1,16 +1,18 @@
 """Verification of a draft tree against the target (main-stream) distributions.
 
-Pure functions over numpy arrays; randomness comes from an explicit
-``numpy.random.Generator``. Both rules walk the tree from the root: at each
-node they decide which child (if any) continues the output, and end with one
-"bonus" token drawn from the target at the last accepted node, so every pass
-yields at least one token.
+Both rules walk the tree from the root: at each node they decide which child
+(if any) continues the output, and end with one "bonus" token from the target
+at the last accepted node, so every pass yields at least one token. The greedy
+rule is a host walk over the target's argmax (:func:`greedy_accepted_node` finds
+the same node on the device); the sampled rule runs on the device for every node
+at once (:func:`rrs_decisions`, randomness from an explicit MLX key) and the host
+only walks its per-node results.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -45,59 +47,97 @@ def greedy_verify(tokens: Sequence[int], children: Sequence[Sequence[int]], targ
         cur = nxt
 
 
-def rrs_step(p: np.ndarray, q: np.ndarray, drafts: Sequence[int], rng: np.random.Generator):
-    """Recursive rejection sampling over sibling drafts at one node.
-
-    ``drafts`` were drawn i.i.d. from ``q`` (with replacement). Try them in
-    order: accept x with probability min(1, p(x)/q(x)); on rejection replace p
-    by the residual norm(max(p - q, 0)) and try the next. Why lossless: each
-    trial is one standard speculative-sampling step whose target is the current
-    residual, and the next draft is independent of the previous trials, so the
-    returned token is distributed exactly as p (Chen et al. 2023; Yang et al.
-    2024, multi-draft RRS). Returns (index of accepted draft or None, residual).
-    """
-    p = p.astype(np.float64)
-    q = q.astype(np.float64)
-    for i, x in enumerate(drafts):
-        if rng.random() * q[x] < p[x]:
-            return i, p
-        r = np.maximum(p - q, 0.0)
-        s = r.sum()
-        # s == 0 only when p == q, in which case x is accepted with probability 1.
-        if s > 0:
-            p = r / s
-    return None, p
+def child_table(tokens: Sequence[int], children: Sequence[Sequence[int]]) -> "tuple[np.ndarray, np.ndarray]":
+    """(n, W) the children's tokens of every node in trial order (0 past the last), and
+    (n,) how many each node has; W is the most children any node has."""
+    W = max((len(c) for c in children), default=0)
+    table = np.zeros((len(children), W), dtype=np.int32)
+    for i, kids in enumerate(children):
+        table[i, : len(kids)] = [tokens[c] for c in kids]
+    return table, np.array([len(c) for c in children], dtype=np.int32)
 
 
-def sample_verify(
-    tokens: Sequence[int],
-    children: Sequence[Sequence[int]],
-    depths: Sequence[int],
-    target_probs: np.ndarray,
-    draft_probs: np.ndarray,
-    rng: np.random.Generator,
-) -> Verdict:
-    """Lossless verification of a tree whose children at depth g+1 are i.i.d.
-    draws from ``draft_probs[g]`` (the same draws under every parent).
+def rrs_decisions(
+    target: mx.array,
+    draft_q: Optional[mx.array],
+    kid_tokens: np.ndarray,
+    kid_count: np.ndarray,
+    depths: np.ndarray,
+    key: mx.array,
+) -> "tuple[mx.array, mx.array]":
+    """Recursive rejection sampling at every node of a tree at once, on the device.
+
+    At a node whose children were drawn i.i.d. (with replacement) from ``q``, the
+    proposal at its depth, try them in order: accept x with probability
+    min(1, p(x)/q(x)); on rejection replace p by the residual norm(max(p - q, 0))
+    and try the next; if all are rejected, draw the bonus token from what is left.
+    Why lossless: each trial is one standard speculative-sampling step whose target
+    is the current residual, and the next draft is independent of the previous
+    trials, so the token that leaves a node is distributed exactly as p (Chen et al.
+    2023; Yang et al. 2024, multi-draft RRS). A node's trials depend only on its own
+    target and children, and the draws of different nodes are independent, so every
+    node's are run at once and the host walks from the root (:func:`walk_decisions`):
+    it sees exactly the sequential procedure, and only ``2n`` integers leave the device.
 
     Args:
-        target_probs: (n, V) target distribution at each node.
-        draft_probs: (depth, V) distribution the children at each depth were drawn from.
+        target: (n, V) target probabilities per node.
+        draft_q: (D, V) the distribution the children at each depth were drawn from
+            (None when the tree has no children).
+        kid_tokens, kid_count: :func:`child_table` of the tree.
+        depths: (n,) node depths (the children of a node at depth d come from draft_q[d]).
+        key: the PRNG key of this verification.
+
+    Returns:
+        Lazy (n,) int32 arrays: the index of the first accepted child (-1: none) and a
+        token drawn from the residual left after every child was rejected (the
+        target itself at a leaf).
     """
+    n, W = kid_tokens.shape
+    k_trials, k_bonus = mx.random.split(key)
+    p = target.astype(mx.float32)
+    first = mx.full((n,), -1, dtype=mx.int32)
+    if W and draft_q is not None:
+        rows = np.minimum(np.asarray(depths), draft_q.shape[0] - 1).astype(np.int32)
+        q = draft_q.astype(mx.float32)
+        u = mx.random.uniform(shape=(n, W), key=k_trials)
+        for k in range(W):
+            # Trial k runs only at the nodes with more than k children (the host knows which).
+            at = np.flatnonzero(kid_count > k)
+            if at.size == 0:
+                break
+            idx = mx.array(at.astype(np.int32))
+            x = mx.array(kid_tokens[at, k : k + 1])
+            pk, qk = p[idx], q[mx.array(rows[at])]
+            px, qx = mx.take_along_axis(pk, x, axis=1)[:, 0], mx.take_along_axis(qk, x, axis=1)[:, 0]
+            first[idx] = mx.where((first[idx] < 0) & (u[idx, k] * qx < px), k, first[idx])
+            r = mx.maximum(pk - qk, 0.0)
+            s = r.sum(axis=1, keepdims=True)
+            # s == 0 only when p == q, where the draft was accepted with probability 1 anyway.
+            p[idx] = mx.where(s > 0, r / mx.maximum(s, 1e-30), pk)
+    bonus = draw_rows(p, mx.random.uniform(shape=(n, 1), key=k_bonus))[:, 0]
+    return first, bonus
+
+
+def draw_rows(probs: mx.array, u: mx.array) -> mx.array:
+    """Inverse-CDF draws: for each row of ``probs`` (..., V), one token per uniform in ``u``
+    (..., k): the first whose cumulative probability exceeds u times the row's total.
+    (Cheaper than Gumbel-max over the vocabulary: one cumulative sum, no V random numbers.)
+    A token of probability 0 is never drawn, even where rounding puts u at the very end."""
+    cdf = mx.cumsum(probs.astype(mx.float32), axis=-1)
+    at = (cdf[..., None, :] <= (u * cdf[..., -1:])[..., None]).sum(axis=-1)
+    V = probs.shape[-1]
+    last = V - 1 - mx.argmax((probs > 0)[..., ::-1], axis=-1, keepdims=True)  # the last possible token
+    return mx.minimum(at, last).astype(mx.int32)
+
+
+def walk_decisions(children: Sequence[Sequence[int]], first: np.ndarray, bonus: np.ndarray) -> Verdict:
+    """The verdict of sampled verification from :func:`rrs_decisions`' per-node results:
+    from the root, follow the accepted child until a node accepts none; its bonus ends it."""
     cur, path = 0, [0]
-    while True:
-        kids = children[cur]
-        p = target_probs[cur]
-        if kids:
-            q = draft_probs[depths[cur]]
-            i, p = rrs_step(p, q, [tokens[c] for c in kids], rng)
-            if i is not None:
-                cur = kids[i]
-                path.append(cur)
-                continue
-        p = np.asarray(p, dtype=np.float64)
-        bonus = int(rng.choice(p.shape[0], p=p / p.sum()))
-        return Verdict(path, bonus)
+    while first[cur] >= 0:
+        cur = children[cur][int(first[cur])]
+        path.append(cur)
+    return Verdict(path, int(bonus[cur]))
 
 
 def greedy_accepted_node(tokens: Sequence[int], buffers, target_argmax: mx.array) -> mx.array:

@@ -15,6 +15,7 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
+from ..method.acceptance import draw_rows
 from ..method.tree import Tree, TreeSpec, cartesian_tree, dynamic_candidates, dynamic_tree
 from .sampling import SamplingParams, target_probs
 
@@ -25,7 +26,7 @@ class Draft:
 
     Attributes:
         tree: the draft tree rooted at the bonus token.
-        draft_q: (depth, V) distributions the sampled children were drawn from.
+        draft_q: (depth, V) distributions the sampled children were drawn from (on the device).
         predicted: expected accepted length of this tree if streams were calibrated.
         scores: path scores of the best-first candidates (for --tree auto).
         candidate_depth: how many streams deep those candidates went.
@@ -36,7 +37,7 @@ class Draft:
     """
 
     tree: Tree
-    draft_q: Optional[np.ndarray] = None
+    draft_q: Optional[mx.array] = None
     predicted: float = 0.0
     scores: Optional[List[float]] = None
     candidate_depth: int = 0
@@ -45,13 +46,18 @@ class Draft:
     from_hosting: int = 0
 
 
-def stream_candidates(logits: mx.array, K: int, sampling: SamplingParams):
-    """Device-side candidates of stream logits (..., γ, V): the top-K token ids
-    and their probabilities in descending order, and (sampling only) the
-    processed distributions the drafts are drawn from. Lazy: the caller
-    evaluates them in the same sync as verification."""
+def stream_candidates(
+    logits: mx.array, K: int, sampling: SamplingParams, key: Optional[mx.array] = None, draws: int = 0
+):
+    """Device-side candidates of stream logits (..., γ, V): the top-K token ids and
+    their probabilities in descending order and, when sampling, the processed
+    distributions the drafts are drawn from and ``draws`` i.i.d. draws from each (with
+    ``key``), so only the draws leave the device. Lazy: the caller evaluates them in
+    the same sync as verification."""
     logits = logits.astype(mx.float32)
-    probs = mx.softmax(logits, axis=-1)
+    # Sampled drafts are drawn from the processed distributions; their top-K are the candidates
+    # (one softmax over the vocabulary, not two).
+    probs = mx.softmax(logits, axis=-1) if sampling.greedy else target_probs(logits, sampling)
     K = min(K, logits.shape[-1])
     if K < logits.shape[-1]:
         part = mx.argpartition(-probs, kth=K - 1, axis=-1)[..., :K]
@@ -61,8 +67,9 @@ def stream_candidates(logits: mx.array, K: int, sampling: SamplingParams):
     order = mx.argsort(-ptop, axis=-1)
     top = mx.take_along_axis(part, order, axis=-1)
     ptop = mx.take_along_axis(ptop, order, axis=-1)
-    q = None if sampling.greedy else target_probs(logits, sampling)
-    return top, ptop, q
+    if sampling.greedy:
+        return top, ptop, None, None
+    return top, ptop, probs, draw_rows(probs, mx.random.uniform(shape=(*probs.shape[:-1], max(draws, 1)), key=key))
 
 
 def num_candidates(spec: TreeSpec, score_budget: int = 0) -> int:
@@ -74,25 +81,25 @@ def draft_tree(
     root: int,
     top: np.ndarray,
     ptop: np.ndarray,
-    q: Optional[np.ndarray],
+    q: Optional[mx.array],
     spec: TreeSpec,
     sampling: SamplingParams,
-    rng: np.random.Generator,
     score_budget: int = 0,
+    drawn: Optional[np.ndarray] = None,
 ) -> Draft:
     """Next draft tree from the stream candidates of the last accepted node.
 
-    ``top``/``ptop``: (γ, K) top tokens and probabilities per stream; ``q``:
-    (γ, V) processed distributions when sampling. Greedy: Cartesian or dynamic
-    tree over the top-k. Sampling: i.i.d. draws from each stream's processed
-    distribution, shared by every parent at that depth (what
-    :func:`sample_verify` needs to stay lossless).
+    ``top``/``ptop``: (γ, K) top tokens and probabilities per stream. Greedy:
+    Cartesian or dynamic tree over the top-k. Sampling: ``drawn`` (γ, ≥ widths)
+    i.i.d. draws from each stream's processed distribution ``q`` (γ, V, on the
+    device), shared by every parent at that depth (what lossless verification
+    needs); ``q`` is kept for it.
     """
     depth = min(spec.max_depth, top.shape[0])
     if depth == 0:
         return Draft(Tree((root,), (-1,)))
     # --tree auto scores every budget on all the hosted streams, which may go
-    # deeper than this tree (see autotune.AutoTree.next_pass).
+    # deeper than this tree (see autotune.AutoPolicy.plan_pass).
     all_depth = top.shape[0]
     scores = [c[2] for c in dynamic_candidates(top, ptop, score_budget)] if score_budget else None
     top, ptop = top[:depth], ptop[:depth]
@@ -106,15 +113,25 @@ def draft_tree(
         reach = node_reach(tree, top, ptop)
         predicted = float(reach[1:].sum()) if spec.kind == "cartesian" else float(sum(own[: spec.budget]))
         return Draft(tree, None, predicted, scores, all_depth, reach, spec.budget if spec.kind == "dynamic" else 0)
-    q = np.asarray(q[:depth], dtype=np.float64)
-    q /= q.sum(axis=-1, keepdims=True)
-    widths = spec.widths[:depth] if spec.kind == "cartesian" else _budget_widths(spec.budget, depth)
-    draws = [rng.choice(q.shape[1], size=w, p=q[g]) for g, w in enumerate(widths)]
-    tree = cartesian_tree(root, draws, widths)
+    widths = sample_widths(spec, depth)
+    if max(widths) > drawn.shape[1]:
+        raise ValueError(f"{spec.describe()}: needs {max(widths)} draws per stream, got {drawn.shape[1]}")
+    tree = cartesian_tree(root, [drawn[g, :w] for g, w in enumerate(widths)], widths)
     ranked = [c[2] for c in dynamic_candidates(top, ptop, len(tree) - 1)]
     # The budget it was drafted with, as for greedy trees: --tree auto books the pass's time to it.
     budget = spec.budget if spec.kind == "dynamic" else 0
-    return Draft(tree, q, float(sum(ranked)), scores, all_depth, node_reach(tree, top, ptop), budget)
+    return Draft(tree, q[:depth], float(sum(ranked)), scores, all_depth, node_reach(tree, top, ptop), budget)
+
+
+def sample_widths(spec: TreeSpec, depth: int) -> tuple:
+    """Children per node at each depth of a sampled tree of ``spec``, ``depth`` levels deep."""
+    return spec.widths[:depth] if spec.kind == "cartesian" else _budget_widths(spec.budget, depth)
+
+
+def max_draws(spec: TreeSpec) -> int:
+    """Draws per stream a sampled tree of ``spec`` can need, however deep it can go
+    (a shallower tree of the same budget may be wider)."""
+    return max(max(sample_widths(spec, d)) for d in range(1, spec.max_depth + 1))
 
 
 def _budget_widths(budget: int, depth: int) -> tuple:

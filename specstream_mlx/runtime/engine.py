@@ -20,7 +20,7 @@ from ..io.adapters import fuse_adapter_into
 from ..io.loading import ModelLoadError, load_model_dir
 from ..method.streams import StreamParams
 from ..models.base import ModelArgs
-from .autotune import AutoTree, auto_tree_for
+from .autotune import AutoPolicy, auto_policy_for
 from .compiled_pass import SSPass
 from .sampling import SamplingParams
 
@@ -35,22 +35,20 @@ class SpeculativeModel:
         base: the causal LM (main stream); its logits never depend on the streams.
         streams: stream embeddings, stream LoRA and pruning adapter; None for a plain model.
         path: the model directory, when loaded from one.
-        tuners: ``--tree auto`` state per decoding kind ("greedy", "sampled"):
+        tuners: ``--tree auto`` policies per decoding kind ("greedy", "sampled"):
             greedy and sampled passes draft different trees and cost differently.
         compiled: run speculative passes as compiled graphs where possible
-            (:mod:`.compiled_pass`): True or False, or None (default) to let
-            ``--tree auto`` measure which is faster here (fixed trees then run op
-            by op). ``SPECSTREAM_COMPILE=1`` / ``0`` sets it.
+            (:mod:`.compiled_pass`); default False (op by op), ``SPECSTREAM_COMPILE=1`` sets it.
     """
 
     base: nn.Module
     streams: Optional[StreamParams] = None
     path: Optional[Path] = None
-    tuners: Dict[str, AutoTree] = field(default_factory=dict)
+    tuners: Dict[str, AutoPolicy] = field(default_factory=dict)
     # Per (kind, client): a tuner sharing its kind's machine facts, with its own acceptance
     # evidence and back-off (one client's prompts must not switch another to plain decoding).
-    client_tuners: "OrderedDict[tuple, AutoTree]" = field(default_factory=OrderedDict, repr=False)
-    compiled: Optional[bool] = field(default_factory=lambda: _compile_setting(os.environ.get("SPECSTREAM_COMPILE")))
+    client_tuners: "OrderedDict[tuple, AutoPolicy]" = field(default_factory=OrderedDict, repr=False)
+    compiled: bool = field(default_factory=lambda: os.environ.get("SPECSTREAM_COMPILE", "").strip() == "1")
     _passes: Dict[bool, SSPass] = field(default_factory=dict, repr=False)
 
     def __call__(self, *args, **kwargs):
@@ -66,8 +64,8 @@ class SpeculativeModel:
 
     def ss_pass(self, compiled: Optional[bool] = None) -> SSPass:
         """The speculative pass of this model and its streams, compiled or op by op
-        (default: as ``self.compiled`` says, op by op when undecided). Kept here, so
-        compiled graphs are traced once per shape for the life of the model."""
+        (default: as ``self.compiled`` says). Kept here, so compiled graphs are traced
+        once per shape for the life of the model."""
         compiled = bool(self.compiled if compiled is None else compiled)
         p = self._passes.get(compiled)
         if p is None or p.streams is not self.streams:
@@ -76,14 +74,13 @@ class SpeculativeModel:
 
     def tuner(
         self, sampling: SamplingParams, log: Optional[Callable[[str], None]] = None, client: Any = None
-    ) -> AutoTree:
-        """The auto-tuner for this decoding kind, created (and costs measured) on first use;
-        with ``client``, that client's own tuner over the same machine facts."""
+    ) -> AutoPolicy:
+        """The ``--tree auto`` policy for this decoding kind, created on first use (with the
+        costs stored for this model here, if any); with ``client``, that client's own
+        policy over the same machine facts."""
         kind = "greedy" if sampling.greedy else "sampled"
         if kind not in self.tuners:
-            self.tuners[kind] = auto_tree_for(
-                self.base, self.streams, log, sampled=kind == "sampled", compiled=self.compiled
-            )
+            self.tuners[kind] = auto_policy_for(self.base, self.streams, kind == "sampled", bool(self.compiled), log)
         if client is None:
             return self.tuners[kind]
         key = (kind, client)
@@ -94,10 +91,6 @@ class SpeculativeModel:
                 self.client_tuners.popitem(last=False)  # the least recently served client
         self.client_tuners.move_to_end(key)
         return t
-
-
-def _compile_setting(value: Optional[str]) -> Optional[bool]:
-    return {"1": True, "0": False}.get((value or "").strip())
 
 
 def as_speculative(model: Any, streams: Optional[StreamParams] = None) -> SpeculativeModel:

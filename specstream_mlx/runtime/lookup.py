@@ -10,7 +10,7 @@ import numpy as np
 from ..method.msa import prefix_tree_mask
 from ..method.tree import Tree, tree_buffers
 from .cache import commit_cache, make_cache
-from .sampling import SamplingParams
+from .sampling import KeyStream, SamplingParams
 from .steps import Step, StepInfo, prefill
 from .verification import verification_target, verify
 
@@ -41,7 +41,7 @@ def lookup_steps(
 ) -> Generator[Step, None, None]:
     """Prompt-lookup decoding verified exactly like ``ss`` (lossless)."""
     cache = cache if cache is not None else make_cache(model)
-    rng = np.random.default_rng(sampling.seed)
+    keys = KeyStream(sampling.seed)
     history = prompt.tolist()
     prefill(model, prompt[:-1], cache, prefill_chunk)
     root = history[-1]
@@ -53,14 +53,13 @@ def lookup_steps(
         positions = mx.array((offset + buf.depths)[None].astype(np.int32))
         mask = prefix_tree_mask(offset, buf.ancestor_mask)
         logits = model(mx.array([tree.tokens], dtype=mx.int32), cache=cache, positions=positions, mask=mask)[0]
-        target = verification_target(logits, sampling)
-        mx.eval(target)
         # A deterministic draft is a one-hot proposal: accept x with prob p(x).
         q = None
         if not sampling.greedy and draft:
-            q = np.zeros((len(draft), logits.shape[-1]))
-            q[np.arange(len(draft)), draft] = 1.0
-        verdict = verify(tree, buf, sampling, np.array(target), q, rng)
+            q = (mx.arange(logits.shape[-1])[None] == mx.array(draft)[:, None]).astype(mx.float32)
+        target = verification_target(logits, sampling, tree, buf, q, None if sampling.greedy else keys.next())
+        mx.eval(target)
+        verdict = verify(tree, buf, sampling, np.array(target))
         commit_cache(cache, verdict.path)
         new = [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
         history.extend(new)

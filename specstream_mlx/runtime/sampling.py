@@ -50,8 +50,8 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-def target_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
-    """Log-probabilities (..., V) after temperature, top-k and top-p; removed tokens get -inf."""
+def processed_logits(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Logits (..., V) after temperature, top-k and top-p; removed tokens get -inf."""
     logits = logits.astype(mx.float32)
     if params.temperature > 0:
         logits = logits / params.temperature
@@ -70,12 +70,20 @@ def target_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
         inverse = mx.argsort(order, axis=-1)
         keep = mx.take_along_axis(keep_sorted, inverse, axis=-1)
         logits = mx.where(keep, logits, -mx.inf)
+    return logits
+
+
+def target_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Log-probabilities (..., V) after temperature, top-k and top-p; removed tokens get -inf."""
+    logits = processed_logits(logits, params)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def target_probs(logits: mx.array, params: SamplingParams) -> mx.array:
-    """The target distribution (..., V) after temperature, top-k and top-p."""
-    return mx.exp(target_logprobs(logits, params))
+    """The target distribution (..., V) after temperature, top-k and top-p. One
+    exponential per element (a softmax), not two (exp of log-probabilities): over a
+    real vocabulary and a tree's rows, the exponentials are what sampled passes cost."""
+    return mx.softmax(processed_logits(logits, params), axis=-1)
 
 
 def sample_token(logits: mx.array, params: SamplingParams, key: Optional[mx.array]) -> mx.array:

@@ -24,10 +24,9 @@ from ..method.acceptance import Verdict, greedy_accepted_node
 from ..method.msa import SSOutput, all_stream_logits, commit_ss, stream_logits
 from ..method.streams import NoStreamsError, StreamParams
 from ..method.tree import Tree, TreeSpec, hosting_nodes
-from ..platform_info import using_blas_threads
-from .autotune import PLAIN_PROBE, AutoTree
+from .autotune import FixedPolicy, PassPlan
 from .cache import make_cache
-from .drafting import Draft, draft_tree, num_candidates, stream_candidates
+from .drafting import Draft, draft_tree, max_draws, stream_candidates
 from .engine import SpeculativeModel, as_speculative
 from .sampling import KeyStream, SamplingParams, sample_token
 from .steps import Step, StepInfo, ar_steps, prefill
@@ -43,44 +42,36 @@ EAGER_STREAM_LOGITS = 1 << 16
 
 
 @dataclass
-class TreePlan:
-    """Which trees this generation drafts.
-
-    Attributes:
-        spec: the tree shape of the next pass.
-        auto: the ``--tree auto`` tuner, or None for a fixed tree.
-        candidates: top-K per stream to fetch (enough for every budget auto scores).
-        score_budget: largest budget auto scores (0 without auto).
-    """
-
-    spec: TreeSpec
-    auto: Optional[AutoTree]
-    candidates: int
-    score_budget: int
-
-
-@dataclass
 class PassResult:
     """Host-side outcome of one pass: the verdict and the next draft's candidates."""
 
     verdict: Verdict
     top: np.ndarray  # (γ, K) stream candidate tokens at the accepted node
     ptop: np.ndarray  # (γ, K) their probabilities
-    q: Optional[np.ndarray]  # (γ, V) proposal distributions (sampling only)
+    q: Optional[mx.array] = None  # (γ, V) proposal distributions, on the device (sampling only)
+    drawn: Optional[np.ndarray] = None  # (γ, K) i.i.d. draws from them (sampling only)
     resync: bool = False
 
 
-def plan_trees(
-    sm: SpeculativeModel, tree: Union[None, str, TreeSpec], sampling: SamplingParams, log, client: Any = None
-) -> TreePlan:
-    if isinstance(tree, str) and tree != "auto":
-        tree = TreeSpec.parse(tree)
+def make_policy(
+    sm: SpeculativeModel,
+    tree: Union[None, str, TreeSpec],
+    sampling: SamplingParams,
+    pruning_threshold: Optional[float],
+    log=None,
+    client: Any = None,
+):
+    """The policy of one generation: ``auto``'s (kept by the model, per client), else a fixed tree."""
+    threshold = sm.streams.config.pruning_threshold if pruning_threshold is None else pruning_threshold
+    if not sampling.greedy:
+        threshold = 0.0  # lossless sampling: see ss_steps
     if tree == "auto":
-        auto = sm.tuner(sampling, log, client)
-        budget = max(auto.costs)
-        return TreePlan(auto.spec(), auto, num_candidates(auto.spec(), budget), budget)
-    spec = tree or DEFAULT_TREE
-    return TreePlan(spec, None, num_candidates(spec), 0)
+        policy = sm.tuner(sampling, log, client)
+        # With the model's own threshold auto chooses between it and no pruning, by measurement.
+        policy.new_request((0.0, threshold) if pruning_threshold is None else (threshold,))
+        return policy
+    spec = TreeSpec.parse(tree) if isinstance(tree, str) else tree or DEFAULT_TREE
+    return FixedPolicy(spec, threshold)
 
 
 def _usable(arrays, slot: int, shift: int):
@@ -104,7 +95,7 @@ def verify_greedy(sm: SpeculativeModel, out: SSOutput, K: int, sampling: Samplin
         mx.eval(am, node_dev, *cand[:2])
     else:
         mx.eval(am, node_dev)
-    verdict = verify(out.tree, out.buffers, sampling, np.array(am), None, None)
+    verdict = verify(out.tree, out.buffers, sampling, np.array(am))
     node = verdict.path[-1]
     resync = node != int(node_dev.item())
     if resync and has_hosts and slot[node] >= 0:  # not expected; the host verdict wins
@@ -114,54 +105,49 @@ def verify_greedy(sm: SpeculativeModel, out: SSOutput, K: int, sampling: Samplin
         top, ptop = np.zeros((0, K), np.int32), np.zeros((0, K), np.float32)
     else:
         top, ptop = _usable((np.array(cand[0]), np.array(cand[1])), int(slot[node]), int(shift[node]))
-    return PassResult(verdict, top, ptop, None, resync)
+    return PassResult(verdict, top, ptop, resync=resync)
 
 
 def verify_sampled(
-    sm: SpeculativeModel, out: SSOutput, K: int, sampling: SamplingParams, draft: Draft, rng: np.random.Generator
+    sm: SpeculativeModel, out: SSOutput, K: int, sampling: SamplingParams, draft: Draft, keys: KeyStream, draws: int
 ) -> PassResult:
-    """Rejection-sampling verification; stream candidates in the same sync when small."""
+    """Rejection-sampling verification on the device (only per-node decisions come back);
+    stream candidates and draws in the same sync when small, else after it for the
+    accepted node's host only."""
     slot, shift = out.sources()
     n_stream_logits = out.stream_hidden.shape[0] * out.stream_hidden.shape[1] * sm.args.vocab_size
     eager = 0 < n_stream_logits <= EAGER_STREAM_LOGITS
-    target = verification_target(out.main_logits, sampling)
-    cand = stream_candidates(all_stream_logits(sm.base, out), K, sampling) if eager else None
-    mx.eval(target, *(cand or ()))
-    verdict = verify(out.tree, out.buffers, sampling, np.array(target), draft.draft_q, rng)
+    decisions = verification_target(out.main_logits, sampling, out.tree, out.buffers, draft.draft_q, keys.next())
+    cand = stream_candidates(all_stream_logits(sm.base, out), K, sampling, keys.next(), draws) if eager else None
+    mx.eval(decisions, *(cand or ()))
+    verdict = verify(out.tree, out.buffers, sampling, np.array(decisions))
     node = verdict.path[-1]
     s, sh = int(slot[node]), int(shift[node])
     if s < 0:
         empty = np.zeros((0, K))
-        return PassResult(verdict, empty.astype(np.int32), empty, empty)
+        return PassResult(verdict, empty.astype(np.int32), empty)
     if eager:
-        top, ptop, q = (np.array(a[s]) for a in cand)
+        top, ptop, q, drawn = (a[s] for a in cand)
     else:
-        cand = stream_candidates(stream_logits(sm.base, out, s), K, sampling)
-        mx.eval(*cand)
-        top, ptop, q = (np.array(a) for a in cand)
-    top, ptop, q = _usable((top, ptop, q), s, sh)
-    return PassResult(verdict, top, ptop, q)
+        top, ptop, q, drawn = stream_candidates(stream_logits(sm.base, out, s), K, sampling, keys.next(), draws)
+        mx.eval(top, ptop, q, drawn)
+    top, ptop, q, drawn = _usable((top, ptop, q, drawn), s, sh)
+    return PassResult(verdict, np.array(top), np.array(ptop), q, np.array(drawn))
 
 
-def _timed_plain(auto: AutoTree, steps) -> Generator[Step, None, None]:
-    """Plain steps, each timed from one resume to the next (the consumer's work included,
-    as for tree passes) for auto's online costs."""
+def _plain_rest(model, root: int, sampling, cache, policy, reason: str) -> Generator[Step, None, None]:
+    """Plain decoding from the decided, not yet cached ``root`` to the end of the request,
+    each token timed from one resume to the next (the consumer's work included, as for
+    tree passes) for the policy's costs."""
     t = None
-    for step in steps:
+    for i, step in enumerate(ar_steps(model, mx.array([root]), sampling, cache=cache)):
+        if i == 0:
+            step.info.fallback = reason
         yield step
         now = time.perf_counter()
         if t is not None:
-            auto.observe_plain_seconds(now - t)
+            policy.record_plain(now - t)
         t = now
-
-
-def _plain_fallback(model, prompt, sampling, cache, prefill_chunk, auto) -> Generator[Step, None, None]:
-    """--tree auto fell back on recent requests: decode plainly (trees are re-tried later)."""
-    steps = ar_steps(model, prompt, sampling, cache=cache, prefill_chunk=prefill_chunk)
-    first = next(steps)
-    first.info.fallback = "plain decoding: draft trees did not pay off on recent requests (re-tried later)"
-    yield first
-    yield from _timed_plain(auto, steps)
 
 
 def plain_probe(
@@ -194,28 +180,18 @@ def plain_probe(
     return tok.item()
 
 
-def _book_pass(auto: Optional[AutoTree], timing) -> None:
-    """Book a timed pass's wall time, from its start until now, to its arm."""
-    if timing is not None:
-        auto.observe_pass_seconds(*timing[0], time.perf_counter() - timing[1])
+def _hosts(draft: Draft, hosting: int) -> Optional[np.ndarray]:
+    """The nodes that host streams under hosting mode ``hosting`` (None: every node)."""
+    if hosting and draft.reach is not None and len(draft.tree) > hosting + 1:
+        return hosting_nodes(draft.tree.parents, draft.reach, hosting)
+    return None
 
 
-def _observe_draft(auto: AutoTree, draft: Draft, accepted: int) -> None:
-    """Tell the tuner what the verified draft predicted and how much of it was accepted."""
-    auto.observe(draft.predicted, accepted, draft.scores, draft.candidate_depth, draft.from_hosting, draft.budget)
-
-
-def _probe(sm: SpeculativeModel, auto: AutoTree, token: int, sampling, cache, rng) -> Generator[Step, None, Draft]:
-    """A timed plain probe from the decided ``token``; returns the next draft: its last
-    token alone (plain steps leave no stream states to draft a tree from)."""
-    seed = int(rng.integers(2**31))
-    root = yield from plain_probe(sm.base, token, PLAIN_PROBE, sampling, cache, seed, auto.observe_plain_seconds)
-    return Draft(Tree((root,), (-1,)))
-
-
-def _auto_fallback_reason(auto: AutoTree) -> str:
-    best = max(auto.expected_speedup(b, h) for b, h, _ in auto.arms())
-    return f"plain decoding: no draft tree is expected to be faster on this machine (best {best:.2f}x)"
+def _step(out: SSOutput, res: PassResult, plan: PassPlan) -> Step:
+    tokens = [out.tree.tokens[i] for i in res.verdict.path[1:]] + [res.verdict.bonus]
+    nodes = len(out.kept) + out.pruned - 1
+    info = StepInfo(res.verdict.accepted, nodes, out.pruned, plan.label, resync=res.resync)
+    return Step(tokens, info)
 
 
 def ss_steps(
@@ -249,79 +225,43 @@ def ss_steps(
     sm = as_speculative(model, streams)
     if sm.streams is None:
         raise NoStreamsError("this model has no speculative streams; use --mode ar or lookup")
-    plan = plan_trees(sm, tree, sampling, log, client)
-    cache = cache if cache is not None else make_cache(sm)
-    # auto decodes with the BLAS thread count it measured, restored when the generation ends.
-    with using_blas_threads(plan.auto.blas_threads if plan.auto is not None else None):
-        yield from _ss_loop(sm, plan, prompt, sampling, cache, pruning_threshold, prefill_chunk)
+    policy = make_policy(sm, tree, sampling, pruning_threshold, log, client)
+    try:
+        yield from _ss_loop(sm, policy, prompt, sampling, cache if cache is not None else make_cache(sm), prefill_chunk)
+    finally:
+        policy.finish()
 
 
-def _ss_loop(
-    sm, plan: TreePlan, prompt, sampling, cache, pruning_threshold, prefill_chunk
-) -> Generator[Step, None, None]:
-    if plan.auto is not None and not plan.auto.new_request():
-        yield from _plain_fallback(sm.base, prompt, sampling, cache, prefill_chunk, plan.auto)
-        return
-    threshold = sm.streams.config.pruning_threshold if pruning_threshold is None else pruning_threshold
-    if not sampling.greedy:
-        threshold = 0.0  # lossless sampling: see the docstring
-    if plan.auto is not None:
-        # auto with the model's own threshold chooses between it and no pruning, by measurement.
-        plan.auto.set_pruning_levels((0.0, threshold) if pruning_threshold is None else (threshold,))
-    rng = np.random.default_rng(sampling.seed)
-    forward = sm.ss_pass(plan.auto.compiled if plan.auto is not None else None)
+def _ss_loop(sm: SpeculativeModel, policy, prompt, sampling, cache, prefill_chunk) -> Generator[Step, None, None]:
+    """Pass after pass as the policy plans them: verify the draft and draft the next tree
+    from the accepted node's streams, or decode timed plain tokens when it asks."""
+    rng, keys = np.random.default_rng(sampling.seed), KeyStream(sampling.seed)
+    forward = sm.ss_pass(policy.compiled)
     prefill(sm.base, prompt[:-1], cache, prefill_chunk)
     draft = Draft(Tree((int(prompt[-1].item()),), (-1,)))
-    spec = plan.spec
-    timing = None  # auto: (arm, start) of the pass whose wall time is being measured
     while True:
-        _book_pass(plan.auto, timing)
-        timing = None
-        # Streams deeper than the next tree can use are not hosted (fewer MSA rows),
-        # except on auto's exploration passes.
-        hosted, hosting = plan.auto.next_pass() if plan.auto is not None else (spec.max_depth, spec.hosts)
-        if plan.auto is not None and len(draft.tree) > 1:
-            # Exploring passes count too: running an arm includes them.
-            timing = ((draft.budget, plan.auto.hosting), time.perf_counter())
-        hosts = None
-        if hosting and draft.reach is not None and len(draft.tree) > hosting + 1:
-            hosts = hosting_nodes(draft.tree.parents, draft.reach, hosting)
-        thr = plan.auto.pruning_threshold() if plan.auto is not None else threshold
-        t_pass = time.perf_counter()
-        out = forward(draft.tree, cache[0].offset, cache, thr, hosted, hosts)
+        plan = policy.plan_pass()
+        if plan.plain is not None:
+            yield from _plain_rest(sm.base, draft.tree.tokens[0], sampling, cache, policy, plan.plain)
+            return
+        if plan.probe:
+            seed = int(rng.integers(2**31))
+            root = yield from plain_probe(
+                sm.base, draft.tree.tokens[0], plan.probe, sampling, cache, seed, policy.record_plain
+            )
+            draft = Draft(Tree((root,), (-1,)))  # plain steps leave no streams to draft from
+            continue
+        t = time.perf_counter()
+        hosts = _hosts(draft, plan.hosting)
+        out = forward(draft.tree, cache[0].offset, cache, plan.threshold, plan.hosted, hosts)
         if sampling.greedy:
-            res = verify_greedy(sm, out, plan.candidates, sampling)
+            res = verify_greedy(sm, out, policy.candidates, sampling)
         else:
-            res = verify_sampled(sm, out, plan.candidates, sampling, draft, rng)
-        if plan.auto is not None and len(draft.tree) > 1:
-            plan.auto.observe_pruning(thr, time.perf_counter() - t_pass, res.verdict.accepted + 1)
+            res = verify_sampled(sm, out, policy.candidates, sampling, draft, keys, max_draws(plan.spec))
         commit_ss(cache, sm.streams, out, res.verdict.path)
-        tokens = [out.tree.tokens[i] for i in res.verdict.path[1:]] + [res.verdict.bonus]
-        info = StepInfo(
-            accepted=res.verdict.accepted,
-            nodes=len(out.kept) + out.pruned - 1,
-            pruned=out.pruned,
-            tree=spec.describe(),
-            resync=res.resync,
-        )
-        if plan.auto is not None:
-            auto = plan.auto
-            if len(draft.tree) > 1:
-                _observe_draft(auto, draft, res.verdict.accepted)
-            if auto.choose() is None:
-                info.fallback = _auto_fallback_reason(auto)
-                auto.note_fallback()
-                yield Step(tokens, info)
-                yield from _timed_plain(auto, ar_steps(sm.base, mx.array([res.verdict.bonus]), sampling, cache=cache))
-                return
-            spec = auto.spec()
-            info.tree = "auto:" + spec.describe()
-            if auto.plain_probe_due():
-                yield Step(tokens, info)
-                _book_pass(auto, timing)  # before the probe, which is timed on its own
-                timing = None
-                draft = yield from _probe(sm, auto, res.verdict.bonus, sampling, cache, rng)
-                continue
-        draft = draft_tree(res.verdict.bonus, res.top, res.ptop, res.q, spec, sampling, rng, plan.score_budget)
-        draft.from_hosting = hosting if hosts is not None else 0
-        yield Step(tokens, info)
+        bonus = res.verdict.bonus
+        nxt = draft_tree(bonus, res.top, res.ptop, res.q, plan.spec, sampling, policy.score_budget, res.drawn)
+        nxt.from_hosting = plan.hosting if hosts is not None else 0
+        yield _step(out, res, plan)
+        policy.record(plan, draft, res.verdict.accepted, time.perf_counter() - t)
+        draft = nxt

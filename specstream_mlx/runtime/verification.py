@@ -1,10 +1,11 @@
 """One verification path for every speculative engine (ss and lookup).
 
-:func:`verification_target` is the lazy device-side input (the target's
-argmax when greedy, its processed distribution when sampling), evaluated by
-the engine in the same sync as whatever else the pass needs;
-:func:`verify` applies the pure rule of :mod:`specstream_mlx.method.acceptance`
-on the host.
+:func:`verification_target` is the lazy device-side result (the target's argmax
+per node when greedy; when sampling, per node the first accepted child and the
+bonus token of recursive rejection sampling, computed on the device), evaluated
+by the engine in the same sync as whatever else the pass needs; :func:`verify`
+turns it into the verdict on the host with the pure rules of
+:mod:`specstream_mlx.method.acceptance`.
 """
 
 from __future__ import annotations
@@ -14,32 +15,31 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..method.acceptance import Verdict, greedy_verify, sample_verify
+from ..method.acceptance import Verdict, child_table, greedy_verify, rrs_decisions, walk_decisions
 from ..method.tree import Tree, TreeBuffers
 from .sampling import SamplingParams, target_probs
 
 
-def verification_target(main_logits: mx.array, sampling: SamplingParams) -> mx.array:
-    """(n,) argmax per node when greedy, else (n, V) target probabilities; lazy."""
+def verification_target(
+    main_logits: mx.array,
+    sampling: SamplingParams,
+    tree: Optional[Tree] = None,
+    buffers: Optional[TreeBuffers] = None,
+    draft_q: Optional[mx.array] = None,
+    key: Optional[mx.array] = None,
+) -> mx.array:
+    """Greedy: (n,) argmax per node. Sampling: (2, n) per node the first accepted child
+    (-1: none) and the bonus token, for ``tree`` whose children at depth d+1 were drawn
+    from ``draft_q[d]`` (None: no children), with PRNG ``key``. Lazy."""
     if sampling.greedy:
         return mx.argmax(main_logits, axis=-1)
-    return target_probs(main_logits, sampling)
+    kids, count = child_table(tree.tokens, buffers.children)
+    first, bonus = rrs_decisions(target_probs(main_logits, sampling), draft_q, kids, count, buffers.depths, key)
+    return mx.stack([first, bonus])
 
 
-def verify(
-    tree: Tree,
-    buffers: TreeBuffers,
-    sampling: SamplingParams,
-    target: np.ndarray,
-    draft_q: Optional[np.ndarray],
-    rng: np.random.Generator,
-) -> Verdict:
-    """The accepted path and bonus token of ``tree`` given the evaluated target.
-
-    ``draft_q``: (depth, V) distributions the children at each depth were
-    drawn from (sampling only; None when the tree has no drafts)."""
+def verify(tree: Tree, buffers: TreeBuffers, sampling: SamplingParams, target: np.ndarray) -> Verdict:
+    """The accepted path and bonus token of ``tree`` given the evaluated target."""
     if sampling.greedy:
         return greedy_verify(tree.tokens, buffers.children, target)
-    if draft_q is None:
-        draft_q = np.zeros((0, target.shape[1]))
-    return sample_verify(tree.tokens, buffers.children, buffers.depths, target, draft_q, rng)
+    return walk_decisions(buffers.children, target[0], target[1])

@@ -1,0 +1,126 @@
+"""Offline pass costs: one bare speculative pass of a ``b``-node tree over one bare
+pipelined plain step, on a synthetic prefix (``examples/step_cost.py`` prints them).
+
+``--tree auto`` does not use these: it times the passes of real generations, which
+include what a generation adds per step (sampling, syncs, the consumer). They are the
+tool for comparing pass kinds, hosting policies and machines without a workload.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict
+
+import mlx.core as mx
+import numpy as np
+
+from ..method.acceptance import greedy_accepted_node
+from ..method.msa import stream_logits
+from ..method.tree import Tree, dynamic_tree, tree_buffers
+from ..runtime.cache import make_cache
+from ..runtime.compiled_pass import SSPass
+from ..runtime.drafting import stream_candidates
+from ..runtime.sampling import KeyStream, SamplingParams
+from ..runtime.verification import verification_target
+
+BUDGETS = (2, 4, 8, 12, 16, 24)
+
+
+def synthetic_tree(budget: int, depth: int) -> Tree:
+    """A dynamic tree shape of ``budget`` nodes; its tokens do not matter for cost."""
+    K = max(1, min(budget, 8))
+    probs = np.sort(np.random.default_rng(0).dirichlet(np.ones(K), size=depth), axis=1)[:, ::-1]
+    tokens = np.tile(np.arange(3, 3 + K), (depth, 1))
+    return dynamic_tree(1, tokens, probs, budget)
+
+
+def timed(fn, reps: int) -> float:
+    """The least disturbed of ``reps`` timed runs after a warm-up (robust to other load)."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.min(ts))
+
+
+def plain_step_seconds(model, cache, context: int, reps: int) -> float:
+    """Seconds of one plain step, pipelined like ``ar_steps``."""
+
+    def plain(n=8):
+        y = mx.argmax(model(mx.array([[5]]), cache=cache)[:, -1], axis=-1)
+        mx.async_eval(y)
+        for _ in range(n):
+            nxt = mx.argmax(model(y.reshape(1, 1), cache=cache)[:, -1], axis=-1)
+            mx.async_eval(nxt)
+            y.item()
+            y = nxt
+        y.item()
+        for c in cache:
+            c.trim(c.offset - context)
+
+    return timed(plain, reps) / 9
+
+
+def pass_fn(forward: SSPass, cache, context: int, b: int, sampled: bool, hosting: int = 0):
+    """One pass of budget ``b`` as the engine runs it: forward, its syncs, commit, next
+    tree. ``hosting``: streams at the root and this many other nodes (0: every node)."""
+    model, streams = forward.model, forward.streams
+    depth = streams.num_streams
+    tree = synthetic_tree(b, depth)
+    kind = SamplingParams(temperature=1.0 if sampled else 0.0)
+    hosts = None
+    if hosting:
+        deepest = np.argsort(-tree_buffers(tree.parents).depths, kind="stable")[:hosting]
+        hosts = np.unique(np.concatenate([[0], deepest]))
+
+    q = mx.softmax(mx.random.normal((depth, model.args.vocab_size), key=mx.random.key(0)), axis=-1)
+    keys = KeyStream(0)
+
+    def step():
+        out = forward(tree, context, cache, num_streams=min(depth, b), hosts=hosts)
+        if sampled:
+            # Verification and draws on the device; per-node decisions and draws come back.
+            dec = verification_target(out.main_logits, kind, out.tree, out.buffers, q, keys.next())
+            cand = stream_candidates(stream_logits(model, out, 0), 8, kind, keys.next())  # host slot 0
+            mx.eval(dec, *cand)
+            np.array(dec), np.array(cand[3])
+            top, ptop = np.array(cand[0]), np.array(cand[1])
+        else:
+            am = mx.argmax(out.main_logits, axis=-1)
+            node = greedy_accepted_node(out.tree.tokens, out.buffers, am)
+            cand = stream_candidates(stream_logits(model, out, node), 8, kind)
+            mx.eval(am, node, *cand[:2])
+            top, ptop = np.array(cand[0]), np.array(cand[1])
+        for c in cache:
+            c.commit([0, len(tree) - 1] if len(tree) > 2 else [0])
+        dynamic_tree(1, top, ptop, b)
+        for c in cache:
+            c.trim(c.offset - context)
+
+    return step
+
+
+def measure_step_costs(
+    model,
+    streams,
+    context: int = 128,
+    reps: int = 7,
+    budgets=BUDGETS,
+    sampled: bool = False,
+    hosting: int = 0,
+    compiled: bool = False,
+) -> Dict[int, float]:
+    """Cost of one pass with ``b`` draft nodes relative to one plain step, per budget."""
+    forward = SSPass(model, streams, compiled)
+    cache = make_cache(model)
+    model(mx.array([[1] * context]), cache=cache)
+    mx.eval([c.keys for c in cache])
+    base = plain_step_seconds(model, cache, context, reps)
+    costs = {0: 1.0}
+    for b in budgets:
+        if hosting and b <= hosting:
+            continue  # every node hosts anyway
+        costs[b] = timed(pass_fn(forward, cache, context, b, sampled, hosting), reps) / base
+    return costs
