@@ -224,7 +224,8 @@ def generate(
     tree: str = typer.Option(
         "auto",
         "--tree",
-        help="Draft tree: auto, dynamic:BUDGET, cartesian:3x2x1, topk:K,DEPTH, chain:N; "
+        help="Draft tree: auto (learns while decoding which tree pays here; may decode plainly), "
+        "dynamic:BUDGET, cartesian:3x2x1, topk:K,DEPTH, chain:N; "
         "@M hosts streams at the root and M likely endpoints only (e.g. dynamic:8@1).",
     ),
     prune_threshold: Optional[float] = typer.Option(

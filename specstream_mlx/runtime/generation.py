@@ -148,7 +148,7 @@ def stream_generate(
         cache: an existing KV cache to continue (multi-turn); default fresh.
         tree: ss only: a :class:`TreeSpec` or its text form, ``"auto"``, or None (default tree).
         pruning_threshold: ss only: early-exit pruning threshold; default the model's.
-        log: ss only: where ``--tree auto`` reports that it is measuring step costs.
+        log: ss only: where ``--tree auto`` says it has no stored pass costs for this model yet.
         client: ss with ``tree="auto"``: whose acceptance evidence and back-off to use
             (servers pass the client; default the model's shared tuner).
     """
