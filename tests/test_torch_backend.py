@@ -112,6 +112,27 @@ def test_torch_objective_matches_mlx_loss_and_gradients(hf_models, mode):
         assert np.abs(g - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max()), k
 
 
+def test_torch_calibration_probabilities_equal_the_mlx_ones(hf_models):
+    """The pruning calibration's (B, L, 4) early-exit probabilities of the main stream's four
+    best choices, best first: PyTorch's (top-k, chunked) equal MLX's (argsort)."""
+    import torch
+
+    from specstream_mlx.train import torch_objective as tobj
+    from specstream_mlx.train.calibrate import mlx_top4_probabilities
+
+    _, _, mlx_dir = hf_models("qwen2")
+    loaded = _load(mlx_dir)
+    t, _ = _trainable(loaded, "lossless")
+    tokens = _batch(loaded).tokens
+    ref = mlx_top4_probabilities(loaded.model, t.streams, tokens)
+    hf = torch_backend.hf_model_from_mlx(loaded.model, loaded.config)
+    params = torch_backend.torch_trainable(t, 2.0)
+    s0 = len(loaded.model.layers) - 2
+    got = tobj.calibration_positions(hf, params, torch.from_numpy(tokens.astype(np.int64)), s0, chunk=5).numpy()
+    assert got.shape == ref.shape == (*tokens.shape, 4)
+    assert np.abs(got - ref).max() < 1e-5
+
+
 def test_teacher_targets_equal_the_full_forward_distribution(hf_models):
     """The teacher-forced targets (one table row per distinct sequence and position, as
     the stream loss indexes them) are the reference model's next-token distribution at

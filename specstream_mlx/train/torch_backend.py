@@ -91,6 +91,33 @@ def hf_model_from_mlx(model, config: dict):
     return hf
 
 
+def _libc_trim():
+    """glibc's ``malloc_trim``, or None (another C library, or not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _libc_trim()
+# Steps between trims: the heap creeps slowly, and a trim costs the next step page faults
+# (trimming every step cost ~9% of tokens/s on SmolLM2 here).
+TRIM_EVERY = 4
+
+
+def release_free_memory() -> None:
+    """Give the heap's free pages back to the system (glibc). Each step frees activations of
+    a different shape (sequences vary in length); glibc keeps blocks of up to 32 MB in its
+    heap once large blocks have been freed, so without this the resident size of a long run
+    creeps up step after step."""
+    if _TRIM is not None:
+        _TRIM(0)
+
+
 def native_bfloat16(device) -> bool:
     """Whether ``device`` multiplies bfloat16 in hardware (a CUDA GPU that supports it, or
     an x86 CPU with AMX or AVX512-BF16); elsewhere bfloat16 is emulated and slower."""
@@ -222,6 +249,8 @@ class TorchRun:
             p.grad = None
         rows = _batch_tensors(batch, self.rank, self.world, self.device)
         metrics = tobj.backward_segments(self.hf, self.params, cfg, rows, self.s0)
+        if step % TRIM_EVERY == 0:
+            release_free_memory()
         self._all_reduce_grads()
         for g in self.optimizer.param_groups:
             g["lr"] = cfg.learning_rate * self.schedule(step - 1)

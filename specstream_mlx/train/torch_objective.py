@@ -456,7 +456,7 @@ def calibration_positions(hf_model, trainable: TorchTrainable, tokens: torch.Ten
         out = []
         for s in range(0, tokens.shape[1], chunk):
             h, h0 = main.h_final[:, s : s + chunk], main.h_s0[:, s : s + chunk]
-            order = lm_logits(hf_model, h).argsort(dim=-1, descending=True)[..., :4]
+            order = lm_logits(hf_model, h).topk(4, dim=-1).indices  # not a (rows × V) argsort
             p_ee = torch.softmax(lm_logits(hf_model, h0 + (h0 @ down) @ up).float(), dim=-1)
             out.append(torch.gather(p_ee, -1, order))
         return torch.cat(out, dim=1)
