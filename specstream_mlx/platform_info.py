@@ -95,24 +95,17 @@ def maybe_reexec_with_openblas(argv: Optional[list[str]] = None) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "specstream_mlx", *args], env)
 
 
-def _openblas_symbols():
-    """This process's OpenBLAS thread controls (a preloaded OpenBLAS exports them), or None."""
+def blas_threads() -> Optional[int]:
+    """Threads the BLAS in this process uses for a matrix product (OpenBLAS, which a
+    preloaded OpenBLAS exports a query for), or None."""
     import ctypes
 
     try:
-        lib = ctypes.CDLL(None)
-        get, put = lib.openblas_get_num_threads, lib.openblas_set_num_threads
+        get = ctypes.CDLL(None).openblas_get_num_threads
     except (OSError, AttributeError):
         return None
     get.restype = ctypes.c_int
-    put.argtypes = [ctypes.c_int]
-    return get, put
-
-
-def blas_threads() -> Optional[int]:
-    """Threads the BLAS in this process uses for a matrix product, when it can be controlled."""
-    syms = _openblas_symbols()
-    return int(syms[0]()) if syms else None
+    return int(get())
 
 
 def blas_in_use() -> str:

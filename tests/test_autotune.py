@@ -315,6 +315,8 @@ def test_the_first_token_does_not_wait_for_calibration(tiny_model_dir, tmp_path,
 def test_learned_costs_are_stored_when_a_generation_ends_and_read_by_the_next_process(
     tiny_model_dir, tmp_path, monkeypatch
 ):
+    import json
+
     from specstream_mlx import generate
     from specstream_mlx.runtime.engine import SpeculativeModel
     from specstream_mlx.runtime.sampling import SamplingParams
@@ -330,6 +332,10 @@ def test_learned_costs_are_stored_when_a_generation_ends_and_read_by_the_next_pr
     assert fresh.tuner(SamplingParams()).costs.stored == pytest.approx(learned)
     (tmp_path / "costs.json").write_text("{not json")  # a damaged file is only a cold start
     assert SpeculativeModel(model.base, model.streams).tuner(SamplingParams()).costs.stored == {}
+    key = costs.key  # ... and so are damaged entries, a bad arm or cost skipped alone
+    for entry, want in (({"costs": [1, 2]}, {}), ({"costs": {"4,0": None, "x": 1, "8,1": 2.5}}, {(8, 1): 2.5})):
+        (tmp_path / "costs.json").write_text(json.dumps({key: entry}))
+        assert PassCosts.load(key).stored == want
 
 
 def test_auto_with_a_calibrated_threshold_stays_exact(tiny_model_dir):

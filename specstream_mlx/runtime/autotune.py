@@ -137,16 +137,17 @@ def _read_table() -> dict:
         return {}
 
 
-def line_estimate(points: Dict[int, float], budget: int) -> float:
-    """Cost of ``budget`` from the costs of other budgets: a least-squares line (slope ≥ 0)
-    through two or more, ``PRIOR``'s slope through one, ``PRIOR`` alone without any."""
+def cost_line(points: Dict[int, float]) -> Tuple[float, float, float]:
+    """(x0, y0, slope) of the line that estimates the cost of a budget from the costs of
+    other budgets: least squares (slope ≥ 0) through two or more, ``PRIOR``'s slope
+    through one, ``PRIOR`` alone without any. Cost of budget b: max(1, y0 + slope·(b − x0))."""
     base, slope = PRIOR
     if not points:
-        return base + slope * budget
+        return 0.0, base, slope
     x, y = np.array(list(points), dtype=float), np.array(list(points.values()))
     if len(points) >= 2:
         slope = max(float(np.polyfit(x, y, 1)[0]), 0.0)
-    return max(1.0, float(y.mean() + slope * (budget - x.mean())))
+    return float(x.mean()), float(y.mean()), slope
 
 
 @dataclass
@@ -163,13 +164,14 @@ class PassCosts:
 
     @classmethod
     def load(cls, key: str) -> "PassCosts":
-        entry = _read_table().get(key, {})
+        entry = _read_table().get(key)
+        costs = entry.get("costs") if isinstance(entry, dict) else None
         stored = {}
-        for arm, cost in entry.get("costs", {}).items() if isinstance(entry, dict) else ():
+        for arm, cost in costs.items() if isinstance(costs, dict) else ():
             try:
                 b, h = (int(v) for v in arm.split(","))
                 stored[(b, h)] = float(cost)
-            except ValueError:
+            except (ValueError, TypeError):
                 continue  # a hand-edited or foreign entry: ignored
         return cls(key, stored)
 
@@ -207,15 +209,30 @@ class PassCosts:
 
     def cost(self, arm: Arm) -> float:
         """Cost of one pass of ``arm`` in plain tokens: timed, else estimated."""
-        own = self.measured(arm)
-        if own is not None:
-            return own
+        return self.table([arm])[arm]
+
+    def table(self, arms) -> Dict[Arm, float]:
+        """Costs of ``arms`` in plain tokens: timed where they have been; else the stored
+        cost scaled by what the timed arms show against theirs; else a line through the
+        timed arms of the same hosting mode (of any, if it has none). Computed once per
+        choice, not per arm: the policy chooses after every pass."""
         timed = {a: c for a in self.timed if (c := self.measured(a)) is not None}
-        if arm in self.stored:
-            ratios = [np.log(c / self.stored[a]) for a, c in timed.items() if a in self.stored]
-            return self.stored[arm] * (float(np.exp(np.mean(ratios))) if ratios else 1.0)
-        same = {b: c for (b, h), c in timed.items() if h == arm[1]} or {b: c for (b, _), c in timed.items()}
-        return line_estimate(same, arm[0])
+        ratios = [np.log(c / self.stored[a]) for a, c in timed.items() if a in self.stored]
+        scale = float(np.exp(np.mean(ratios))) if ratios else 1.0
+        lines, out = {}, {}
+        for arm in arms:
+            b, h = arm
+            if arm in timed:
+                out[arm] = timed[arm]
+            elif arm in self.stored:
+                out[arm] = self.stored[arm] * scale
+            else:
+                if h not in lines:
+                    same = {bb: c for (bb, hh), c in timed.items() if hh == h}
+                    lines[h] = cost_line(same or {bb: c for (bb, _), c in timed.items()})
+                x0, y0, slope = lines[h]
+                out[arm] = max(1.0, y0 + slope * (b - x0))
+        return out
 
 
 @dataclass
@@ -354,10 +371,10 @@ class AutoPolicy:
         """Every (budget, hosting mode) the policy chooses between."""
         return [(b, h) for b in CANDIDATE_BUDGETS for h in (0, HOSTING) if not (h and b <= h)]
 
-    def rate(self, arm: Arm) -> Optional[float]:
+    def rate(self, arm: Arm, cost: Optional[float] = None) -> Optional[float]:
         """Expected tokens per plain-token time of ``arm`` (plain decoding: 1)."""
         e = self.evidence.expected(*arm)
-        return None if e is None else (1.0 + e) / self.costs.cost(arm)
+        return None if e is None else (1.0 + e) / (self.costs.cost(arm) if cost is None else cost)
 
     def new_request(self, pruning_levels=(0.0,)) -> None:
         self.evidence.halve()
@@ -399,7 +416,8 @@ class AutoPolicy:
         self.costs.save()
 
     def _choose(self) -> None:
-        rates = {arm: r for arm in self.arms() if (r := self.rate(arm)) is not None}
+        costs = self.costs.table(self.arms())
+        rates = {arm: r for arm, c in costs.items() if (r := self.rate(arm, c)) is not None}
         best = max(rates, key=rates.get, default=None)
         if best is None or rates[best] < FALLBACK_BELOW:
             shown = f"best {rates[best]:.2f}x" if best else "no evidence"
