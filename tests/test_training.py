@@ -746,3 +746,18 @@ def test_distill_skips_prompts_that_leave_no_room_for_a_reply(tmp_path, base_dir
         distill(
             str(model), str(src), str(tmp_path / "e"), DistillOptions(max_tokens=64), log=logs.append, progress=False
         )
+
+
+def test_prompt_files_split_lines_only_at_newlines(tmp_path):
+    # JSON written with ensure_ascii=False keeps U+2028, U+0085, form feeds... raw inside
+    # strings; they are not line ends of a JSONL file.
+    from specstream_mlx.bench.runner import load_bench_prompts
+    from specstream_mlx.io.prompts import read_prompt_rows
+
+    texts = ["a\u2028b", "c\u0085d\x0ce\x1cf", "plain"]
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+    assert [r.messages[-1]["content"] for r in read_prompt_rows(f)] == texts
+    assert [r["prompt"] for r in load_bench_prompts(tmp_path, 10, f)] == texts
+    f.rename(tmp_path / "bench_prompts.jsonl")
+    assert [r["prompt"] for r in load_bench_prompts(tmp_path, 10)] == texts

@@ -12,7 +12,6 @@ ratios to ``ar`` (``ar@T`` for ``ss@T``) within the run.
 from __future__ import annotations
 
 import datetime
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -177,8 +176,7 @@ def load_bench_prompts(model_dir: Path, n: int, prompts_file: Optional[Path] = N
                 "What is machine learning?",
             )
         ][:n]
-    rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    return rows[:n]
+    return read_prompts_file(f, n)
 
 
 def _f32(model):

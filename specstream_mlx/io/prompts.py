@@ -48,13 +48,20 @@ def parse_prompt_row(record, where: str) -> PromptRow:
     raise PromptFileError(f'{where}: expected "prompt", "messages" or "text"')
 
 
+def jsonl_lines(path: Path) -> List[str]:
+    """The lines of a JSONL file. Only "\\n" ends a line: ``str.splitlines`` would also split
+    at U+2028, U+0085 or a form feed, which JSON written with ``ensure_ascii=False`` keeps raw
+    inside strings (ShareGPT has them)."""
+    return path.read_text(encoding="utf-8").split("\n")
+
+
 def read_prompt_rows(path: Path, limit: Optional[int] = None) -> List[PromptRow]:
     """The rows of a JSONL prompt file (the first ``limit`` when given)."""
     path = Path(path)
     if not path.is_file():
         raise PromptFileError(f"{path}: no such prompts file")
     rows: List[PromptRow] = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for i, line in enumerate(jsonl_lines(path), 1):
         if not line.strip():
             continue
         try:
