@@ -761,3 +761,46 @@ def test_prompt_files_split_lines_only_at_newlines(tmp_path):
     assert [r["prompt"] for r in load_bench_prompts(tmp_path, 10, f)] == texts
     f.rename(tmp_path / "bench_prompts.jsonl")
     assert [r["prompt"] for r in load_bench_prompts(tmp_path, 10)] == texts
+
+
+def test_distill_torch_backend_writes_the_same_greedy_replies(tmp_path, base_dir):
+    """The PyTorch copy of the model answers as the model does: greedy replies equal
+    generate --temp 0 (one turn and every turn of a conversation); sampling gives K replies."""
+    pytest.importorskip("transformers")
+    from specstream_mlx import generate
+    from specstream_mlx.train.distill import DistillOptions, distill
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rows = [
+        {"prompt": "abc"},
+        {"prompt": "a longer prompt than the others"},
+        {
+            "messages": [
+                {"role": "user", "content": "one"},
+                {"role": "assistant", "content": "h"},
+                {"role": "user", "content": "two"},
+            ]
+        },
+    ]
+    (src / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (src / "valid.jsonl").write_text(json.dumps({"prompt": "val"}) + "\n")
+    opts = DistillOptions(max_tokens=12, batch_size=3, backend="torch")
+    assert distill(str(base_dir), str(src), str(tmp_path / "d"), opts, log=lambda s: None, progress=False) == {
+        "valid": 1,
+        "train": 3,
+    }
+    model, tok = load(str(base_dir), warn=False)
+    out = [json.loads(line) for line in (tmp_path / "d" / "train.jsonl").read_text().splitlines()]
+    for rec in out:
+        if "prompt" in rec:
+            assert rec["completion"] == generate(model, tok, rec["prompt"], max_tokens=12).text
+        else:
+            conv = rec["messages"]
+            assert [m["role"] for m in conv] == ["user", "assistant", "user", "assistant"]
+            assert conv[1]["content"] == generate(model, tok, conv[:1], max_tokens=12).text != "h"
+            assert conv[3]["content"] == generate(model, tok, conv[:3], max_tokens=12).text
+    opts = DistillOptions(max_tokens=8, temperature=0.7, samples_per_prompt=2, backend="torch", splits=("train",))
+    assert distill(str(base_dir), str(src), str(tmp_path / "s"), opts, log=lambda s: None, progress=False) == {
+        "train": 6
+    }

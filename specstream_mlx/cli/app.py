@@ -543,9 +543,16 @@ def distill(
     keep_loops: bool = typer.Option(
         False, "--keep-loops", help="Keep replies caught in a repetition loop whole (default: cut after one round)."
     ),
+    backend: str = typer.Option(
+        "mlx",
+        "--backend",
+        help="mlx (mlx-lm's batched generation) or torch (the model's PyTorch copy: several times faster "
+        "on a CPU; pip install 'specstream-mlx[torch]').",
+    ),
 ):
     """Generate the model's own replies to prompts: self-distillation data for `train`."""
     from ..io.loading import ModelLoadError
+    from ..train import TrainError
     from ..train.data import DataError
     from ..train.distill import DistillOptions
     from ..train.distill import distill as _distill
@@ -562,10 +569,11 @@ def distill(
         splits=tuple(x.strip() for x in splits.split(",") if x.strip()),
         time_budget=time_budget,
         cut_loops=not keep_loops,
+        backend=backend,
     )
     try:
         counts = _distill(model, prompts, out, opts, log=lambda s: typer.echo(s, err=True))
-    except (ModelLoadError, DataError, ValueError, OSError) as e:
+    except (ModelLoadError, DataError, TrainError, ValueError, OSError) as e:
         _err(str(e))
     except KeyboardInterrupt:
         _err("interrupted; finished replies are kept (run again to resume)", 130)
