@@ -785,6 +785,7 @@ def test_distill_torch_backend_writes_the_same_greedy_replies(tmp_path, base_dir
     ]
     (src / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (src / "valid.jsonl").write_text(json.dumps({"prompt": "val"}) + "\n")
+    (src / "test.jsonl").write_text("not json\n")  # a split not asked for is not read
     opts = DistillOptions(max_tokens=12, batch_size=3, backend="torch")
     assert distill(str(base_dir), str(src), str(tmp_path / "d"), opts, log=lambda s: None, progress=False) == {
         "valid": 1,
