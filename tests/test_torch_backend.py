@@ -209,7 +209,16 @@ def _data_dir(root: Path) -> Path:
     return root / "data"
 
 
-def test_torch_backend_trains_and_writes_a_loadable_model(tmp_path, tiny_model_dir):
+def _spy_release(monkeypatch) -> list:
+    """The bytes each call of ``release_base_weights`` released, in order."""
+    from specstream_mlx.train import torch_backend
+
+    calls, real = [], torch_backend.release_base_weights
+    monkeypatch.setattr(torch_backend, "release_base_weights", lambda m: calls.append(real(m)) or calls[-1])
+    return calls
+
+
+def test_torch_backend_trains_and_writes_a_loadable_model(tmp_path, tiny_model_dir, monkeypatch):
     from specstream_mlx import load
     from specstream_mlx.runtime.generation import generate
 
@@ -217,8 +226,14 @@ def test_torch_backend_trains_and_writes_a_loadable_model(tmp_path, tiny_model_d
     cfg = TrainConfig(
         mode="lossless", num_streams=3, stream_layers=2, lora_rank=4, iters=6, batch_size=4, backend="torch"
     )
+    released = _spy_release(monkeypatch)
     res = train(str(tiny_model_dir), str(data), str(tmp_path / "out"), cfg, log=lambda *_: None, progress=False)
     assert res.steps == 6 and res.history and res.tokens_per_second > 0
+    # The MLX copy of the frozen base was dropped once the torch copy existed (one copy in memory).
+    base_bytes = sum(
+        v.nbytes for _, v in tree_flatten(load_model_dir(str(tiny_model_dir), warn=False).model.parameters())
+    )
+    assert released == [base_bytes]
     log = json.loads((tmp_path / "out" / "training_log.json").read_text())
     assert log["config"]["backend"] == "torch"
     model, tok = load(str(tmp_path / "out"), warn=False)
@@ -231,7 +246,7 @@ def test_torch_backend_trains_and_writes_a_loadable_model(tmp_path, tiny_model_d
     assert r.tokens == generate(model, tok, "abc", max_tokens=12, mode="ar").tokens
 
 
-def test_torch_backend_shared_mode_fuses_its_lora_and_stays_exact(tmp_path, tiny_model_dir):
+def test_torch_backend_shared_mode_fuses_its_lora_and_stays_exact(tmp_path, tiny_model_dir, monkeypatch):
     """Shared mode through the torch backend: the base LoRA trained in torch is fused into the
     written base weights, and greedy ss still equals ar on the result."""
     from specstream_mlx import load
@@ -241,7 +256,9 @@ def test_torch_backend_shared_mode_fuses_its_lora_and_stays_exact(tmp_path, tiny
     cfg = TrainConfig(
         mode="shared", num_streams=2, stream_layers=1, lora_rank=4, iters=4, batch_size=4, backend="torch"
     )
+    released = _spy_release(monkeypatch)
     train(str(tiny_model_dir), str(data), str(tmp_path / "out"), cfg, log=lambda *_: None, progress=False)
+    assert released == []  # the base LoRA is fused into the MLX weights at the end: they stay
     model, tok = load(str(tmp_path / "out"), warn=False)
     base = load_model_dir(str(tiny_model_dir), warn=False)
     changed = [

@@ -118,6 +118,20 @@ def release_free_memory() -> None:
         _TRIM(0)
 
 
+def release_base_weights(model) -> int:
+    """Drop the MLX copy of a frozen base's weights; returns the bytes released.
+
+    A lossless torch run reads them once, to build the ``transformers`` copy, and never
+    again (validation and calibration run in PyTorch, the output directory copies the
+    base's files): kept, they are the process's largest block after the torch copy
+    (540 MB for SmolLM2 expanded to float32)."""
+    params = tree_flatten(model.parameters())
+    released = sum(v.nbytes for _, v in params)
+    model.update(tree_unflatten([(k, mx.zeros((0,), v.dtype)) for k, v in params]))
+    mx.clear_cache()  # MLX keeps freed buffers for reuse; hand them back
+    return released
+
+
 def native_bfloat16(device) -> bool:
     """Whether ``device`` multiplies bfloat16 in hardware (a CUDA GPU that supports it, or
     an x86 CPU with AMX or AVX512-BF16); elsewhere bfloat16 is emulated and slower."""
@@ -178,6 +192,8 @@ class TorchRun:
         if cfg.precision == "bfloat16":
             self.hf.to(torch.bfloat16)  # frozen: trained tensors live in self.params, float32
         self.base_names = [k for k, _ in tree_flatten(trainable.trainable_parameters()) if k.startswith("base.")]
+        if cfg.mode == "lossless" and not self.base_names:
+            release_base_weights(model)  # every later pass runs on the torch copy
         self.params = torch_trainable(trainable, cfg.lora_scale)  # full mode: the HF weights train too
         self.params.to(self.device)
         hf_params = dict(self.hf.named_parameters())

@@ -3,7 +3,7 @@
 On a CPU, PyTorch's batched decoding of the ``transformers`` copy of the model
 (:func:`.torch_backend.hf_model_from_mlx`, the same dequantized float32 weights)
 runs several times faster than mlx-lm's batched generation on MLX's CPU backend
-(README, "Training data"). The replies are the same model's; greedy ones can part
+(docs/RECIPE.md, section 2). The replies are the same model's; greedy ones can part
 from MLX's at a near-tie of two logits, since the two libraries sum in different
 orders, which does not matter for training data.
 """
@@ -14,7 +14,7 @@ from typing import List
 
 import torch
 
-from .torch_backend import hf_model_from_mlx
+from .torch_backend import hf_model_from_mlx, release_base_weights
 
 
 class TorchReplies:
@@ -22,6 +22,7 @@ class TorchReplies:
 
     def __init__(self, model, config: dict, tokenizer, max_tokens: int, temperature: float, top_p: float):
         self.hf = hf_model_from_mlx(model, config)
+        release_base_weights(model)  # only the torch copy generates
         self.tokenizer = tokenizer
         self.eos = sorted(tokenizer.eos_token_ids)
         self.pad = self.eos[0] if self.eos else 0
