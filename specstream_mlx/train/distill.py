@@ -264,10 +264,10 @@ def distill(
     dtype = compute_dtype_for_device()
     if dtype is not None:
         cast_floating(model, dtype)
-    replies = _replies(model, tokenizer, path, opts)
     limit = _context(path) - opts.max_tokens
     if limit <= 0:
         raise DataError(f"--max-tokens leaves no room for a prompt in the model's context ({limit} positions left)")
+    replies = _replies(model, tokenizer, path, opts)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     counts, t0 = {}, time.perf_counter()
