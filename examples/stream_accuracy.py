@@ -22,20 +22,13 @@ from specstream_mlx.train.data import load_dataset
 from specstream_mlx.train.loop import mean_metrics
 from specstream_mlx.train.objective import Trainable
 from specstream_mlx.train.torch_backend import _batch_tensors, hf_model_from_mlx, torch_trainable
+from specstream_mlx.train.trainer import _adopt_existing_streams
 
 
 def accuracy(loaded, data: Path) -> list:
-    sc = loaded.streams.config
-    cfg = TrainConfig(
-        mode="lossless",
-        num_streams=sc.num_streams,
-        stream_layers=sc.stream_layers,
-        lora_rank=sc.lora_rank,
-        stream_positions=512,
-        max_seq_len=512,
-        compile=False,
-    )
-    cfg.lora_targets, cfg.lora_scale = list(sc.lora_targets), sc.lora_scale
+    # The trainer's own rule for taking a model's stream settings (γ, layers, LoRA).
+    cfg = TrainConfig(mode="lossless", stream_positions=512, max_seq_len=512, compile=False)
+    _adopt_existing_streams(loaded.streams, cfg, log=lambda _: None)
     trainable = Trainable(loaded.model, cfg)
     trainable.streams.update(loaded.streams.parameters())
     _, valid, _ = load_dataset(data, loaded.tokenizer, cfg.max_seq_len)
