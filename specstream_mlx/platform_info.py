@@ -1,53 +1,150 @@
 """Platform helpers: which BLAS MLX uses on Linux, and a report of the runtime.
 
 MLX's Linux CPU wheel (``mlx[cpu]``) links a reference BLAS that is ~30x slower
-than OpenBLAS for matrix products. Preloading the system OpenBLAS (Debian:
-``libopenblas0-pthread``) replaces those symbols. A process cannot preload a
+than a real one for matrix products. Preloading a system BLAS that exports the
+CBLAS symbols (Debian: ``libblis4-pthread``, ``libopenblas0-pthread``) replaces
+them. Which one, with how many threads, is a measured choice
+(``specstream-mlx bench-blas``; the table is in ``bench/blas.md``): on the 2-core
+AVX2 machines this project is built on, BLIS with one thread reads the weights of a
+decoding step fastest and degrades least under load. A process cannot preload a
 library after it has started, so the CLI re-executes itself once with
-``LD_PRELOAD`` set (:func:`maybe_reexec_with_openblas`).
+``LD_PRELOAD`` set (:func:`maybe_reexec_with_blas`).
+
+Settings (read by the CLI only): ``SPECSTREAM_BLAS`` = ``blis`` | ``openblas`` |
+``none`` | a library path, optionally ``:THREADS`` (``openblas:2``); the older
+``SPECSTREAM_NO_OPENBLAS=1`` means ``none``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import subprocess
 import sys
-from typing import Optional
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 REEXEC_ENV = "SPECSTREAM_BLAS_REEXEC"
+BLAS_ENV = "SPECSTREAM_BLAS"
 DISABLE_ENV = "SPECSTREAM_NO_OPENBLAS"
 
-_OPENBLAS_CANDIDATES = (
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
-    "/usr/lib64/libopenblas.so.0",
-    "/usr/lib/libopenblas.so.0",
-)
+
+@dataclass(frozen=True)
+class BlasLibrary:
+    """A drop-in CBLAS the CLI can preload.
+
+    Attributes:
+        name: what ``SPECSTREAM_BLAS`` calls it.
+        soname: the shared object's name, as ``ldconfig -p`` lists it.
+        dirs: sub-directories of the multiarch library folder it lives in, first found wins.
+        threads_env: the environment variable that sets its thread count.
+        threads: the default thread count (the measured best on a 2-core machine).
+        package: the Debian package that installs it.
+    """
+
+    name: str
+    soname: str
+    dirs: Tuple[str, ...]
+    threads_env: str
+    threads: int
+    package: str
+
+
+LIBRARIES: Dict[str, BlasLibrary] = {
+    "blis": BlasLibrary("blis", "libblis.so.4", ("blis-pthread", ""), "BLIS_NUM_THREADS", 1, "libblis4-pthread"),
+    "openblas": BlasLibrary(
+        "openblas", "libopenblas.so.0", ("openblas-pthread", ""), "OPENBLAS_NUM_THREADS", 2, "libopenblas0-pthread"
+    ),
+}
+# The default, then what is used when it is not installed.
+PREFERENCE = ("blis", "openblas")
+_LIB_ROOTS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
 
 FIX_HINT = (
-    "install OpenBLAS (Debian/Ubuntu: `apt install libopenblas0-pthread`) and "
-    "specstream-mlx will preload it automatically"
+    "install BLIS (Debian/Ubuntu: `apt install libblis4-pthread`) and specstream-mlx will preload it automatically"
 )
 
 
-def find_openblas() -> Optional[str]:
-    """Path of a system ``libopenblas.so.0``, or None."""
-    for path in _OPENBLAS_CANDIDATES:
-        if os.path.exists(path):
-            return path
+@dataclass(frozen=True)
+class BlasChoice:
+    """A library to preload and its thread count (None: the library's default)."""
+
+    library: Optional[BlasLibrary]
+    path: Optional[str]
+    threads: Optional[int]
+
+    def env(self) -> Dict[str, str]:
+        """Environment entries that make a new process use this BLAS."""
+        if self.path is None:
+            return {}
+        env = {"LD_PRELOAD": self.path}
+        if self.library is not None and self.threads is not None:
+            env[self.library.threads_env] = str(self.threads)
+        return env
+
+
+def find_blas(name: str) -> Optional[str]:
+    """Path of the named library (a key of :data:`LIBRARIES`) on this system, or None."""
+    lib = LIBRARIES[name]
+    for root in _LIB_ROOTS:
+        for sub in lib.dirs:
+            path = os.path.join(root, sub, lib.soname) if sub else os.path.join(root, lib.soname)
+            if os.path.exists(path):
+                return path
     try:
         out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=5).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     for line in out.splitlines():
-        if "libopenblas.so.0" in line and "=>" in line:
+        if lib.soname in line and "=>" in line:
             path = line.split("=>", 1)[1].strip()
             if os.path.exists(path):
                 return path
     return None
+
+
+def find_openblas() -> Optional[str]:
+    """Path of a system ``libopenblas.so.0``, or None."""
+    return find_blas("openblas")
+
+
+class BlasSettingError(ValueError):
+    pass
+
+
+def choose_blas(setting: Optional[str] = None) -> BlasChoice:
+    """The BLAS to preload for ``setting`` (``SPECSTREAM_BLAS``'s syntax; None: the
+    default, the first of :data:`PREFERENCE` that is installed). A named library
+    that is not installed, or a path that does not exist, raises
+    :class:`BlasSettingError`; ``none`` preloads nothing."""
+    if setting is None or not setting.strip():
+        for name in PREFERENCE:
+            path = find_blas(name)
+            if path:
+                return BlasChoice(LIBRARIES[name], path, LIBRARIES[name].threads)
+        return BlasChoice(None, None, None)
+    name, _, threads_text = setting.strip().partition(":")
+    threads = None
+    if threads_text:
+        if not threads_text.isdigit() or int(threads_text) < 1:
+            raise BlasSettingError(f"{BLAS_ENV}={setting!r}: threads must be a positive integer")
+        threads = int(threads_text)
+    if name == "none":
+        return BlasChoice(None, None, None)
+    if name in LIBRARIES:
+        lib = LIBRARIES[name]
+        path = find_blas(name)
+        if path is None:
+            raise BlasSettingError(f"{BLAS_ENV}={setting!r}: {lib.soname} not found; install {lib.package}")
+        return BlasChoice(lib, path, threads or lib.threads)
+    if os.path.sep in name:
+        if not os.path.exists(name):
+            raise BlasSettingError(f"{BLAS_ENV}={setting!r}: no such file")
+        lib = next((lb for lb in LIBRARIES.values() if lb.soname.split(".")[0] in os.path.basename(name)), None)
+        return BlasChoice(lib, name, threads)
+    known = ", ".join([*LIBRARIES, "none"])
+    raise BlasSettingError(f"{BLAS_ENV}={setting!r}: unknown library; use {known} or a path, optionally :THREADS")
 
 
 def _uses_mlx_cpu_wheel() -> bool:
@@ -63,31 +160,43 @@ def _uses_mlx_cpu_wheel() -> bool:
         return False
 
 
-def openblas_preloaded() -> bool:
-    return "openblas" in os.environ.get("LD_PRELOAD", "")
+def blas_preloaded() -> bool:
+    """Whether a known BLAS is already in ``LD_PRELOAD`` (set by hand or by a re-exec)."""
+    pre = os.environ.get("LD_PRELOAD", "")
+    return any(lib.soname.split(".")[0] in pre for lib in LIBRARIES.values())
 
 
-def maybe_reexec_with_openblas(argv: Optional[list[str]] = None) -> None:
-    """Re-execute this CLI process with the system OpenBLAS preloaded.
+def maybe_reexec_with_blas(argv: Optional[list] = None) -> None:
+    """Re-execute this CLI process with the chosen BLAS preloaded (:func:`choose_blas`
+    of ``SPECSTREAM_BLAS``).
 
-    Does nothing off Linux, when MLX is not the CPU wheel, when OpenBLAS is
-    already preloaded, when ``SPECSTREAM_NO_OPENBLAS=1`` or after one re-exec.
-    Prints one warning with the fix when no OpenBLAS is installed.
+    Does nothing off Linux, when MLX is not the CPU wheel, when a BLAS is already
+    preloaded, for ``none`` (or ``SPECSTREAM_NO_OPENBLAS=1``) and after one re-exec.
+    Prints one warning with the fix when no BLAS is installed; a wrong setting is an
+    error (one line, exit status 2): a BLAS asked for by name is never silently replaced.
     """
-    if not _uses_mlx_cpu_wheel() or openblas_preloaded():
+    if not _uses_mlx_cpu_wheel() or blas_preloaded():
         return
     if os.environ.get(DISABLE_ENV) or os.environ.get(REEXEC_ENV):
         return
-    lib = find_openblas()
-    if lib is None:
-        print(
-            "specstream-mlx: warning: MLX is using its bundled reference BLAS "
-            f"(matrix products ~30x slower); {FIX_HINT}.",
-            file=sys.stderr,
-        )
+    try:
+        choice = choose_blas(os.environ.get(BLAS_ENV))
+    except BlasSettingError as e:
+        print(f"specstream-mlx: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if choice.path is None:
+        if (os.environ.get(BLAS_ENV) or "").strip().partition(":")[0] != "none":
+            print(
+                "specstream-mlx: warning: MLX is using its bundled reference BLAS "
+                f"(matrix products ~30x slower); {FIX_HINT}.",
+                file=sys.stderr,
+            )
         return
     env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    add = choice.env()
+    env["LD_PRELOAD"] = ":".join(p for p in (add.pop("LD_PRELOAD"), env.get("LD_PRELOAD", "")) if p)
+    for k, v in add.items():
+        env.setdefault(k, v)  # a thread count set by hand wins
     env[REEXEC_ENV] = "1"
     args = argv if argv is not None else sys.argv[1:]
     sys.stdout.flush()
@@ -95,17 +204,38 @@ def maybe_reexec_with_openblas(argv: Optional[list[str]] = None) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "specstream_mlx", *args], env)
 
 
-def blas_threads() -> Optional[int]:
-    """Threads the BLAS in this process uses for a matrix product (OpenBLAS, which a
-    preloaded OpenBLAS exports a query for), or None."""
-    import ctypes
-
+def _symbol(name: str):
     try:
-        get = ctypes.CDLL(None).openblas_get_num_threads
+        return getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
-    get.restype = ctypes.c_int
-    return int(get())
+
+
+def blas_threads() -> Optional[int]:
+    """Threads the preloaded BLAS uses for a matrix product (OpenBLAS and BLIS export a
+    query), or None."""
+    for name in ("openblas_get_num_threads", "bli_thread_get_num_threads"):
+        get = _symbol(name)
+        if get is not None:
+            get.restype = ctypes.c_int
+            n = int(get())
+            # BLIS answers -1 when no count was set: it then runs one thread.
+            return n if n > 0 else 1
+    return None
+
+
+def blas_version() -> Optional[str]:
+    """The preloaded BLAS's own version string, or None."""
+    get = _symbol("openblas_get_config")
+    if get is not None:
+        get.restype = ctypes.c_char_p
+        parts = get().decode(errors="replace").split()
+        return parts[1] if len(parts) > 1 and parts[0] == "OpenBLAS" else " ".join(parts[:2])
+    get = _symbol("bli_info_get_version_str")
+    if get is not None:
+        get.restype = ctypes.c_char_p
+        return get().decode(errors="replace")
+    return None
 
 
 def blas_in_use() -> str:
@@ -118,11 +248,12 @@ def blas_in_use() -> str:
             maps = f.read()
     except OSError:
         pass
-    # A preloaded OpenBLAS comes first in symbol resolution, so it wins over the
+    # A preloaded library comes first in symbol resolution, so it wins over the
     # reference BLAS that the mlx[cpu] wheel links.
     for line in maps.splitlines():
-        if "libopenblas" in line:
-            return f"openblas ({line.split()[-1]})"
+        for name in ("libblis", "libopenblas"):
+            if name in line.split("/")[-1]:
+                return f"{name[3:]} ({line.split()[-1]})"
     if "mlx_cpu.libs/libblas" in maps:
         return "reference (bundled with mlx[cpu]; slow)"
     return "unknown"
@@ -153,6 +284,7 @@ def runtime_info() -> dict:
         "device": str(device),
         "metal_available": bool(getattr(mx, "metal", None) and mx.metal.is_available()),
         "blas": blas_in_use(),
+        "blas_version": blas_version(),
         "blas_threads": blas_threads(),
     }
 

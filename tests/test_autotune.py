@@ -353,3 +353,106 @@ def test_auto_with_a_calibrated_threshold_stays_exact(tiny_model_dir):
     # Both levels were used, the pruned one on passes that did prune.
     assert pruning.n.get(0.0, 0) > 0 and pruning.n.get(0.05, 0) > 0, pruning.n
     assert ss.stats.pruned_nodes > 0
+
+
+def _with_prior(model, budgets):
+    """``model`` with an acceptance prior stored in its stream config, as the build writes it."""
+    model.streams.config.extra["acceptance"] = {"budgets": {str(b): e for b, e in budgets.items()}}
+    return model
+
+
+def test_no_tree_pass_runs_when_the_prior_says_plain(tiny_model_dir, tmp_path, monkeypatch):
+    """With a measured acceptance that pays on no arm at the prior costs, a fresh process's
+    first request decodes plainly from its first token: not one tree pass is explored.
+    Trees are re-tried after the back-off, as after a fall-back."""
+    import mlx.core as mx
+
+    from specstream_mlx.runtime.compiled_pass import SSPass
+    from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.runtime.speculative import ss_steps
+
+    monkeypatch.setattr(A, "CACHE_FILE", tmp_path / "costs.json")
+    model, _ = _auto_model(tiny_model_dir)
+    _with_prior(model, {b: 0.05 for b in A.CANDIDATE_BUDGETS})
+    passes = {"n": 0}
+    pass_call = SSPass.__call__
+
+    def counting(self, *a, **k):
+        passes["n"] += 1
+        return pass_call(self, *a, **k)
+
+    monkeypatch.setattr(SSPass, "__call__", counting)
+    prompt = mx.array(list(range(3, 40)))
+
+    def request(n=24):
+        steps = []
+        for step in ss_steps(model, prompt, SamplingParams(), tree="auto"):
+            steps.append(step)
+            if len(steps) == n:
+                return steps
+
+    first = request()
+    assert passes["n"] == 0 and A.PRIOR_REASON in first[0].info.fallback
+    assert all(len(s.tokens) == 1 for s in first)
+    second = request()  # the back-off request: plain as well
+    assert passes["n"] == 0 and second[0].info.fallback == A.BACKOFF_REASON
+    request()  # the re-try explores trees
+    assert passes["n"] > 0
+    # Sampled decoding is gated by the same prior (an upper bound on its acceptance).
+    tuner = model.tuner(SamplingParams(temperature=0.7))
+    tuner.new_request()
+    assert tuner.pending and A.PRIOR_REASON in tuner.pending
+
+
+def test_a_prior_that_pays_starts_on_its_best_arm(tiny_model_dir, tmp_path, monkeypatch):
+    from specstream_mlx.runtime.sampling import SamplingParams
+
+    monkeypatch.setattr(A, "CACHE_FILE", tmp_path / "costs.json")
+    model, _ = _auto_model(tiny_model_dir)
+    # At the prior costs 1.2 + 0.15 b: b2 (1+1.4)/1.5 = 1.6, b4 (1+2.6)/1.8 = 2.0, b8 (1+3)/2.4 = 1.67.
+    _with_prior(model, {2: 1.4, 4: 2.6, 8: 3.0, 12: 3.0, 16: 3.0, 24: 3.0})
+    auto = model.tuner(SamplingParams())
+    auto.new_request()
+    assert auto.pending is None and auto.budget == 4
+    assert auto.prior_rates()[(4, 0)] == pytest.approx(3.6 / 1.8)
+    # The sampled policy does not take its arm from the greedy prior.
+    sampled = model.tuner(SamplingParams(temperature=0.7))
+    sampled.new_request()
+    assert sampled.pending is None and (sampled.budget, sampled.hosting) == A.START
+
+
+def test_acceptance_priors_that_cannot_be_read_are_ignored():
+    from specstream_mlx.runtime.acceptance_prior import AcceptancePrior
+
+    for extra in ({}, {"acceptance": 3}, {"acceptance": {"budgets": {"x": 1}}}, {"acceptance": {"budgets": {}}}):
+        assert AcceptancePrior.from_extra(extra) is None
+    assert AcceptancePrior.from_extra({"acceptance": {"budgets": {"4": -1.0}}}) is None
+    p = AcceptancePrior.from_extra({"acceptance": {"budgets": {"2": 0.5, "8": 1.1}}})
+    assert p.expected(2) == 0.5 and p.expected(5) == pytest.approx(0.8) and p.expected(24) == 1.1
+
+
+def test_accepted_length_follows_the_target_down_the_tree():
+    from specstream_mlx.runtime.acceptance_prior import accepted_length
+
+    # root 0 -> a(1) -> c(3); root -> b(2) -> d(4) -> e(5)
+    tree = Tree((0, 10, 20, 11, 21, 22), (-1, 0, 0, 1, 2, 4))
+    assert accepted_length(tree, [20, 21, 22, 7]) == 3
+    assert accepted_length(tree, [10, 11, 5]) == 2
+    assert accepted_length(tree, [10, 21]) == 1
+    assert accepted_length(tree, [30]) == 0
+
+
+def test_measured_acceptance_is_bounded_and_grows_with_the_budget(tiny_model_dir):
+    """On a tiny model: every budget's mean accepted length lies in [0, γ], and a larger
+    budget's dynamic tree contains the smaller one's, so it never accepts less."""
+    import mlx.core as mx
+
+    from specstream_mlx.runtime.acceptance_prior import measure_acceptance
+
+    model, _ = _auto_model(tiny_model_dir)
+    prompts = [mx.array(list(range(3, 20))), mx.array(list(range(30, 41)))]
+    prior = measure_acceptance(model, prompts, max_tokens=16)
+    es = [prior.budgets[b] for b in sorted(prior.budgets)]
+    assert prior.positions == 2 * (16 - model.streams.num_streams) and prior.prompts == 2
+    assert all(0.0 <= e <= model.streams.num_streams for e in es)
+    assert all(a <= b + 1e-9 for a, b in zip(es, es[1:]))

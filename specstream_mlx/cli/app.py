@@ -483,6 +483,111 @@ def bench(
     )
 
 
+@app.command("bench-blas")
+def bench_blas(
+    libraries: str = typer.Option(
+        "blis:1,blis:2,openblas:1,openblas:2", "--libraries", help="LIBRARY:THREADS list to time (installed ones)."
+    ),
+    models: str = typer.Option("smollm2,demo-sql,demo-chat", "--models", help="Models whose shapes are timed."),
+    rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds (each configuration once per round)."),
+    reps: int = typer.Option(9, "--reps", help="Repetitions per measurement (medians)."),
+    json_out: str = typer.Option("bench/blas.json", "--json", help="Write the JSON result here (and .md beside)."),
+):
+    """Time each BLAS library and thread count against the machine's floor (the default BLAS is chosen by this)."""
+    from dataclasses import asdict
+
+    from ..bench.machine import SweepConfig, run_sweep, sweep_markdown
+    from ..platform_info import LIBRARIES, BlasSettingError
+
+    configs = []
+    for item in (x.strip() for x in libraries.split(",") if x.strip()):
+        name, _, threads = item.partition(":")
+        if name not in LIBRARIES or not threads.isdigit() or int(threads) < 1:
+            _err(f"--libraries: {item!r} is not LIBRARY:THREADS with LIBRARY one of {', '.join(LIBRARIES)}")
+        configs.append(SweepConfig(name, int(threads)))
+    if rounds < 1 or reps < 1:
+        _err("--rounds and --reps must be at least 1")
+    try:
+        res = run_sweep(
+            configs,
+            [m.strip() for m in models.split(",") if m.strip()],
+            rounds=rounds,
+            reps=reps,
+            log=lambda s: typer.echo(s, err=True),
+        )
+    except (BlasSettingError, RuntimeError) as e:
+        _err(str(e))
+    out = Path(json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(asdict(res), indent=1))
+    md = sweep_markdown(res)
+    out.with_suffix(".md").write_text(md + "\n")
+    typer.echo(md)
+
+
+@app.command("measure-acceptance")
+def measure_acceptance_cmd(
+    model: str = typer.Option(..., "--model", help="Model directory (or bundled name) with speculative streams."),
+    prompts_file: str = typer.Option(
+        ..., "--prompts", help="Held-out prompts: a JSONL file, or a data directory (its valid.jsonl)."
+    ),
+    n_prompts: int = typer.Option(16, "--max-prompts", help="Prompts to decode."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Greedy reply length per prompt."),
+    write: bool = typer.Option(False, "--write", help="Store the result in the model's specstream.json."),
+):
+    """Measure the streams' accepted tokens per greedy pass for each tree budget (--tree auto's prior)."""
+    import os
+
+    import mlx.core as mx
+
+    from ..io.loading import ModelLoadError, resolve_model_path
+    from ..io.prompts import PromptFileError
+    from ..method.streams import CONFIG_FILE, no_streams_message
+    from ..runtime.acceptance_prior import measure_acceptance
+    from ..runtime.engine import load
+    from ..runtime.generation import encode_prompt
+
+    if n_prompts < 1 or max_tokens < 8:
+        _err("--max-prompts must be at least 1 and --max-tokens at least 8")
+    src = Path(prompts_file)
+    if src.is_dir():
+        src = src / "valid.jsonl"
+    if not src.is_file():
+        _err(f"--prompts: {src} is not a file")
+    from ..bench.runner import read_prompts_file
+
+    try:
+        path = resolve_model_path(model)
+        m, tok = load(str(path), warn=False)
+        if m.streams is None:
+            _err(no_streams_message(path))
+        rows = read_prompts_file(src, n_prompts)
+        ids = [mx.array(encode_prompt(tok, r["prompt"], use_chat_template=True)) for r in rows]
+        prior = measure_acceptance(
+            m,
+            ids,
+            max_tokens,
+            stop_tokens=sorted(tok.eos_token_ids),
+            progress=lambda i, n: typer.echo(f"prompt {i}/{n}", err=True),
+        )
+    except (ModelLoadError, PromptFileError, ValueError, OSError) as e:
+        _err(str(e))
+    prior.data = src.parent.name if src.name == "valid.jsonl" else src.name
+    typer.echo(json.dumps(prior.to_json()))
+    if write:
+        from ..io.loading import bundled_models_dir
+
+        # A bundle's streams live in its folder (copied into the converted model's cache).
+        shipped = bundled_models_dir() / model / CONFIG_FILE
+        cfg_path = shipped if shipped.is_file() else path / CONFIG_FILE
+        cfg = json.loads(cfg_path.read_text())
+        cfg.setdefault("extra", {})["acceptance"] = prior.to_json()
+        tmp = cfg_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(cfg, indent=2))
+        os.replace(tmp, cfg_path)
+        typer.echo(f"wrote extra.acceptance to {cfg_path}", err=True)
+
+
 @app.command("calibrate-pruning")
 def calibrate_pruning_cmd(
     model: str = typer.Option(..., "--model", help="Model directory with speculative streams."),
@@ -709,12 +814,12 @@ def _torch_backend(argv) -> bool:
 def main():
     import sys
 
-    from ..platform_info import maybe_reexec_with_openblas
+    from ..platform_info import maybe_reexec_with_blas
 
     # PyTorch's CPU kernels run ~2x slower with OpenBLAS preloaded (its threads compete
     # with PyTorch's); the torch backend does its validation and calibration in PyTorch.
     if not _torch_backend(sys.argv[1:]):
-        maybe_reexec_with_openblas()
+        maybe_reexec_with_blas()
     app()
 
 

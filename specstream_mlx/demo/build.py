@@ -175,6 +175,16 @@ def _finalize(src: Path, name: str) -> Path:
     return dst
 
 
+def measure_acceptance(name: str, data_dir: Path) -> None:
+    """Store the streams' measured acceptance per tree budget (``--tree auto``'s prior)
+    in the shipped ``specstream.json``: greedy replies to the valid split's prompts, never
+    the test split the bench prompts come from."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "specstream_mlx", "measure-acceptance", "--model", name]
+    subprocess.run(cmd + ["--prompts", str(data_dir / "valid.jsonl"), "--write"], check=True)
+
+
 def write_bench_prompts(model_dir: Path, data_dir: Path, n: int = 24) -> None:
     """Held-out prompts (test split) shipped with a model for `specstream-mlx bench`."""
     rows = []
@@ -299,6 +309,7 @@ def build_sql(scale: float = 1.0, seed: int = 0) -> None:
     )
     _train(base, data, RUNS / "demo-sql", num_streams=4, stream_layers=2, alpha_stream=SQL_ALPHA_STREAM, **common)
     write_bench_prompts(_finalize(RUNS / "demo-sql", "demo-sql"), data)
+    measure_acceptance("demo-sql", data)
     _train(base, data, RUNS / "demo-sql-baseline", streams=False, **common)
     _finalize(RUNS / "demo-sql-baseline", "demo-sql-baseline")
     dinit = init_model_dir(RUNS / "sql-draft-init", tok, DRAFT, seed + 1)
@@ -414,6 +425,7 @@ def build_chat(scale: float = 1.0, seed: int = 0, base: Optional[Path] = None, d
         save_every=250,
     )
     write_bench_prompts(_finalize(RUNS / "demo-chat", "demo-chat"), data)
+    measure_acceptance("demo-chat", data)
     # The draft-model peer: pretrained on the same corpus, then fine-tuned on the same
     # self-distilled replies for a comparable budget, so the comparison stays fair.
     if draft_base is None:
@@ -506,6 +518,7 @@ def build_smollm2(scale: float = 1.0, seed: int = 0) -> None:
         if (out / extra).exists():
             shutil.copyfile(out / extra, dst / extra)
     write_bench_prompts(dst, data)
+    measure_acceptance("smollm2", data)
     size = (dst / "streams.safetensors").stat().st_size / 1e6
     log(f"models/smollm2: streams {size:.1f} MB, base {cfg['base_fingerprint']}")
 

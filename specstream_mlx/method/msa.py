@@ -195,8 +195,9 @@ def host_slots(kept: np.ndarray, hosts: Optional[np.ndarray]) -> np.ndarray:
 def lower_layers(model, streams: StreamParams, tokens: mx.array, positions: mx.array, mask, cache) -> mx.array:
     """The tree's main rows through layers 0 .. N-Ns-1 (the input of the stream-insertion layer)."""
     h = model.model.embed_tokens(tokens)
+    rot = model.rotation(positions)  # once for every layer
     for i in range(streams.first_layer):
-        h = model.layers[i](h, mask, cache[i] if cache else None, positions)
+        h = model.layers[i](h, mask, cache[i] if cache else None, rot)
     return h
 
 
@@ -224,10 +225,11 @@ def msa_layers(
     else:  # no node hosts streams: the top layers run the main rows only
         x, pos_all = h, positions
     row_mask = stream_row_mask(nk, x.shape[1], x.dtype) if streams.lora else None
+    rot = model.rotation(pos_all)
     for i in range(streams.first_layer, len(model.layers)):
         loras = streams.layer_lora(i)
         adapter = LoRAAdapter(loras, row_mask) if loras else None
-        x = model.layers[i](x, mask, cache[i] if cache else None, pos_all, adapter, cached_rows=nk)
+        x = model.layers[i](x, mask, cache[i] if cache else None, rot, adapter, cached_rows=nk)
     return x
 
 

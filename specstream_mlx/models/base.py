@@ -5,8 +5,9 @@ What is notable here:
 * Attention takes ``(x, mask, cache, positions)``. RoPE is applied from an
   explicit per-token position array, so a flattened draft tree (whose nodes sit
   at ``offset + depth``) and speculative streams (``p + j``) get the right
-  rotations. ``mx.fast.rope`` takes one offset per batch row, so each token is
-  moved into its own batch row for the rotation (one fused kernel call).
+  rotations. A forward computes the angles of its rows once (:class:`Rotation`)
+  and passes them as the layers' ``positions``; each rotation is one fused
+  element-wise kernel.
 * One ``mx.fast.scaled_dot_product_attention`` call per layer, with whatever
   mask the caller built (``None``, ``"causal"`` or an array).
 * Parameters keep Hugging Face names, so conversion is load -> sanitize ->
@@ -93,44 +94,78 @@ class ModelArgs:
                 self.rope_scaling = {**self.rope_scaling, "rope_type": kind}
 
 
+@dataclass
+class Rotation:
+    """RoPE angles of a set of rows, computed once per forward and shared by every layer.
+
+    Attributes:
+        cos: (B, L, 1, 1, dims/2) cosines.
+        sin: (B, L, 1, 2, dims/2) sines, negated for the first half of each head.
+    """
+
+    cos: mx.array
+    sin: mx.array
+
+
+@mx.compile
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    # Non-interleaved RoPE on (B, L, H, 2, d/2): [x1, x2] -> [x1 c - x2 s, x2 c + x1 s].
+    # Compiled: one fused element-wise kernel on every backend.
+    return x * cos + x[..., ::-1, :] * sin
+
+
 class RoPE(nn.Module):
     """Rotary embedding over explicit positions (non-interleaved, HF layout).
 
-    Supports plain RoPE and the ``linear`` and ``llama3`` scalings.
+    Supports plain RoPE and the ``linear`` and ``llama3`` scalings. The angles of a
+    forward's rows are computed once (:meth:`angles`) and every layer's queries and
+    keys are rotated by one fused element-wise kernel: ``mx.fast.rope`` with
+    per-token offsets runs as a composition of some fifteen operations per call
+    where it has no kernel of its own (the CPU backend), twice per layer.
     """
 
     def __init__(self, head_dim: int, args: ModelArgs):
         super().__init__()
         self.dims = int(head_dim * args.partial_rotary_factor)
-        self.base: Optional[float] = args.rope_theta
-        self.scale = 1.0
-        self._freqs: Optional[mx.array] = None
+        base = args.rope_theta
+        scale = 1.0
         scaling = args.rope_scaling
         if scaling is None:
-            return
-        kind = scaling["rope_type"]
-        if kind == "linear":
-            self.scale = 1.0 / float(scaling["factor"])
-        elif kind == "llama3":
-            self.base = None
-            self._freqs = _llama3_freqs(self.dims, args.rope_theta, scaling)
+            periods = None
+        elif scaling["rope_type"] == "linear":
+            scale = 1.0 / float(scaling["factor"])
+            periods = None
+        elif scaling["rope_type"] == "llama3":
+            periods = _llama3_freqs(self.dims, args.rope_theta, scaling)
         else:
-            raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
+            raise ValueError(f"unsupported rope_scaling type {scaling['rope_type']!r}; supported: linear, llama3")
+        if periods is None:
+            inv = 1.0 / (base ** (mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims))
+        else:
+            inv = 1.0 / periods
+        # Not a parameter (leading underscore): derived from the config, never saved.
+        self._inv_freq = inv * scale
 
-    def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
-        """Rotate ``x`` of shape (B, L, H, D) at ``positions`` (B, L); returns (B, H, L, D)."""
+    def angles(self, positions: mx.array) -> Rotation:
+        """The rotation of rows at ``positions`` (B, L)."""
+        ang = positions.astype(mx.float32)[..., None] * self._inv_freq  # (B, L, d/2)
+        cos, sin = mx.cos(ang)[:, :, None, None, :], mx.sin(ang)[:, :, None, None, :]
+        return Rotation(cos, mx.concatenate([-sin, sin], axis=3))
+
+    def __call__(self, x: mx.array, positions: Union[mx.array, Rotation]) -> mx.array:
+        """Rotate ``x`` of shape (B, L, H, D) at ``positions`` (B, L) or by a precomputed
+        :class:`Rotation`; returns (B, H, L, D)."""
+        rot = positions if isinstance(positions, Rotation) else self.angles(positions)
         B, L, H, D = x.shape
-        # (B*L, H, 1, D): every token is its own batch row with its own offset.
-        y = mx.fast.rope(
-            x.reshape(B * L, H, 1, D),
-            self.dims,
-            traditional=False,
-            base=self.base,
-            scale=self.scale,
-            offset=positions.reshape(-1),
-            freqs=self._freqs,
-        )
-        return y.reshape(B, L, H, D).transpose(0, 2, 1, 3)
+        d = self.dims
+        # Angles in float32 (as mx.fast.rope computes them), the rotation in x's dtype.
+        cos, sin = rot.cos.astype(x.dtype), rot.sin.astype(x.dtype)
+        if d == D:
+            y = _rotate(x.reshape(B, L, H, 2, d // 2), cos, sin).reshape(B, L, H, D)
+        else:  # partial rotary: the rest of each head passes through
+            y = _rotate(x[..., :d].reshape(B, L, H, 2, d // 2), cos, sin).reshape(B, L, H, d)
+            y = mx.concatenate([y, x[..., d:]], axis=-1)
+        return y.transpose(0, 2, 1, 3)
 
 
 def _llama3_freqs(dims: int, base: float, scaling: Dict[str, Any]) -> mx.array:
@@ -151,6 +186,54 @@ def _llama3_freqs(dims: int, base: float, scaling: Dict[str, Any]) -> mx.array:
             f = (1 - smooth) * f / factor + smooth * f
         out.append(1.0 / f)
     return mx.array(out, dtype=mx.float32)
+
+
+class FusedProjection:
+    """Several linear projections of the same input as one matrix product.
+
+    The weights are concatenated once along the output dimension and the original
+    layers' weights become views into that one buffer (no memory is added), so their
+    parameters keep Hugging Face names and values. One wider product reads the same
+    bytes as the separate ones with fewer calls (a BLAS call on a CPU, a kernel launch
+    on a GPU) and streams memory better at the few rows of decoding.
+
+    A layer whose weight was replaced since (``update``, ``load_weights``) is no longer
+    :meth:`current`; the caller then runs the separate layers.
+    """
+
+    def __init__(self, weight: mx.array, bias: Optional[mx.array], splits: List[int], views: list):
+        self.weight, self.bias, self.splits, self.views = weight, bias, splits, views
+
+    @classmethod
+    def of(cls, layers: List[nn.Module]) -> Optional["FusedProjection"]:
+        """Fuse ``layers`` (plain ``nn.Linear`` of one input width and dtype), or None
+        when they cannot be (quantized layers, mixed dtypes or biases)."""
+        if not all(type(m) is nn.Linear for m in layers):
+            return None
+        ws = [m.weight for m in layers]
+        has_bias = ["bias" in m for m in layers]
+        if len({w.dtype for w in ws}) > 1 or len({w.shape[1] for w in ws}) > 1 or len(set(has_bias)) > 1:
+            return None
+        weight = mx.concatenate(ws, axis=0)
+        bias = mx.concatenate([m.bias for m in layers]) if has_bias[0] else None
+        mx.eval(weight, *([bias] if bias is not None else []))
+        sizes = [w.shape[0] for w in ws]
+        bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        views = []
+        for m, a, b in zip(layers, bounds, bounds[1:]):
+            m.weight = weight[a:b]
+            if bias is not None:
+                m.bias = bias[a:b]
+            views.append(m.weight)
+        mx.eval(views)  # the views share the fused buffer; the separate weights are freed
+        return cls(weight, bias, bounds[1:-1], views)
+
+    def current(self, layers: List[nn.Module]) -> bool:
+        return all(m.weight is v for m, v in zip(layers, self.views))
+
+    def __call__(self, x: mx.array) -> List[mx.array]:
+        y = mx.addmm(self.bias, x, self.weight.T) if self.bias is not None else x @ self.weight.T
+        return mx.split(y, self.splits, axis=-1)
 
 
 class Attention(nn.Module):
@@ -175,6 +258,12 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         self.qk_norm = args.qk_norm
         self.rope = RoPE(hd, args)
+        self._qkv: Optional[FusedProjection] = None
+
+    def fuse(self) -> None:
+        """Run q, k and v as one matrix product (see :func:`fuse_projections`)."""
+        if not self.fused_qkv:
+            self._qkv = FusedProjection.of([self.q_proj, self.k_proj, self.v_proj])
 
     def project(self, x: mx.array, positions: mx.array, adapter: Optional[Adapter] = None):
         """Queries, keys and values of ``x`` (B, L, dim), rotated; each (B, heads, L, D).
@@ -188,6 +277,9 @@ class Attention(nn.Module):
             qkv = ad("qkv_proj", x, self.qkv_proj(x))
             nq, nk = self.n_heads * hd, self.n_kv_heads * hd
             q, k, v = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
+        elif self._qkv is not None and self._qkv.current([self.q_proj, self.k_proj, self.v_proj]):
+            q, k, v = self._qkv(x)
+            q, k, v = ad("q_proj", x, q), ad("k_proj", x, k), ad("v_proj", x, v)
         else:
             q = ad("q_proj", x, self.q_proj(x))
             k = ad("k_proj", x, self.k_proj(x))
@@ -248,16 +340,30 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
             self.up_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
         self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
+        self._gate_up: Optional[FusedProjection] = None
+
+    def fuse(self) -> None:
+        """Run gate and up as one matrix product (see :func:`fuse_projections`)."""
+        if not self.fused:
+            self._gate_up = FusedProjection.of([self.gate_proj, self.up_proj])
+
+    def _gate_and_up(self, x: mx.array):
+        if self._gate_up is not None and self._gate_up.current([self.gate_proj, self.up_proj]):
+            return self._gate_up(x)
+        return self.gate_proj(x), self.up_proj(x)
 
     def __call__(self, x: mx.array, adapter: Optional[Adapter] = None) -> mx.array:
         if adapter is None:
             if self.fused:
                 gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
             else:
-                gate, up = self.gate_proj(x), self.up_proj(x)
+                gate, up = self._gate_and_up(x)
             return self.down_proj(swiglu(gate, up))
         if self.fused:
             gate, up = mx.split(adapter("gate_up_proj", x, self.gate_up_proj(x)), 2, axis=-1)
+        elif self._gate_up is not None and self._gate_up.current([self.gate_proj, self.up_proj]):
+            gate, up = self._gate_up(x)
+            gate, up = adapter("gate_proj", x, gate), adapter("up_proj", x, up)
         else:
             gate = adapter("gate_proj", x, self.gate_proj(x))
             up = adapter("up_proj", x, self.up_proj(x))
@@ -290,7 +396,7 @@ class TransformerBlock(nn.Module):
             mask: attention mask over [cache contents | rows]; None, "causal" or an array.
             cache: anything with ``update_and_fetch(k, v)`` (a KV cache, or the
                 training tape of main keys/values), or None.
-            positions: (B, L) RoPE positions of the rows.
+            positions: (B, L) RoPE positions of the rows, or their :class:`Rotation`.
             adapter: adds a low-rank delta to projections (the stream LoRA on
                 stream rows only, or a LoRA on every row); None for the base.
             cached_rows: how many leading rows are written to ``cache``; None
@@ -361,9 +467,23 @@ class Model(nn.Module):
             mask = "causal"
         h = self.model.embed_tokens(inputs)
         layer_caches = cache if cache is not None else [None] * len(self.layers)
+        rot = self.rotation(positions)
         for layer, c in zip(self.layers, layer_caches):
-            h = layer(h, mask, c, positions)
+            h = layer(h, mask, c, rot)
         return self.lm_logits(h)
+
+    def rotation(self, positions: Union[mx.array, Rotation]) -> Rotation:
+        """RoPE angles of rows at ``positions`` (B, L), shared by every layer."""
+        if isinstance(positions, Rotation):
+            return positions
+        return self.layers[0].self_attn.rope.angles(positions)
+
+    def fuse_projections(self) -> None:
+        """Run q/k/v and gate/up as one matrix product each, in every layer (inference:
+        the values and names of the parameters are unchanged)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         """Drop what HF checkpoints carry but this model does not use."""

@@ -23,6 +23,11 @@ generations it runs; nothing is measured before the first token.
 * **Pruning** (greedy, with the model's calibrated threshold): passes with and without
   early-exit pruning are timed per decided token and the cheaper is used
   (:class:`Alternatives`).
+* **Prior** (:class:`~.acceptance_prior.AcceptancePrior`, stored with the streams): before
+  a client's first pass, each arm's accepted length is the measured one and its cost the
+  stored or prior cost. When no arm is predicted to pay, the request decodes plainly
+  from its first token and no pass is explored; trees are first tried after the
+  back-off below, as after a fall-back. Otherwise the first pass uses the best arm.
 * **Fall-back**: when, after a warm-up, the best arm is expected clearly slower than plain
   decoding (below ``FALLBACK_BELOW``: estimates near break-even move from pass to pass),
   the rest of the request decodes plainly, and so do that client's next 1, 2, 4, …
@@ -44,6 +49,7 @@ import numpy as np
 from ..io.bundles import cache_root
 from ..method.tree import TreeSpec
 from ..platform_info import blas_in_use
+from .acceptance_prior import AcceptancePrior
 from .drafting import Draft, num_candidates
 
 Arm = Tuple[int, int]  # (budget, hosting mode)
@@ -74,6 +80,7 @@ COST_VERSION = 9
 # $SPECSTREAM_CACHE_DIR, else in the user cache of converted models (read at each use).
 CACHE_FILE: Optional[Path] = None
 BACKOFF_REASON = "plain decoding: draft trees did not pay off on recent requests (re-tried later)"
+PRIOR_REASON = "plain decoding: the streams' measured acceptance predicts no draft tree pays here"
 
 
 @dataclass
@@ -352,6 +359,11 @@ class AutoPolicy:
     passes: int = 0
     since_probe: int = 0
     pending: Optional[str] = None  # set: the rest of this request decodes plainly (why)
+    prior: Optional[AcceptancePrior] = None
+    prior_consulted: bool = False  # the prior decides a client's first request only
+    # Greedy: the prior also picks the first arm. Sampled: it is an upper bound only
+    # (sampled drafts are accepted less often than greedy ones), so it can only say plain.
+    prior_picks_arm: bool = True
 
     def __post_init__(self):
         if self.evidence is None:
@@ -362,7 +374,14 @@ class AutoPolicy:
 
     def for_client(self) -> "AutoPolicy":
         """A policy for another client over the same machine facts (costs, pass kind)."""
-        return AutoPolicy(self.costs, self.depth, self.compiled, pruning=Alternatives(self.pruning.options))
+        return AutoPolicy(
+            self.costs,
+            self.depth,
+            self.compiled,
+            pruning=Alternatives(self.pruning.options),
+            prior=self.prior,
+            prior_picks_arm=self.prior_picks_arm,
+        )
 
     def spec(self) -> TreeSpec:
         return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosts=self.hosting)
@@ -376,6 +395,11 @@ class AutoPolicy:
         e = self.evidence.expected(*arm)
         return None if e is None else (1.0 + e) / (self.costs.cost(arm) if cost is None else cost)
 
+    def prior_rates(self) -> Dict[Arm, float]:
+        """Predicted tokens per plain-token time of every arm from the prior alone."""
+        costs = self.costs.table(self.arms())
+        return {arm: (1.0 + self.prior.expected(arm[0])) / c for arm, c in costs.items()}
+
     def new_request(self, pruning_levels=(0.0,)) -> None:
         self.evidence.halve()
         self.pruning.offer(pruning_levels)
@@ -383,6 +407,17 @@ class AutoPolicy:
         if self.skip > 0:
             self.skip -= 1
             self.pending = BACKOFF_REASON
+        elif self.prior is not None and not self.prior_consulted and self.evidence.steps == 0:
+            self.prior_consulted = True
+            rates = self.prior_rates()
+            best = max(rates, key=rates.get)
+            if rates[best] < FALLBACK_BELOW:
+                # As if trees had been tried and failed: re-tried after the back-off.
+                self.pending = f"{PRIOR_REASON} (best {rates[best]:.2f}x)"
+                self.backoff = 1
+                self.skip = self.backoff
+            elif self.prior_picks_arm:
+                self.budget, self.hosting = best
 
     def plan_pass(self) -> PassPlan:
         spec = self.spec()
@@ -462,4 +497,5 @@ def auto_policy_for(model, streams, sampled: bool, compiled: bool, log=None) -> 
     costs = PassCosts.load(model_key(model, streams, "sampled" if sampled else "greedy", compiled))
     if log and not costs.stored:
         log("--tree auto: no pass costs stored for this model here yet; timing them while decoding")
-    return AutoPolicy(costs, streams.num_streams, compiled)
+    prior = AcceptancePrior.from_extra(streams.config.extra)
+    return AutoPolicy(costs, streams.num_streams, compiled, prior=prior, prior_picks_arm=not sampled)

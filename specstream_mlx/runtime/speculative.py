@@ -28,6 +28,7 @@ from .autotune import FixedPolicy, PassPlan
 from .cache import make_cache
 from .drafting import Draft, draft_tree, max_draws, stream_candidates
 from .engine import SpeculativeModel, as_speculative
+from .plain_step import plain_step
 from .sampling import KeyStream, SamplingParams, sample_token
 from .steps import Step, StepInfo, ar_steps, prefill
 from .verification import verification_target, verify
@@ -159,10 +160,10 @@ def plain_probe(
     not cached: the state a speculative pass starts from. Lossless: every token is
     the target's own choice (sampled with keys of its own ``seed``)."""
     keys = KeyStream(seed)
+    step = plain_step(model)
 
     def forward(tok: mx.array) -> mx.array:
-        logits = model(tok.reshape(1, -1), cache=cache)[:, -1, :]
-        return sample_token(logits, sampling, None if sampling.greedy else keys.next())
+        return sample_token(step(tok, cache), sampling, None if sampling.greedy else keys.next())
 
     y = forward(mx.array([token]))
     mx.async_eval(y)

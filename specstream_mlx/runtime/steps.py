@@ -13,6 +13,7 @@ from typing import Generator, List, Optional
 import mlx.core as mx
 
 from .cache import make_cache
+from .plain_step import plain_step
 from .sampling import KeyStream, SamplingParams, sample_token
 
 
@@ -76,16 +77,17 @@ def ar_steps(
     """Plain autoregressive decoding; one token per forward pass.
 
     The next pass is queued (``mx.async_eval``) before the current token is
-    handed out, so Python work overlaps the model's compute.
+    handed out, so Python work overlaps the model's compute. Each step is one
+    compiled graph (:mod:`.plain_step`).
     """
     cache = cache if cache is not None else make_cache(model)
     keys = KeyStream(sampling.seed)
     prefill(model, prompt[:-1], cache, prefill_chunk)
+    step = plain_step(model)
 
     def forward(tok: mx.array) -> mx.array:
         with mx.stream(_decode_stream()):
-            logits = model(tok.reshape(1, -1), cache=cache)[:, -1, :]
-            return sample_token(logits, sampling, None if sampling.greedy else keys.next())
+            return sample_token(step(tok, cache), sampling, None if sampling.greedy else keys.next())
 
     y = forward(prompt[-1:])
     mx.async_eval(y)

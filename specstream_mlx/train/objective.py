@@ -91,7 +91,7 @@ def _adapter(loras: Optional[dict]):
 def main_pass(model, tokens: mx.array, base_lora: dict, s0: int):
     """All layers over (B, L) tokens causally: (M at layer s0, the MSA layers' KV tapes, final hidden)."""
     B, L = tokens.shape
-    positions = mx.broadcast_to(mx.arange(L, dtype=mx.int32)[None], (B, L))
+    positions = model.rotation(mx.broadcast_to(mx.arange(L, dtype=mx.int32)[None], (B, L)))
     h = model.model.embed_tokens(tokens)
     tapes = [KVTape() for _ in range(s0, len(model.layers))]
     h_s0 = None
@@ -136,7 +136,7 @@ def stream_pass(
     M = mx.take_along_axis(h_s0, spos[..., None], axis=1)  # (B, S, h)
     x = (M[:, :, None, :] + streams.embeddings[None, None]).reshape(B, S * gamma, -1)
     js = mx.arange(1, gamma + 1, dtype=mx.int32)
-    positions = (spos[:, :, None] + js).reshape(B, S * gamma)
+    positions = model.rotation((spos[:, :, None] + js).reshape(B, S * gamma))
     host = mx.repeat(spos, gamma, axis=1)  # (B, R): the position each stream row hangs from
     main_part = mx.arange(L)[None, None, :] <= host[:, :, None]  # (B, R, L)
     own = mx.broadcast_to(mx.array(stream_block_mask(S, gamma))[None], (B, S * gamma, S * gamma))

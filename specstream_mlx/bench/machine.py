@@ -1,0 +1,271 @@
+"""The machine's limits, and the BLAS libraries timed against them.
+
+* **The floor** of a decoding step: a step reads every weight once, so it cannot
+  take less than (bytes of weights) ÷ (streaming read bandwidth). The bandwidth is
+  measured here, in the same process and run as whatever it is compared with: the
+  best of a few reads of a buffer larger than any cache, on one thread and on all.
+* **The BLAS sweep** (``specstream-mlx bench-blas``): every library × thread count in
+  its own process (a BLAS is chosen at process start), rounds interleaved so that a
+  change of load hits every configuration alike. Each process times, per model, the
+  matrix products of one step at b rows (every projection with its own weights, then
+  the LM head: what the BLAS does and nothing else) and the model's whole forward
+  pass over b new rows after a 128-token prefix.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+ROWS = (1, 2, 4, 8, 16)
+CONTEXT = 128
+
+
+@dataclass
+class Bandwidth:
+    """Streaming read bandwidth, bytes per second (best of ``reps`` reads)."""
+
+    one_thread: float
+    all_threads: float
+    threads: int
+    buffer_bytes: int
+
+    @property
+    def best(self) -> float:
+        return max(self.one_thread, self.all_threads)
+
+
+def read_bandwidth(buffer_bytes: int = 512 << 20, reps: int = 7, threads: Optional[int] = None) -> Bandwidth:
+    """Measure how fast this machine streams memory into the cores.
+
+    A max-reduction over float32 (vectorised, one load per element, nothing written)
+    stands for reading weights once; the buffer is far larger than any cache."""
+    threads = threads or os.cpu_count() or 1
+    a = np.ones(buffer_bytes // 4, dtype=np.float32)
+    parts = np.array_split(a, threads)
+
+    def best(run: Callable[[], object]) -> float:
+        run()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run()
+            ts.append(time.perf_counter() - t0)
+        return a.nbytes / min(ts)
+
+    one = best(lambda: a.max())
+    with ThreadPoolExecutor(threads) as ex:
+        every = best(lambda: list(ex.map(np.max, parts))) if threads > 1 else one
+    return Bandwidth(one, every, threads, a.nbytes)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of parameters one decoding step reads: every parameter of the base model
+    as it is held for execution (float32 on the CPU backend). A tied embedding is read
+    once, as the LM head (the embedding row lookup is negligible)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def floor_seconds(model, bandwidth: Bandwidth) -> float:
+    """The fastest a plain step of ``model`` can be on this machine."""
+    return weight_bytes(model) / bandwidth.best
+
+
+def product_shapes(args) -> List[tuple]:
+    """(in, out) of every matrix product one step runs, in order: per layer q, k, v, o,
+    gate, up, down, then the LM head."""
+    d, hd = args.hidden_size, args.head_dim
+    q, kv = args.num_attention_heads * hd, args.num_key_value_heads * hd
+    inter = args.intermediate_size
+    per_layer = [(d, q), (d, kv), (d, kv), (q, d), (d, inter), (d, inter), (inter, d)]
+    return per_layer * args.num_hidden_layers + [(d, args.vocab_size)]
+
+
+def _median_ms(run: Callable[[], None], reps: int) -> float:
+    run()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def time_products(shapes: Sequence[tuple], rows: Sequence[int], reps: int) -> Dict[int, float]:
+    """Median ms of all ``shapes``' products at each row count (float32, distinct weights)."""
+    import mlx.core as mx
+
+    ws = [mx.random.normal((o, i)) * 0.02 for i, o in shapes]
+    mx.eval(ws)
+    out = {}
+    for r in rows:
+        xs = {i: mx.random.normal((r, i)) for i in {s[0] for s in shapes}}
+        mx.eval(list(xs.values()))
+        out[r] = _median_ms(lambda xs=xs: mx.eval([xs[w.shape[1]] @ w.T for w in ws]), reps)
+    return out
+
+
+def time_passes(model, rows: Sequence[int], reps: int, context: int = CONTEXT) -> Dict[int, float]:
+    """Median ms of the model's forward over ``b`` new rows after ``context`` cached
+    tokens (b = 1 is a plain decoding step, argmax included), at each row count."""
+    import mlx.core as mx
+
+    from ..runtime.cache import make_cache, trim_cache
+
+    cache = make_cache(model)
+    model(mx.array([[1] * context]), cache=cache)
+    mx.eval([c.keys for c in cache])
+    out = {}
+    for b in rows:
+
+        def run(tokens=mx.array([[5] * b]), b=b):
+            mx.eval(mx.argmax(model(tokens, cache=cache), axis=-1))
+            trim_cache(cache, b)
+
+        out[b] = _median_ms(run, reps)
+    return out
+
+
+@dataclass
+class SweepConfig:
+    library: str  # a key of platform_info.LIBRARIES
+    threads: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.library}:{self.threads}"
+
+
+@dataclass
+class SweepResult:
+    """Medians over rounds, per config label, model and row count."""
+
+    date: str
+    machine: dict
+    floor: Dict[str, dict]
+    bandwidth: List[dict]
+    products_ms: Dict[str, Dict[str, Dict[int, float]]] = field(default_factory=dict)
+    pass_ms: Dict[str, Dict[str, Dict[int, float]]] = field(default_factory=dict)
+    versions: Dict[str, Optional[str]] = field(default_factory=dict)
+    load: List[float] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)
+
+
+def _child(models: Sequence[str], rows: Sequence[int], reps: int) -> dict:
+    """In a process with one BLAS preloaded: products and passes of each model."""
+    from ..platform_info import blas_in_use, blas_threads, blas_version
+    from ..runtime.engine import load
+
+    res = {"blas": blas_in_use(), "version": blas_version(), "threads": blas_threads(), "models": {}}
+    for name in models:
+        m, _ = load(name, warn=False)
+        res["models"][name] = {
+            "products_ms": time_products(product_shapes(m.args), rows, reps),
+            "pass_ms": time_passes(m.base, rows, reps),
+            "weight_bytes": weight_bytes(m.base),
+        }
+    return res
+
+
+def run_sweep(
+    configs: Sequence[SweepConfig],
+    models: Sequence[str],
+    rows: Sequence[int] = ROWS,
+    rounds: int = 3,
+    reps: int = 9,
+    log: Callable[[str], None] = print,
+) -> SweepResult:
+    """Time every config on every model, rounds interleaved (each round in a rotated
+    order); the floor's bandwidth is measured once per round between them."""
+    from ..platform_info import LIBRARIES, choose_blas, runtime_info
+
+    envs = {}
+    for c in configs:
+        choice = choose_blas(f"{c.library}:{c.threads}")  # raises for a library not installed
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",) and not k.endswith("_NUM_THREADS")}
+        env.update(choice.env())
+        env.update({lib.threads_env: str(c.threads) for lib in LIBRARIES.values()})
+        env["OMP_NUM_THREADS"] = str(c.threads)
+        envs[c.label] = env
+    raw: Dict[str, List[dict]] = {c.label: [] for c in configs}
+    bws, loads = [], []
+    for r in range(rounds):
+        order = list(configs[r % len(configs) :]) + list(configs[: r % len(configs)])
+        for c in order:
+            log(f"round {r + 1}/{rounds}: {c.label}")
+            cmd = [sys.executable, "-m", "specstream_mlx.bench.machine", json.dumps([list(models), list(rows), reps])]
+            out = subprocess.run(cmd, env=envs[c.label], capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"{c.label}: the timing process failed: {out.stderr.strip().splitlines()[-1:]}")
+            raw[c.label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            loads.append(os.getloadavg()[0])
+        bws.append(read_bandwidth())
+    info = runtime_info()
+    first = next(iter(raw.values()))[0]["models"]
+    best_bw = max(b.best for b in bws)
+    res = SweepResult(
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        machine={k: info[k] for k in ("cpu", "cores", "os", "mlx", "device")},
+        floor={
+            m: {"weight_bytes": first[m]["weight_bytes"], "floor_ms": first[m]["weight_bytes"] / best_bw * 1e3}
+            for m in models
+        },
+        bandwidth=[asdict(b) for b in bws],
+        load=loads,
+        settings={"rounds": rounds, "reps": reps, "rows": list(rows), "context": CONTEXT},
+    )
+    for label, runs in raw.items():
+        res.versions[label] = f"{runs[0]['blas']} {runs[0]['version']}, {runs[0]['threads']} threads"
+        for kind in ("products_ms", "pass_ms"):
+            getattr(res, kind)[label] = {
+                m: {int(b): statistics.median(run["models"][m][kind][str(b)] for run in runs) for b in rows}
+                for m in models
+            }
+    return res
+
+
+def sweep_markdown(res: SweepResult) -> str:
+    """Tables: per model, ms per config and row count, and each against the floor."""
+    m = res.machine
+    bw = max(b["one_thread"] for b in res.bandwidth), max(b["all_threads"] for b in res.bandwidth)
+    lines = [
+        f"BLAS sweep — {res.date} — {m['cpu']} ({m['cores']} cores), {m['os']}, MLX {m['mlx']} ({m['device']}); "
+        f"{res.settings['rounds']} interleaved rounds × {res.settings['reps']} repetitions (medians); "
+        f"1-min load during the run {min(res.load):.2f}–{max(res.load):.2f}; "
+        f"streaming read {bw[0] / 1e9:.1f} GB/s on one thread, {bw[1] / 1e9:.1f} GB/s on all",
+        "",
+        "Libraries: " + "; ".join(f"`{k}` = {v}" for k, v in res.versions.items()),
+        "",
+    ]
+    rows = res.settings["rows"]
+    for model, fl in res.floor.items():
+        lines += [
+            f"**{model}** — {fl['weight_bytes'] / 1e6:.0f} MB of weights per step; floor "
+            f"{fl['floor_ms']:.1f} ms (weights ÷ best read bandwidth). Cells: ms (× floor).",
+            "",
+            "| library:threads | what | " + " | ".join(f"b={b}" for b in rows) + " |",
+            "| --- | --- | " + " | ".join("---" for _ in rows) + " |",
+        ]
+        for kind, what in (("products_ms", "products"), ("pass_ms", "forward pass")):
+            for label, per_model in getattr(res, kind).items():
+                cells = [f"{per_model[model][b]:.1f} ({per_model[model][b] / fl['floor_ms']:.2f}×)" for b in rows]
+                lines.append(f"| {label} | {what} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # the timing process of one configuration
+    _models, _rows, _reps = json.loads(sys.argv[1])
+    print(json.dumps(_child(_models, _rows, _reps)))

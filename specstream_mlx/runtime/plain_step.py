@@ -1,0 +1,79 @@
+"""The plain decoding step as one compiled graph.
+
+A plain step runs some twenty operations per layer besides its matrix products
+(norms, rotations, the cache write, attention, the activation, residuals); op by op,
+each is built in Python and dispatched on its own. Compiled, the graph is traced
+once and its element-wise work fuses into fewer kernels, on every backend.
+
+What varies from step to step is data, not shape: the cache offset is an input
+array, the step writes its key and value rows into the whole KV buffer at that
+offset (:class:`~.cache.OffsetWriter`), and the mask hides every row past it. One
+graph serves every offset up to the buffer's capacity, which grows 256 rows at a
+time; each capacity traces once. A cache without buffers yet (no prefix) takes the
+op-by-op step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Tuple
+
+import mlx.core as mx
+
+from .cache import KVCache, OffsetWriter
+
+
+class PlainStep:
+    """``step(token, cache)`` -> (1, V) logits of the next token, cache advanced by one.
+
+    Args:
+        model: the base causal LM (weights are read at every call, so updates are seen).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self._fn = mx.compile(self._body, inputs=[model.state])
+
+    def _body(self, token: mx.array, offset: mx.array, keys: List[mx.array], values: List[mx.array]):
+        model = self.model
+        capacity = keys[0].shape[2]
+        writers = [OffsetWriter(k, v, offset) for k, v in zip(keys, values)]
+        positions = offset.reshape(1, 1)
+        mask = (mx.arange(capacity, dtype=mx.int32) <= offset)[None]  # (1, capacity): prefix and this row
+        h = model.model.embed_tokens(token.reshape(1, 1))
+        rot = model.rotation(positions)
+        for layer, w in zip(model.layers, writers):
+            h = layer(h, mask, w, rot)
+        return model.lm_logits(h)[:, -1, :], [w.keys for w in writers], [w.values for w in writers]
+
+    def __call__(self, token: mx.array, cache: List[KVCache]) -> mx.array:
+        if not cache or any(not isinstance(c, KVCache) or c.keys is None for c in cache):
+            return self.model(token.reshape(1, 1), cache=cache)[:, -1, :]
+        for c in cache:
+            c.reserve(1)
+        # One capacity for every layer (a pruned speculative pass can leave them apart).
+        capacity = max(c.capacity for c in cache)
+        for c in cache:
+            c.grow_to(capacity)
+        keys = [c.keys for c in cache]
+        values = [c.values for c in cache]
+        offset = mx.array(cache[0].offset, dtype=mx.int32)
+        logits, new_keys, new_values = self._fn(token, offset, keys, values)
+        del keys, values  # the old buffers' last references: the writes can reuse them
+        for c, k, v in zip(cache, new_keys, new_values):
+            c.adopt(k, v, 1)
+        return logits
+
+
+_STEPS: Dict[int, Tuple["weakref.ref", PlainStep]] = {}
+
+
+def plain_step(model) -> PlainStep:
+    """The compiled step of ``model``, made once per model object and kept while it lives
+    (traced graphs are reused by every generation)."""
+    entry = _STEPS.get(id(model))
+    if entry is None or entry[0]() is not model:
+        for key in [k for k, (ref, _) in _STEPS.items() if ref() is None]:
+            del _STEPS[key]
+        entry = _STEPS[id(model)] = (weakref.ref(model), PlainStep(model))
+    return entry[1]
