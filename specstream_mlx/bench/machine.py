@@ -139,13 +139,91 @@ def time_passes(model, rows: Sequence[int], reps: int, context: int = CONTEXT) -
 
 
 @dataclass
+class FloorReport:
+    """A plain decoding step of one model against the machine's floor, in one run.
+
+    Attributes:
+        weight_bytes: bytes of weights one step reads.
+        bandwidth: the streaming read bandwidth measured in the same run.
+        floor_ms: weight_bytes ÷ the best bandwidth.
+        step_ms: median ms per generated token of plain decoding (the engine's own
+            pipelined loop, greedy, after the first token), per round.
+        products_ms: median ms of the step's matrix products alone at one row, per round.
+    """
+
+    model: str
+    weight_bytes: int
+    bandwidth: dict
+    floor_ms: float
+    step_ms: List[float]
+    products_ms: List[float]
+    blas: str = ""
+    load: List[float] = field(default_factory=list)
+
+    def summary(self) -> str:
+        step, prod = statistics.median(self.step_ms), statistics.median(self.products_ms)
+        bw = self.bandwidth
+        return (
+            f"{self.model}: {self.weight_bytes / 1e6:.0f} MB of weights per step; streaming read "
+            f"{bw['one_thread'] / 1e9:.1f} GB/s (1 thread), {bw['all_threads'] / 1e9:.1f} GB/s "
+            f"({bw['threads']} threads): floor {self.floor_ms:.1f} ms\n"
+            f"plain step {step:.1f} ms ({1e3 / step:.1f} tok/s) = {step / self.floor_ms:.2f}x the floor; "
+            f"its matrix products alone {prod:.1f} ms ({prod / self.floor_ms:.2f}x), "
+            f"everything else {step - prod:.1f} ms\n"
+            f"BLAS {self.blas}; 1-min load {min(self.load):.2f}-{max(self.load):.2f}"
+        )
+
+
+def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9) -> FloorReport:
+    """Plain decoding of ``name`` against the floor, rounds interleaved with the bandwidth
+    and product measurements (each figure is a median of its rounds)."""
+    import mlx.core as mx
+
+    from ..platform_info import blas_in_use, blas_threads, blas_version, gemv_forwarding
+    from ..runtime.engine import load
+    from ..runtime.sampling import SamplingParams
+    from ..runtime.steps import ar_steps
+
+    m, _ = load(name, warn=False)
+    prompt = mx.array([1] + list(range(100, 100 + CONTEXT - 1)))
+    steps, prods, bws, loads = [], [], [], []
+    shapes = product_shapes(m.args)
+    for _ in range(rounds):
+        t, times = None, []
+        for i, _step in enumerate(ar_steps(m.base, prompt, SamplingParams())):
+            now = time.perf_counter()
+            if t is not None:
+                times.append(now - t)
+            t = now
+            if i >= tokens:
+                break
+        steps.append(statistics.median(times) * 1e3)
+        prods.append(time_products(shapes, (1,), reps)[1])
+        bws.append(read_bandwidth())
+        loads.append(os.getloadavg()[0])
+    best = max(bws, key=lambda b: b.best)
+    wb = weight_bytes(m.base)
+    return FloorReport(
+        name,
+        wb,
+        asdict(best),
+        wb / best.best * 1e3,
+        steps,
+        prods,
+        f"{blas_in_use()} {blas_version()}, {blas_threads()} threads" + (", one-row GEMV" if gemv_forwarding() else ""),
+        loads,
+    )
+
+
+@dataclass
 class SweepConfig:
     library: str  # a key of platform_info.LIBRARIES
     threads: int
+    gemv: bool = False  # the one-row forwarder in front (platform_info.gemv_forwarder)
 
     @property
     def label(self) -> str:
-        return f"{self.library}:{self.threads}"
+        return f"{self.library}:{self.threads}" + ("+gemv" if self.gemv else "")
 
 
 @dataclass
@@ -165,10 +243,11 @@ class SweepResult:
 
 def _child(models: Sequence[str], rows: Sequence[int], reps: int) -> dict:
     """In a process with one BLAS preloaded: products and passes of each model."""
-    from ..platform_info import blas_in_use, blas_threads, blas_version
+    from ..platform_info import blas_in_use, blas_threads, blas_version, gemv_forwarding
     from ..runtime.engine import load
 
     res = {"blas": blas_in_use(), "version": blas_version(), "threads": blas_threads(), "models": {}}
+    res["gemv"] = gemv_forwarding()
     for name in models:
         m, _ = load(name, warn=False)
         res["models"][name] = {
@@ -193,7 +272,9 @@ def run_sweep(
 
     envs = {}
     for c in configs:
-        choice = choose_blas(f"{c.library}:{c.threads}")  # raises for a library not installed
+        choice = choose_blas(f"{c.library}:{c.threads}", gemv=c.gemv)  # raises for a library not installed
+        if c.gemv and choice.forwarder is None:
+            raise RuntimeError(f"{c.label}: the one-row forwarder cannot be built here (no C compiler?)")
         env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",) and not k.endswith("_NUM_THREADS")}
         env.update(choice.env())
         env.update({lib.threads_env: str(c.threads) for lib in LIBRARIES.values()})
@@ -227,7 +308,9 @@ def run_sweep(
         settings={"rounds": rounds, "reps": reps, "rows": list(rows), "context": CONTEXT},
     )
     for label, runs in raw.items():
-        res.versions[label] = f"{runs[0]['blas']} {runs[0]['version']}, {runs[0]['threads']} threads"
+        res.versions[label] = f"{runs[0]['blas']} {runs[0]['version']}, {runs[0]['threads']} threads" + (
+            ", one-row products as GEMV" if runs[0].get("gemv") else ""
+        )
         for kind in ("products_ms", "pass_ms"):
             getattr(res, kind)[label] = {
                 m: {int(b): statistics.median(run["models"][m][kind][str(b)] for run in runs) for b in rows}

@@ -10,7 +10,9 @@ def markdown_table(res: dict) -> str:
     lines = [
         f"`{res['model']}` — {res['date']} — {m['cpu']} ({m['cores']} cores), {m['os']}, MLX {m['mlx']} "
         f"({m['device']}), BLAS: {m['blas']}"
+        + (f" {m['blas_version']}" if m.get("blas_version") else "")
         + (f", {m['blas_threads']} threads" if m.get("blas_threads") else "")
+        + (", one-row products as GEMV" if m.get("blas_gemv_forwarding") else "")
         + (f"; ss passes {res['settings']['ss_passes'].get('greedy')}" if res["settings"].get("ss_passes") else "")
         + f"; {res['settings']['prompts']} prompts × "
         f"{res['settings']['max_tokens']} tokens × {res['settings'].get('rounds', 1)} rounds",

@@ -390,7 +390,20 @@ def run_bench(
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {
-            k: info[k] for k in ("cpu", "cores", "os", "machine", "mlx", "mlx_lm", "device", "blas", "blas_threads")
+            k: info[k]
+            for k in (
+                "cpu",
+                "cores",
+                "os",
+                "machine",
+                "mlx",
+                "mlx_lm",
+                "device",
+                "blas",
+                "blas_version",
+                "blas_threads",
+                "blas_gemv_forwarding",
+            )
         },
         "model": str(path.name),
         "draft_model": draft_path.name if draft_path else None,

@@ -486,7 +486,9 @@ def bench(
 @app.command("bench-blas")
 def bench_blas(
     libraries: str = typer.Option(
-        "blis:1,blis:2,openblas:1,openblas:2", "--libraries", help="LIBRARY:THREADS list to time (installed ones)."
+        "blis:1,blis:2,openblas:1,openblas:2,blis:1+gemv,openblas:2+gemv",
+        "--libraries",
+        help="LIBRARY:THREADS[+gemv] list to time (installed ones; +gemv: one-row products forwarded to GEMV).",
     ),
     models: str = typer.Option("smollm2,demo-sql,demo-chat", "--models", help="Models whose shapes are timed."),
     rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds (each configuration once per round)."),
@@ -501,10 +503,11 @@ def bench_blas(
 
     configs = []
     for item in (x.strip() for x in libraries.split(",") if x.strip()):
-        name, _, threads = item.partition(":")
+        spec, gemv = (item[: -len("+gemv")], True) if item.endswith("+gemv") else (item, False)
+        name, _, threads = spec.partition(":")
         if name not in LIBRARIES or not threads.isdigit() or int(threads) < 1:
-            _err(f"--libraries: {item!r} is not LIBRARY:THREADS with LIBRARY one of {', '.join(LIBRARIES)}")
-        configs.append(SweepConfig(name, int(threads)))
+            _err(f"--libraries: {item!r} is not LIBRARY:THREADS[+gemv] with LIBRARY one of {', '.join(LIBRARIES)}")
+        configs.append(SweepConfig(name, int(threads), gemv))
     if rounds < 1 or reps < 1:
         _err("--rounds and --reps must be at least 1")
     try:
@@ -586,6 +589,31 @@ def measure_acceptance_cmd(
         tmp.write_text(json.dumps(cfg, indent=2))
         os.replace(tmp, cfg_path)
         typer.echo(f"wrote extra.acceptance to {cfg_path}", err=True)
+
+
+@app.command()
+def floor(
+    model: str = typer.Option("smollm2", "--model", help="Model directory or bundled name."),
+    tokens: int = typer.Option(64, "--tokens", help="Plain tokens decoded per round."),
+    rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Also write the figures here."),
+):
+    """A plain decoding step against the machine's floor (weight bytes ÷ measured read bandwidth)."""
+    from dataclasses import asdict
+
+    from ..bench.machine import measure_floor
+    from ..io.loading import ModelLoadError
+    from ..models import UnsupportedModelError
+
+    if tokens < 2 or rounds < 1:
+        _err("--tokens must be at least 2 and --rounds at least 1")
+    try:
+        rep = measure_floor(model, tokens, rounds)
+    except (ModelLoadError, UnsupportedModelError, ValueError, OSError) as e:
+        _err(str(e))
+    typer.echo(rep.summary())
+    if json_out:
+        Path(json_out).write_text(json.dumps(asdict(rep), indent=1))
 
 
 @app.command("calibrate-pruning")

@@ -1,0 +1,170 @@
+"""The decoding fast paths compute what the plain op-by-op model computes: RoPE from
+precomputed angles, fused q/k/v and gate/up products, the compiled plain step (across
+KV growth); and the BLAS setting is parsed as documented."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from specstream_mlx.models import build_model
+from specstream_mlx.models.base import ModelArgs, RoPE
+from specstream_mlx.runtime.cache import make_cache, trim_cache
+from specstream_mlx.runtime.plain_step import PlainStep
+
+CFG = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=97,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+)
+
+
+def _model(seed=0, **kw):
+    """A random tiny llama (weights scaled up so that logits differ between tokens)."""
+    mx.random.seed(seed)
+    m = build_model({**CFG, **kw})
+    flat = [(k, mx.random.normal(v.shape) * 0.2 if v.ndim > 1 else v) for k, v in tree_flatten(m.parameters())]
+    m.update(tree_unflatten(flat))
+    mx.eval(m.parameters())
+    return m
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.5])
+def test_rope_from_angles_equals_mx_fast_rope(factor):
+    args = ModelArgs.from_dict({**CFG, "partial_rotary_factor": factor})
+    rope = RoPE(16, args)
+    x = mx.random.normal((2, 5, 4, 16))
+    pos = mx.array([[3, 4, 4, 5, 9], [0, 1, 2, 3, 700]], dtype=mx.int32)
+    got = rope(x, pos)  # (B, H, L, D)
+    want = mx.fast.rope(
+        x.reshape(10, 4, 1, 16), rope.dims, traditional=False, base=10000.0, scale=1.0, offset=pos.reshape(-1)
+    ).reshape(2, 5, 4, 16)
+    np.testing.assert_allclose(np.array(got.transpose(0, 2, 1, 3)), np.array(want), atol=2e-4)
+    # The same rotation precomputed once (as a forward shares it across layers).
+    np.testing.assert_allclose(np.array(rope(x, rope.angles(pos))), np.array(got), atol=0)
+
+
+def test_fused_projections_keep_parameters_and_logits():
+    m = _model()
+    before = {k: np.array(v) for k, v in tree_flatten(m.parameters())}
+    tokens = mx.array([[1, 5, 9, 2, 7]])
+    want = np.array(m(tokens))
+    m.fuse_projections()
+    after = {k: np.array(v) for k, v in tree_flatten(m.parameters())}
+    assert before.keys() == after.keys()  # same Hugging Face names, nothing added
+    for k in before:
+        np.testing.assert_array_equal(before[k], after[k])
+    assert m.layers[0].self_attn._qkv is not None and m.layers[0].mlp._gate_up is not None
+    np.testing.assert_allclose(np.array(m(tokens)), want, atol=1e-5)
+    # A weight replaced afterwards is what runs (the fused buffer is no longer used).
+    attn = m.layers[1].self_attn
+    attn.q_proj.weight = mx.zeros_like(attn.q_proj.weight)
+    assert not attn._qkv.current([attn.q_proj, attn.k_proj, attn.v_proj])
+    ref = _model()
+    ref.layers[1].self_attn.q_proj.weight = mx.zeros_like(ref.layers[1].self_attn.q_proj.weight)
+    np.testing.assert_allclose(np.array(m(tokens)), np.array(ref(tokens)), atol=1e-5)
+
+
+def test_quantized_layers_are_not_fused():
+    m = _model(hidden_size=64, intermediate_size=128)
+    nn.quantize(m, group_size=32, bits=4)
+    m.fuse_projections()
+    assert m.layers[0].self_attn._qkv is None and m.layers[0].mlp._gate_up is None
+
+
+def test_compiled_plain_step_equals_the_model_across_cache_growth():
+    """Token by token past a 256-row growth of the KV buffers: the compiled step's logits
+    and the cache it leaves equal the op-by-op forward's."""
+    m = _model()
+    m.fuse_projections()
+    step = PlainStep(m)
+    prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    ca, cb = make_cache(m), make_cache(m)
+    m(prompt, cache=ca)
+    m(prompt, cache=cb)
+    tok = mx.array([7])
+    for i in range(260):
+        la = m(tok.reshape(1, 1), cache=ca)[:, -1, :]
+        lb = step(tok, cb)
+        if i % 37 == 0 or i > 245:
+            np.testing.assert_allclose(np.array(lb), np.array(la), atol=1e-4)
+        tok = mx.argmax(la, axis=-1)
+    assert ca[0].offset == cb[0].offset == 268 and cb[0].capacity >= 512
+    np.testing.assert_allclose(np.array(cb[2].keys[..., :268, :]), np.array(ca[2].keys[..., :268, :]), atol=1e-4)
+    # Trimming (a rejected speculative step) and rewriting stays consistent.
+    trim_cache(ca, 3)
+    trim_cache(cb, 3)
+    np.testing.assert_allclose(np.array(step(tok, cb)), np.array(m(tok.reshape(1, 1), cache=ca)[:, -1]), atol=1e-4)
+
+
+def test_blas_setting_is_parsed_and_refused_in_one_line(monkeypatch):
+    from specstream_mlx import platform_info as P
+
+    monkeypatch.setattr(P, "find_blas", lambda name: f"/lib/{name}.so" if name == "openblas" else None)
+    # The default falls through the preference order to what is installed.
+    c = P.choose_blas(None, gemv=False)
+    assert c.library.name == "openblas" and c.threads == P.LIBRARIES["openblas"].threads
+    assert c.env() == {"LD_PRELOAD": "/lib/openblas.so", "OPENBLAS_NUM_THREADS": "2"}
+    monkeypatch.setattr(P, "gemv_forwarder", lambda: "/cache/libspecstream-gemv.so")
+    assert P.choose_blas(None).env()["LD_PRELOAD"] == "/cache/libspecstream-gemv.so:/lib/openblas.so"
+    assert P.choose_blas("openblas:1").env()["OPENBLAS_NUM_THREADS"] == "1"
+    assert P.choose_blas("none").path is None and P.choose_blas("none").env() == {}
+    for bad, needle in (("blis", "install libblis4-pthread"), ("openblas:0", "positive"), ("mkl", "unknown")):
+        with pytest.raises(P.BlasSettingError, match=needle):
+            P.choose_blas(bad)
+    with pytest.raises(P.BlasSettingError, match="no such file"):
+        P.choose_blas("/nowhere/libblas.so")
+
+
+GEMV_CHECK = r"""
+import json, sys
+import mlx.core as mx, numpy as np
+from specstream_mlx.platform_info import gemv_forwarding
+rng = np.random.default_rng(0)
+worst = 0.0
+for k, n in ((64, 96), (576, 192), (1536, 576), (7, 3)):
+    w = rng.standard_normal((n, k)).astype(np.float32)  # a weight, (out, in)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    big = rng.standard_normal((k, 5)).astype(np.float32)
+    cases = [
+        (mx.array(x) @ mx.array(w).T, x @ w.T),  # b transposed: one row times a weight
+        (mx.array(x) @ mx.array(w.T.copy()), x @ w.T),  # b as stored
+        (mx.array(big)[:, 2:3].T @ mx.array(w).T, big[:, 2:3].T @ w.T),  # a with a stride
+        (mx.array(np.vstack([x, x * 2])) @ mx.array(w).T, np.vstack([x, x * 2]) @ w.T),  # two rows: GEMM
+        (mx.addmm(mx.ones((1, n)), mx.array(x), mx.array(w).T, alpha=0.5, beta=2.0), 2.0 + 0.5 * (x @ w.T)),
+    ]
+    for got, want in cases:
+        worst = max(worst, float(np.abs(np.array(got) - want).max() / (np.abs(want).max() + 1e-6)))
+print(json.dumps({"forwarding": gemv_forwarding(), "worst": worst}))
+"""
+
+
+@pytest.mark.parametrize("library", ["blis", "openblas"])
+def test_one_row_gemv_forwarding_computes_what_gemm_does(library):
+    """With the forwarder preloaded in front of each installed BLAS, one-row products
+    (both weight layouts, a strided row, alpha/beta) equal NumPy's; two rows stay GEMM."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from specstream_mlx import platform_info as P
+
+    if P.find_blas(library) is None:
+        pytest.fail(f"{library} is not installed: .ci/run installs both libraries")
+    choice = P.choose_blas(library)
+    assert choice.forwarder is not None, "the forwarder did not build (no C compiler?)"
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env.update(choice.env())
+    out = subprocess.run([sys.executable, "-c", GEMV_CHECK], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["forwarding"] is True and res["worst"] < 1e-5, res
