@@ -415,6 +415,11 @@ def test_a_prior_that_pays_starts_on_its_best_arm(tiny_model_dir, tmp_path, monk
     auto.new_request()
     assert auto.pending is None and auto.budget == 4
     assert auto.prior_rates()[(4, 0)] == pytest.approx(3.6 / 1.8)
+    # No early plain probes with a prior: a short first request is all tree passes.
+    for _ in range(10):
+        plan = auto.plan_pass()
+        assert not plan.probe and plan.plain is None
+        auto.record(plan, draft([0.9, 0.8, 0.7, 0.6], auto.budget, auto.hosting), 3, 0.01)
     # The sampled policy does not take its arm from the greedy prior.
     sampled = model.tuner(SamplingParams(temperature=0.7))
     sampled.new_request()

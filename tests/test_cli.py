@@ -402,3 +402,26 @@ def test_quantization_without_group_size_is_one_line(tmp_path, tiny_model_dir):
     assert r.stderr.strip().splitlines() == [
         f"specstream-mlx: error: {d / 'config.json'}: 'quantization.group_size' must be a positive integer, got None"
     ]
+
+
+def test_measure_acceptance_writes_the_prior_auto_reads(streams_model_dir, tmp_path):
+    """measure-acceptance scores every budget on held-out prompts and, with --write, stores
+    it where --tree auto reads its prior; bad prompt files are one line."""
+    from specstream_mlx.method.streams import StreamConfig
+    from specstream_mlx.runtime.acceptance_prior import AcceptancePrior
+
+    model = copy_model(streams_model_dir, tmp_path / "m")
+    prompts = tmp_path / "valid.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("hello there", "tell me a story")))
+    r = run("measure-acceptance", "--model", str(model), "--prompts", str(tmp_path), "--max-tokens", "16", "--write")
+    assert r.returncode == 0, r.stderr
+    printed = json.loads(r.stdout.strip().splitlines()[-1])
+    cfg = StreamConfig.from_json(json.loads((model / "specstream.json").read_text()))
+    prior = AcceptancePrior.from_extra(cfg.extra)
+    assert prior is not None and prior.prompts == 2 and printed["budgets"] == cfg.extra["acceptance"]["budgets"]
+    before = (model / "specstream.json").read_text()
+    prompts.write_text('{"nothing": 1}\n')
+    r = run("measure-acceptance", "--model", str(model), "--prompts", str(prompts), "--write")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "valid.jsonl:1" in r.stderr
+    assert (model / "specstream.json").read_text() == before  # nothing half-written

@@ -1,9 +1,8 @@
 """The decoding fast paths compute what the plain op-by-op model computes: RoPE from
-precomputed angles, fused q/k/v and gate/up products, the compiled plain step (across
-KV growth); and the BLAS setting is parsed as documented."""
+precomputed angles, the compiled plain step (across KV growth), one-row products
+forwarded to GEMV; and the BLAS setting is parsed as documented."""
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
@@ -52,39 +51,10 @@ def test_rope_from_angles_equals_mx_fast_rope(factor):
     np.testing.assert_allclose(np.array(rope(x, rope.angles(pos))), np.array(got), atol=0)
 
 
-def test_fused_projections_keep_parameters_and_logits():
-    m = _model()
-    before = {k: np.array(v) for k, v in tree_flatten(m.parameters())}
-    tokens = mx.array([[1, 5, 9, 2, 7]])
-    want = np.array(m(tokens))
-    m.fuse_projections()
-    after = {k: np.array(v) for k, v in tree_flatten(m.parameters())}
-    assert before.keys() == after.keys()  # same Hugging Face names, nothing added
-    for k in before:
-        np.testing.assert_array_equal(before[k], after[k])
-    assert m.layers[0].self_attn._qkv is not None and m.layers[0].mlp._gate_up is not None
-    np.testing.assert_allclose(np.array(m(tokens)), want, atol=1e-5)
-    # A weight replaced afterwards is what runs (the fused buffer is no longer used).
-    attn = m.layers[1].self_attn
-    attn.q_proj.weight = mx.zeros_like(attn.q_proj.weight)
-    assert not attn._qkv.current([attn.q_proj, attn.k_proj, attn.v_proj])
-    ref = _model()
-    ref.layers[1].self_attn.q_proj.weight = mx.zeros_like(ref.layers[1].self_attn.q_proj.weight)
-    np.testing.assert_allclose(np.array(m(tokens)), np.array(ref(tokens)), atol=1e-5)
-
-
-def test_quantized_layers_are_not_fused():
-    m = _model(hidden_size=64, intermediate_size=128)
-    nn.quantize(m, group_size=32, bits=4)
-    m.fuse_projections()
-    assert m.layers[0].self_attn._qkv is None and m.layers[0].mlp._gate_up is None
-
-
 def test_compiled_plain_step_equals_the_model_across_cache_growth():
     """Token by token past a 256-row growth of the KV buffers: the compiled step's logits
     and the cache it leaves equal the op-by-op forward's."""
     m = _model()
-    m.fuse_projections()
     step = PlainStep(m)
     prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
     ca, cb = make_cache(m), make_cache(m)

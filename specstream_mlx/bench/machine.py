@@ -7,9 +7,10 @@
 * **The BLAS sweep** (``specstream-mlx bench-blas``): every library × thread count in
   its own process (a BLAS is chosen at process start), rounds interleaved so that a
   change of load hits every configuration alike. Each process times, per model, the
-  matrix products of one step at b rows (every projection with its own weights, then
-  the LM head: what the BLAS does and nothing else) and the model's whole forward
-  pass over b new rows after a 128-token prefix.
+  matrix products of one step at b rows (every projection of the checkpoint with its
+  own weights, q/k/v and gate/up separate, then the LM head: what the BLAS does and
+  nothing else) and the model's whole forward pass over b new rows after a 128-token
+  prefix, as decoding loads it (q/k/v and gate/up fused, op by op).
 """
 
 from __future__ import annotations

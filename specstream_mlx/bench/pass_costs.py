@@ -20,6 +20,7 @@ from ..method.tree import Tree, dynamic_tree, tree_buffers
 from ..runtime.cache import make_cache
 from ..runtime.compiled_pass import SSPass
 from ..runtime.drafting import stream_candidates
+from ..runtime.plain_step import plain_step
 from ..runtime.sampling import KeyStream, SamplingParams
 from ..runtime.verification import verification_target
 
@@ -46,13 +47,15 @@ def timed(fn, reps: int) -> float:
 
 
 def plain_step_seconds(model, cache, context: int, reps: int) -> float:
-    """Seconds of one plain step, pipelined like ``ar_steps``."""
+    """Seconds of one plain step as decoding runs it (the compiled step), pipelined like
+    ``ar_steps``."""
+    step = plain_step(model)
 
     def plain(n=8):
-        y = mx.argmax(model(mx.array([[5]]), cache=cache)[:, -1], axis=-1)
+        y = mx.argmax(step(mx.array([5]), cache), axis=-1)
         mx.async_eval(y)
         for _ in range(n):
-            nxt = mx.argmax(model(y.reshape(1, 1), cache=cache)[:, -1], axis=-1)
+            nxt = mx.argmax(step(y.reshape(1), cache), axis=-1)
             mx.async_eval(nxt)
             y.item()
             y = nxt

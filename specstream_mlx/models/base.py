@@ -188,54 +188,6 @@ def _llama3_freqs(dims: int, base: float, scaling: Dict[str, Any]) -> mx.array:
     return mx.array(out, dtype=mx.float32)
 
 
-class FusedProjection:
-    """Several linear projections of the same input as one matrix product.
-
-    The weights are concatenated once along the output dimension and the original
-    layers' weights become views into that one buffer (no memory is added), so their
-    parameters keep Hugging Face names and values. One wider product reads the same
-    bytes as the separate ones with fewer calls (a BLAS call on a CPU, a kernel launch
-    on a GPU) and streams memory better at the few rows of decoding.
-
-    A layer whose weight was replaced since (``update``, ``load_weights``) is no longer
-    :meth:`current`; the caller then runs the separate layers.
-    """
-
-    def __init__(self, weight: mx.array, bias: Optional[mx.array], splits: List[int], views: list):
-        self.weight, self.bias, self.splits, self.views = weight, bias, splits, views
-
-    @classmethod
-    def of(cls, layers: List[nn.Module]) -> Optional["FusedProjection"]:
-        """Fuse ``layers`` (plain ``nn.Linear`` of one input width and dtype), or None
-        when they cannot be (quantized layers, mixed dtypes or biases)."""
-        if not all(type(m) is nn.Linear for m in layers):
-            return None
-        ws = [m.weight for m in layers]
-        has_bias = ["bias" in m for m in layers]
-        if len({w.dtype for w in ws}) > 1 or len({w.shape[1] for w in ws}) > 1 or len(set(has_bias)) > 1:
-            return None
-        weight = mx.concatenate(ws, axis=0)
-        bias = mx.concatenate([m.bias for m in layers]) if has_bias[0] else None
-        mx.eval(weight, *([bias] if bias is not None else []))
-        sizes = [w.shape[0] for w in ws]
-        bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        views = []
-        for m, a, b in zip(layers, bounds, bounds[1:]):
-            m.weight = weight[a:b]
-            if bias is not None:
-                m.bias = bias[a:b]
-            views.append(m.weight)
-        mx.eval(views)  # the views share the fused buffer; the separate weights are freed
-        return cls(weight, bias, bounds[1:-1], views)
-
-    def current(self, layers: List[nn.Module]) -> bool:
-        return all(m.weight is v for m, v in zip(layers, self.views))
-
-    def __call__(self, x: mx.array) -> List[mx.array]:
-        y = mx.addmm(self.bias, x, self.weight.T) if self.bias is not None else x @ self.weight.T
-        return mx.split(y, self.splits, axis=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -258,12 +210,6 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         self.qk_norm = args.qk_norm
         self.rope = RoPE(hd, args)
-        self._qkv: Optional[FusedProjection] = None
-
-    def fuse(self) -> None:
-        """Run q, k and v as one matrix product (see :func:`fuse_projections`)."""
-        if not self.fused_qkv:
-            self._qkv = FusedProjection.of([self.q_proj, self.k_proj, self.v_proj])
 
     def project(self, x: mx.array, positions: mx.array, adapter: Optional[Adapter] = None):
         """Queries, keys and values of ``x`` (B, L, dim), rotated; each (B, heads, L, D).
@@ -277,9 +223,6 @@ class Attention(nn.Module):
             qkv = ad("qkv_proj", x, self.qkv_proj(x))
             nq, nk = self.n_heads * hd, self.n_kv_heads * hd
             q, k, v = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
-        elif self._qkv is not None and self._qkv.current([self.q_proj, self.k_proj, self.v_proj]):
-            q, k, v = self._qkv(x)
-            q, k, v = ad("q_proj", x, q), ad("k_proj", x, k), ad("v_proj", x, v)
         else:
             q = ad("q_proj", x, self.q_proj(x))
             k = ad("k_proj", x, self.k_proj(x))
@@ -340,30 +283,16 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
             self.up_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
         self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
-        self._gate_up: Optional[FusedProjection] = None
-
-    def fuse(self) -> None:
-        """Run gate and up as one matrix product (see :func:`fuse_projections`)."""
-        if not self.fused:
-            self._gate_up = FusedProjection.of([self.gate_proj, self.up_proj])
-
-    def _gate_and_up(self, x: mx.array):
-        if self._gate_up is not None and self._gate_up.current([self.gate_proj, self.up_proj]):
-            return self._gate_up(x)
-        return self.gate_proj(x), self.up_proj(x)
 
     def __call__(self, x: mx.array, adapter: Optional[Adapter] = None) -> mx.array:
         if adapter is None:
             if self.fused:
                 gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
             else:
-                gate, up = self._gate_and_up(x)
+                gate, up = self.gate_proj(x), self.up_proj(x)
             return self.down_proj(swiglu(gate, up))
         if self.fused:
             gate, up = mx.split(adapter("gate_up_proj", x, self.gate_up_proj(x)), 2, axis=-1)
-        elif self._gate_up is not None and self._gate_up.current([self.gate_proj, self.up_proj]):
-            gate, up = self._gate_up(x)
-            gate, up = adapter("gate_proj", x, gate), adapter("up_proj", x, up)
         else:
             gate = adapter("gate_proj", x, self.gate_proj(x))
             up = adapter("up_proj", x, self.up_proj(x))
@@ -477,13 +406,6 @@ class Model(nn.Module):
         if isinstance(positions, Rotation):
             return positions
         return self.layers[0].self_attn.rope.angles(positions)
-
-    def fuse_projections(self) -> None:
-        """Run q/k/v and gate/up as one matrix product each, in every layer (inference:
-        the values and names of the parameters are unchanged)."""
-        for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         """Drop what HF checkpoints carry but this model does not use."""

@@ -27,7 +27,9 @@ generations it runs; nothing is measured before the first token.
   a client's first pass, each arm's accepted length is the measured one and its cost the
   stored or prior cost. When no arm is predicted to pay, the request decodes plainly
   from its first token and no pass is explored; trees are first tried after the
-  back-off below, as after a fall-back. Otherwise the first pass uses the best arm.
+  back-off below, as after a fall-back. Otherwise the first pass uses the best arm, and
+  plain tokens are first timed at the periodic probe rather than after ``TIME_MIN``
+  passes (on a short request those early probes cost more than the trees gain).
 * **Fall-back**: when, after a warm-up, the best arm is expected clearly slower than plain
   decoding (below ``FALLBACK_BELOW``: estimates near break-even move from pass to pass),
   the rest of the request decodes plainly, and so do that client's next 1, 2, 4, …
@@ -424,7 +426,11 @@ class AutoPolicy:
         label = "auto:" + spec.describe()
         if self.pending is not None:
             return PassPlan(spec, 0, 0, 0.0, label, plain=self.pending)
-        if self.since_probe >= (PLAIN_EVERY if self.costs.plain_n >= TIME_MIN else TIME_MIN):
+        # Without a prior, plain tokens are timed early (after TIME_MIN passes), since every
+        # choice divides by them; with one, its costs stand in until the periodic probe, so
+        # a short first request is not spent on probes.
+        early = self.costs.plain_n < TIME_MIN and self.prior is None
+        if self.since_probe >= (TIME_MIN if early else PLAIN_EVERY):
             self.since_probe = 0
             return PassPlan(spec, 0, 0, 0.0, label, probe=PLAIN_PROBE)
         self.passes += 1

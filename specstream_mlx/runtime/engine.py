@@ -132,6 +132,4 @@ def load(
             fuse_adapter_into(lm.model, Path(adapter_path))
         except (ValueError, OSError) as e:
             raise ModelLoadError(str(e)) from e
-    if not lazy:
-        lm.model.fuse_projections()  # after every change to the weights: decoding only reads them
     return SpeculativeModel(lm.model, lm.streams, lm.path), lm.tokenizer
