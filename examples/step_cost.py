@@ -1,6 +1,6 @@
 """Step-cost ratio of Speculative Streaming vs plain decoding, and peak memory.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+    env $(.venv/bin/python -m specstream_mlx.platform_info) \
         .venv/bin/python examples/step_cost.py [--size qwen0.5b | --model smollm2] [--json out.json]
 
 Builds a random model of the given shape (random weights are fine for cost), or
