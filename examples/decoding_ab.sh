@@ -26,11 +26,12 @@ for i in $(seq "$rounds"); do
   done
 done
 "$py" - "$runs" "$before" "$before_env" "$after_env" <<'PY'
-import glob, json, statistics, sys
+import glob, json, os, statistics, sys
 runs, before, before_env, after_env = sys.argv[1:5]
 def load(pat):
     return [json.load(open(f)) for f in sorted(glob.glob(f"{runs}/{pat}-*.json"))]
-out = {"before_commit": before, "blas_env": {"before": before_env, "after": after_env}, "rounds": {}}
+home = os.path.expanduser("~")  # no build machine's paths in the committed record
+out = {"before_commit": before, "blas_env": {"before": before_env.replace(home, "~"), "after": after_env.replace(home, "~")}, "rounds": {}}
 for side in ("before", "after"):
     plain, cost = load(f"plain-{side}"), load(f"cost-{side}")
     out["rounds"][side] = {"plain": plain, "cost": cost}

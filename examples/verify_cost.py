@@ -1,6 +1,7 @@
 """Sampled verification at a real vocabulary: host rejection sampling vs the device's.
 
-    env $(.venv/bin/python -m specstream_mlx.platform_info) .venv/bin/python examples/verify_cost.py [--vocab 49152] [--widths 2,1,1,1] [--reps 50]
+    env $(.venv/bin/python -m specstream_mlx.platform_info) \\
+        .venv/bin/python examples/verify_cost.py [--vocab 49152] [--widths 2,1,1,1] [--reps 50]
 
 One sampled pass verifies a tree whose children at each depth were drawn from the
 stream's proposal q, then draws the next tree's children. Both ways are timed from the

@@ -50,7 +50,7 @@ import numpy as np
 
 from ..io.bundles import cache_root
 from ..method.tree import TreeSpec
-from ..platform_info import blas_in_use
+from ..platform_info import blas_in_use, gemv_forwarding
 from .acceptance_prior import AcceptancePrior
 from .drafting import Draft, num_candidates
 
@@ -77,7 +77,7 @@ ALT_MIN = 4
 ALT_EXPLORE = 8
 ALT_EMA = 0.1
 # Bump when a pass changes what it computes: stored costs are then ignored.
-COST_VERSION = 9
+COST_VERSION = 10
 # Where learned costs are kept: this path when set (tests), else step_costs.json in
 # $SPECSTREAM_CACHE_DIR, else in the user cache of converted models (read at each use).
 CACHE_FILE: Optional[Path] = None
@@ -489,6 +489,7 @@ def model_key(model, streams, kind: str, compiled: bool) -> str:
         streams.config.stream_layers,
         str(mx.default_device()),
         blas_in_use(),
+        "gemv" if gemv_forwarding() else "gemm",  # one-row products: the plain step's speed
         str(model.model.norm.weight.dtype),
         "quantized" if "Quantized" in str(type(model.layers[0].mlp.down_proj)) else "float",
         "compiled" if compiled else "eager",
