@@ -6,8 +6,9 @@ CBLAS symbols (Debian: ``libblis4-pthread``, ``libopenblas0-pthread``) replaces
 them. Which one, with how many threads, is a measured choice
 (``specstream-mlx bench-blas``; the table is in ``bench/blas.md``): on the 2-core
 AVX2 machines this project is built on, OpenBLAS with two threads and one-row
-products forwarded to its GEMV (below) decodes fastest, plain steps and tree passes
-alike; BLIS with one thread comes next. A process cannot preload a
+products forwarded to its GEMV (below) gives SmolLM2 the fastest plain step and stays
+near the best at 2-16 rows; BLIS with one thread comes next (and is ahead on tiny,
+latency-bound models). A process cannot preload a
 library after it has started, so the CLI re-executes itself once with
 ``LD_PRELOAD`` set (:func:`maybe_reexec_with_blas`).
 
