@@ -56,13 +56,7 @@ def read_bandwidth(buffer_bytes: int = 512 << 20, reps: int = 7, threads: Option
     parts = np.array_split(a, threads)
 
     def best(run: Callable[[], object]) -> float:
-        run()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            run()
-            ts.append(time.perf_counter() - t0)
-        return a.nbytes / min(ts)
+        return a.nbytes / min(_timings(run, reps))
 
     one = best(lambda: a.max())
     with ThreadPoolExecutor(threads) as ex:
@@ -94,14 +88,19 @@ def product_shapes(args) -> List[tuple]:
     return per_layer * args.num_hidden_layers + [(d, args.vocab_size)]
 
 
-def _median_ms(run: Callable[[], None], reps: int) -> float:
+def _timings(run: Callable[[], object], reps: int) -> List[float]:
+    """Seconds of ``reps`` runs after one warm-up run."""
     run()
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
         run()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+    return ts
+
+
+def _median_ms(run: Callable[[], None], reps: int) -> float:
+    return statistics.median(_timings(run, reps)) * 1e3
 
 
 def time_products(shapes: Sequence[tuple], rows: Sequence[int], reps: int) -> Dict[int, float]:

@@ -105,6 +105,17 @@ def _fit_context(m, tok, prompt, max_tokens: int, max_kv_size: Optional[int], ch
     return min(max_tokens, limit - n)
 
 
+def _update_json(path: Path, edit) -> None:
+    """Apply ``edit(dict)`` to a JSON file, replacing it atomically (never half-written)."""
+    import os
+
+    cfg = json.loads(path.read_text())
+    edit(cfg)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(cfg, indent=2))
+    os.replace(tmp, path)
+
+
 def _version_callback(value: bool):
     if value:
         from ..platform_info import runtime_info
@@ -539,8 +550,6 @@ def measure_acceptance_cmd(
     write: bool = typer.Option(False, "--write", help="Store the result in the model's specstream.json."),
 ):
     """Measure the streams' accepted tokens per greedy pass for each tree budget (--tree auto's prior)."""
-    import os
-
     import mlx.core as mx
 
     from ..io.loading import ModelLoadError, resolve_model_path
@@ -583,11 +592,7 @@ def measure_acceptance_cmd(
         # A bundle's streams live in its folder (copied into the converted model's cache).
         shipped = bundled_models_dir() / model / CONFIG_FILE
         cfg_path = shipped if shipped.is_file() else path / CONFIG_FILE
-        cfg = json.loads(cfg_path.read_text())
-        cfg.setdefault("extra", {})["acceptance"] = prior.to_json()
-        tmp = cfg_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(cfg, indent=2))
-        os.replace(tmp, cfg_path)
+        _update_json(cfg_path, lambda cfg: cfg.setdefault("extra", {}).update(acceptance=prior.to_json()))
         typer.echo(f"wrote extra.acceptance to {cfg_path}", err=True)
 
 
@@ -642,15 +647,13 @@ def calibrate_pruning_cmd(
         _err(str(e))
     typer.echo(json.dumps(cal.to_json()))
     if write:
-        import os
+
+        def edit(cfg):
+            cfg.setdefault("pruning", {})["threshold"] = cal.threshold
+            cfg.setdefault("extra", {})["pruning_calibration"] = cal.to_json()
 
         path = lm.path / CONFIG_FILE
-        cfg = json.loads(path.read_text())
-        cfg.setdefault("pruning", {})["threshold"] = cal.threshold
-        cfg.setdefault("extra", {})["pruning_calibration"] = cal.to_json()
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(cfg, indent=2))
-        os.replace(tmp, path)
+        _update_json(path, edit)
         typer.echo(f"wrote pruning.threshold = {cal.threshold:.4g} to {path}", err=True)
 
 
