@@ -78,12 +78,16 @@ def _resolve_source(hf_path: str) -> Path:
 
 
 def read_config(src: Path) -> dict:
+    """``src/config.json``, checked, after every file of ``src`` a conversion reads is
+    (regular files inside the directory, text files under their size limits)."""
+    from ..io.limits import UnsafeFileError, check_directory_files
     from ..io.loading import ModelLoadError, load_config
 
     try:
+        check_directory_files(src)
         return load_config(src)
-    except ModelLoadError as e:
-        raise ConvertError(str(e)) from e
+    except (ModelLoadError, UnsafeFileError) as e:
+        raise ConvertError(str(e)) from None
 
 
 def _load_safetensors(path: str) -> Dict[str, mx.array]:
@@ -98,15 +102,22 @@ def read_weights(src: Path) -> Dict[str, mx.array]:
     index = src / "model.safetensors.index.json"
     weights: Dict[str, mx.array] = {}
     if index.exists():
+        from ..io.limits import UnsafeFileError, read_json
+
         try:
-            with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ConvertError(f"{index}: invalid index ({e})") from e
-        for shard in shards:
+            weight_map = read_json(index)["weight_map"]
+            shards = set(weight_map.values())
+        except UnsafeFileError as e:
+            raise ConvertError(str(e)) from None
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ConvertError(f"{index}: invalid index (no 'weight_map' object: {e})") from None
+        bad = [s for s in shards if not isinstance(s, str) or not s]
+        if bad:
+            raise ConvertError(f"{index}: 'weight_map' values must be file names, got {bad[0]!r}")
+        for shard in sorted(shards):
             path = src / shard
             # An index names files inside its own directory, never anything else on disk.
-            if not isinstance(shard, str) or not path.resolve().is_relative_to(src.resolve()):
+            if not path.resolve().is_relative_to(src.resolve()):
                 raise ConvertError(f"{index}: shard {shard!r} is outside the model directory")
             if not path.exists():
                 raise ConvertError(f"{path}: shard listed in {index.name} is missing")
@@ -207,6 +218,15 @@ def convert(
         raise ConvertError(f"unsupported --q-bits {opts.q_bits}; use 4 or 8")
     src = _resolve_source(hf_path)
     config = read_config(src)
+    from ..io.adapters import fuse_peft_adapter
+    from ..io.limits import UnsafeFileError, check_against_shapes
+    from .hf_layout import CONFIG_KEY, split_stream_weights, streams_from_hf
+
+    all_weights = read_weights(src)
+    try:  # before a layer is built: a config must not ask for more than its weights hold
+        check_against_shapes(config, {k: tuple(v.shape) for k, v in all_weights.items()}, src / "config.json")
+    except UnsafeFileError as e:
+        raise ConvertError(str(e)) from None
     try:
         model = build_model(config)
     except UnsupportedModelError as e:
@@ -214,10 +234,6 @@ def convert(
     except (TypeError, KeyError) as e:
         raise ConvertError(f"{src / 'config.json'}: incomplete config ({e})") from e
     log(f"[convert] {src} ({config['model_type']})")
-    from ..io.adapters import fuse_peft_adapter
-    from .hf_layout import CONFIG_KEY, split_stream_weights, streams_from_hf
-
-    all_weights = read_weights(src)
     sfile = (config.get(CONFIG_KEY) or {}).get("weights_file") if isinstance(config.get(CONFIG_KEY), dict) else None
     if sfile and not any(k.startswith("speculative_streaming.") for k in all_weights):
         if not (src / sfile).exists():

@@ -57,6 +57,8 @@ def _load_for_decoding(model: str, mode: Optional[str], report=None, adapter_pat
         m, tok = load(model, adapter_path=adapter_path)
     except (ModelLoadError, UnsupportedModelError, ValueError) as e:
         _err(str(e))
+    except (RecursionError, OverflowError, MemoryError, Exception) as e:  # a model file no check foresaw
+        _err(f"{model}: cannot load ({type(e).__name__}: {str(e)[:300]})")
     modes = [x for x in MODES if x != "ss" or m.streams is not None]
     if mode is None:
         mode = "ss" if m.streams is not None else "ar"
@@ -399,6 +401,8 @@ def serve(
     """Serve a model to other programs: --stdio (JSON lines) or --http (OpenAI API)."""
     if stdio == http:
         _err("choose exactly one of --stdio or --http")
+    if http and not 0 <= port <= 65535:
+        _err(f"--port must be in 0..65535, got {port}")
     _check_sampling_flags(temp, top_p, max_tokens)
     hosts = [h.strip().lower() for h in (allowed_hosts or "").split(",") if h.strip()]
     if "*" in hosts and not api_key:

@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -44,15 +44,62 @@ def clean_stale_temporaries(parent: Path, prefixes) -> int:
     return removed
 
 
-# What a directory holds that a run of ours may replace as a whole: a model (config.json),
-# or a training run's checkpoints. Anything else is the user's and is never deleted.
-REPLACEABLE_MARKERS = ("config.json", "checkpoint", "checkpoint.old")
+# What a directory of ours holds, and so what ``--force`` may replace: the files of a model
+# directory (Hugging Face or MLX layout, with streams, adapters, logs and bench prompts), a
+# training run's checkpoints, and our own temporaries. A directory holding anything else is
+# the user's and is never deleted, whatever else it holds (a project with a config.json).
+MODEL_DIRECTORY_FILES = frozenset(
+    TOKENIZER_FILES
+    + (
+        "config.json",
+        "specstream.json",
+        "training_log.json",
+        "pretrain_log.json",
+        "adapter_config.json",
+        "bundle.json",
+        "bundle-source.json",
+        "bench_prompts.jsonl",
+        "step_costs.json",
+        "exact_match.json",
+        "model.safetensors.index.json",
+        "tokenizer.ggml.model",
+        "README.md",
+        ".gitattributes",
+        "LICENSE",
+    )
+)
+CHECKPOINT_DIRECTORIES = frozenset(("checkpoint", "checkpoint.old"))
+CHECKPOINT_FILES = frozenset(("trainable.safetensors", "optimizer.safetensors", "state.json"))
+OUR_TEMPORARIES = (".ckpt-", ".model-", ".tmp-", ".old-")
+
+
+def _ours(entry: Path, in_checkpoint: bool = False) -> bool:
+    name = entry.name
+    if entry.is_symlink():
+        return False
+    if entry.is_dir():
+        if in_checkpoint:
+            return False
+        if name in CHECKPOINT_DIRECTORIES or (name.startswith(".") and any(p in name for p in OUR_TEMPORARIES)):
+            return all(_ours(e, in_checkpoint=True) for e in entry.iterdir())
+        return False
+    if in_checkpoint:
+        return name in CHECKPOINT_FILES
+    return name in MODEL_DIRECTORY_FILES or name.endswith(".safetensors")
+
+
+def unrecognised_entry(dst: Path) -> Optional[str]:
+    """The first entry of directory ``dst`` that no tool of ours writes, or None."""
+    for entry in sorted(Path(dst).iterdir()):
+        if not _ours(entry):
+            return entry.name + ("/" if entry.is_dir() else "")
+    return None
 
 
 def replaceable(dst: Path) -> bool:
-    """``dst`` is a directory that ``--force`` may replace: empty, or one of ours."""
+    """``dst`` is a directory that ``--force`` may replace: empty, or holding only what ours hold."""
     dst = Path(dst)
-    return dst.is_dir() and (not any(dst.iterdir()) or any((dst / m).exists() for m in REPLACEABLE_MARKERS))
+    return dst.is_dir() and not dst.is_symlink() and unrecognised_entry(dst) is None
 
 
 def check_replaceable(dst: Path, force: bool, error) -> None:
@@ -65,9 +112,10 @@ def check_replaceable(dst: Path, force: bool, error) -> None:
     if not force:
         raise error(f"{dst}: already exists; pass --force to overwrite it")
     if not replaceable(dst):
+        what = unrecognised_entry(dst) if dst.is_dir() and not dst.is_symlink() else None
         raise error(
-            f"{dst}: exists and is not a model directory (no config.json); --force only replaces model "
-            "directories, so choose another path or remove it yourself"
+            f"{dst}: exists and is not a model directory (it holds {what or 'a symlink'}, which no model "
+            "directory does); --force only replaces model directories, so choose another path or remove it yourself"
         )
 
 

@@ -185,6 +185,19 @@ def _get(metadata: Dict[str, Any], key: str, path: Path, default=None, required=
     return default
 
 
+def _count(metadata: Dict[str, Any], key: str, path: Path, default=None, bound: Optional[str] = None) -> int:
+    """A size from the metadata: a positive integer under the config limit ``bound`` names."""
+    from .limits import CONFIG_BOUNDS
+
+    v = _get(metadata, key, path, default)
+    if isinstance(v, (bool, float)) or not isinstance(v, (int, np.integer)) or int(v) < 1:
+        raise GGUFError(f"{path}: metadata key '{key}' must be a positive integer, got {v!r}")
+    hi = CONFIG_BOUNDS.get(bound or "")
+    if hi is not None and int(v) > hi:
+        raise GGUFError(f"{path}: metadata key '{key}' is {int(v):,}, above the limit of {hi:,}")
+    return int(v)
+
+
 def hf_config(metadata: Dict[str, Any], tensors: Dict[str, mx.array], path: Path) -> Dict[str, Any]:
     """config.json for the architecture a GGUF's metadata describes."""
     arch = metadata.get("general.architecture")
@@ -193,12 +206,12 @@ def hf_config(metadata: Dict[str, Any], tensors: Dict[str, mx.array], path: Path
             f"{path}: general.architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
         )
     p = f"{arch}."
-    heads = int(_get(metadata, p + "attention.head_count", path))
-    hidden = int(_get(metadata, p + "embedding_length", path))
+    heads = _count(metadata, p + "attention.head_count", path, bound="num_attention_heads")
+    hidden = _count(metadata, p + "embedding_length", path, bound="hidden_size")
     tokens = metadata.get("tokenizer.ggml.tokens")
-    vocab = metadata.get(p + "vocab_size") or (len(tokens) if tokens else None)
-    if vocab is None:
+    if p + "vocab_size" not in metadata and not tokens:
         raise GGUFError(f"{path}: missing metadata key '{p}vocab_size' (and no tokenizer.ggml.tokens)")
+    vocab = _count(metadata, p + "vocab_size", path, len(tokens) if tokens else None, bound="vocab_size")
     cfg: Dict[str, Any] = {
         "model_type": ARCHITECTURES[arch],
         "architectures": [
@@ -211,19 +224,22 @@ def hf_config(metadata: Dict[str, Any], tensors: Dict[str, mx.array], path: Path
             }[arch]
         ],
         "hidden_size": hidden,
-        "intermediate_size": int(_get(metadata, p + "feed_forward_length", path)),
-        "num_hidden_layers": int(_get(metadata, p + "block_count", path)),
+        "intermediate_size": _count(metadata, p + "feed_forward_length", path, bound="intermediate_size"),
+        "num_hidden_layers": _count(metadata, p + "block_count", path, bound="num_hidden_layers"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_get(metadata, p + "attention.head_count_kv", path, heads)),
+        "num_key_value_heads": _count(metadata, p + "attention.head_count_kv", path, heads, "num_key_value_heads"),
         "vocab_size": int(vocab),
         "rms_norm_eps": _f32(_get(metadata, p + "attention.layer_norm_rms_epsilon", path, 1e-5)),
         "rope_theta": _f32(_get(metadata, p + "rope.freq_base", path, 10000.0)),
         "tie_word_embeddings": "output.weight" not in tensors,
     }
-    ctx = metadata.get(p + "context_length")
-    if ctx:
-        cfg["max_position_embeddings"] = int(ctx)
-    key_len = metadata.get(p + "attention.key_length")
+    if metadata.get(p + "context_length"):
+        cfg["max_position_embeddings"] = _count(metadata, p + "context_length", path, bound="max_position_embeddings")
+    key_len = (
+        _count(metadata, p + "attention.key_length", path, bound="head_dim")
+        if metadata.get(p + "attention.key_length")
+        else None
+    )
     if key_len and int(key_len) != hidden // heads:
         cfg["head_dim"] = int(key_len)
     head_dim = int(key_len or hidden // heads)
@@ -335,9 +351,15 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
+    from .limits import UnsafeFileError, check_against_shapes
+
     tensors, metadata, notes = read_tensors(path)
     cfg = hf_config(metadata, tensors, path)
     weights = convert_tensors(tensors, cfg, path)
+    try:  # before anything is built from the metadata
+        check_against_shapes(cfg, {k: tuple(v.shape) for k, v in weights.items()}, path)
+    except UnsafeFileError as e:
+        raise GGUFError(str(e)) from None
     q = stored_quantization(weights)
     if q is not None:
         cfg["quantization"] = q

@@ -9,7 +9,6 @@ installed with pip (they ship as package data, ``specstream_mlx.bundled``).
 from __future__ import annotations
 
 import glob
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -22,6 +21,15 @@ from mlx.utils import tree_map, tree_unflatten
 
 from ..method.streams import StreamParams, load_streams
 from ..models import UnsupportedModelError, build_model
+from .limits import (
+    MAX_TEMPLATE_CHARS,
+    UnsafeFileError,
+    check_against_shapes,
+    check_bounds,
+    check_directory_files,
+    read_json,
+    safetensors_shapes,
+)
 from .quantization import QuantizationConfigError, apply_quantization
 
 
@@ -103,22 +111,25 @@ def check_config(config: Any, cfg_path: Path) -> Dict[str, Any]:
     for key in ("rope_scaling", "rope_parameters", "quantization"):
         if config.get(key) is not None and not isinstance(config[key], dict):
             raise ModelLoadError(f"{cfg_path}: '{key}' must be an object, got {config[key]!r}")
+    try:
+        check_bounds(config, cfg_path)
+    except UnsafeFileError as e:
+        raise ModelLoadError(str(e)) from None
     return config
 
 
 def load_config(path: Path) -> Dict[str, Any]:
     cfg_path = Path(path) / "config.json"
-    if not cfg_path.exists():
+    if not cfg_path.exists() and not cfg_path.is_symlink():
         raise ModelLoadError(f"{cfg_path}: missing config.json")
     try:
-        with open(cfg_path) as f:
-            return check_config(json.load(f), cfg_path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{cfg_path}: invalid JSON ({e})") from e
+        return check_config(read_json(cfg_path, root=Path(path)), cfg_path)
+    except UnsafeFileError as e:
+        raise ModelLoadError(str(e)) from None
 
 
-def load_weights(path: Path) -> Dict[str, mx.array]:
-    """All ``model*.safetensors`` of a directory (streams.safetensors excluded)."""
+def weight_files(path: Path) -> list:
+    """The ``model*.safetensors`` of a directory (else every ``*.safetensors`` but the streams')."""
     files = sorted(glob.glob(str(Path(path) / "model*.safetensors")))
     if not files:
         files = [
@@ -128,6 +139,23 @@ def load_weights(path: Path) -> Dict[str, mx.array]:
         ]
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights")
+    return files
+
+
+def check_weight_shapes(path: Path, config: Dict[str, Any]) -> None:
+    """``config.json`` agrees with the weights' headers: refused before any layer is built."""
+    shapes: Dict[str, tuple] = {}
+    try:
+        for f in weight_files(path):
+            shapes.update(safetensors_shapes(Path(f)))
+        check_against_shapes(config, shapes, Path(path) / "config.json")
+    except UnsafeFileError as e:
+        raise ModelLoadError(str(e)) from None
+
+
+def load_weights(path: Path) -> Dict[str, mx.array]:
+    """All ``model*.safetensors`` of a directory (streams.safetensors excluded)."""
+    files = weight_files(path)
     weights: Dict[str, mx.array] = {}
     for f in files:
         try:
@@ -199,7 +227,12 @@ def load_model(
             the CPU backend only (see :func:`dequantize_on_cpu`), with a note on stderr.
     """
     path = Path(path)
+    try:
+        check_directory_files(path)
+    except UnsafeFileError as e:
+        raise ModelLoadError(str(e)) from None
     config = load_config(path)
+    check_weight_shapes(path, config)
     try:
         model = build_model(config)
     except (TypeError, KeyError, ValueError) as e:
@@ -247,26 +280,40 @@ def load_tokenizer(path: Path):
         raise ModelLoadError(f"{path}: no tokenizer files (expected one of {', '.join(TOKENIZER_MARKERS)})")
     eos = None
     cfg = path / "config.json"
-    if cfg.exists():
-        with open(cfg) as f:
-            e = json.load(f).get("eos_token_id")
-        eos = [e] if _is_int(e) else [x for x in e if _is_int(x)] if isinstance(e, list) else None
     tok_cfg = path / "tokenizer_config.json"
+    try:
+        check_directory_files(path)
+        config = read_json(cfg) if cfg.exists() else {}
+        tok_config = read_json(tok_cfg) if tok_cfg.exists() else {}
+    except UnsafeFileError as e:
+        raise ModelLoadError(str(e)) from None
+    if isinstance(config, dict):
+        e = config.get("eos_token_id")
+        eos = [e] if _is_int(e) else [x for x in e if _is_int(x)] if isinstance(e, list) else None
     if tok_cfg.exists():
-        try:
-            remote = "auto_map" in json.loads(tok_cfg.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
-            raise ModelLoadError(f"{tok_cfg}: invalid JSON ({e})") from e
-        if remote:
+        if not isinstance(tok_config, dict):
+            raise ModelLoadError(f"{tok_cfg}: must be a JSON object")
+        template = tok_config.get("chat_template")
+        if isinstance(template, str) and len(template) > MAX_TEMPLATE_CHARS:
+            raise ModelLoadError(
+                f"{tok_cfg}: a chat template of {len(template):,} characters, over the limit of {MAX_TEMPLATE_CHARS:,}"
+            )
+        if "auto_map" in tok_config:
             raise ModelLoadError(
                 f"{tok_cfg}: 'auto_map' asks to run Python code shipped with the model; specstream-mlx never "
                 "runs a model's own code (remove 'auto_map' if the tokenizer works without it)"
             )
     try:
         # Never run code from a model directory, and never ask on stdin (it may be a protocol).
-        return _load_tok(path, tokenizer_config_extra={"trust_remote_code": False}, eos_token_ids=eos)
+        tok = _load_tok(path, tokenizer_config_extra={"trust_remote_code": False}, eos_token_ids=eos)
     except Exception as e:  # tokenizers/transformers raise many kinds on corrupt files
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+    template = getattr(tok, "chat_template", None)
+    if isinstance(template, str) and len(template) > MAX_TEMPLATE_CHARS:
+        raise ModelLoadError(
+            f"{path}: a chat template of {len(template):,} characters, over the limit of {MAX_TEMPLATE_CHARS:,}"
+        )
+    return tok
 
 
 @dataclass

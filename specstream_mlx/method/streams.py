@@ -283,9 +283,13 @@ def load_streams(model, model_dir: Path, warn=True) -> Optional[StreamParams]:
     cfg_path = model_dir / CONFIG_FILE
     if not cfg_path.exists():
         return None
+    from ..io.limits import UnsafeFileError, read_json
+
     try:
-        cfg = StreamConfig.from_json(json.loads(cfg_path.read_text()))
-    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        cfg = StreamConfig.from_json(read_json(cfg_path))
+    except UnsafeFileError:
+        raise
+    except (TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{cfg_path}: invalid ({e})") from e
     w_path = model_dir / WEIGHTS_FILE
     if not w_path.exists():

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Seq
 import mlx.core as mx
 
 from ..method.tree import TreeSpec
+from .bounded import TEMPLATE_SECONDS, PromptError, guarded, time_limit
 from .engine import base_model
 from .lookup import lookup_steps
 from .sampling import SamplingParams
@@ -105,21 +106,38 @@ def make_steps(
 
 
 def encode_prompt(
-    tokenizer, prompt: Union[str, Sequence[int], List[Dict[str, str]]], use_chat_template: bool = True
+    tokenizer,
+    prompt: Union[str, Sequence[int], List[Dict[str, str]]],
+    use_chat_template: bool = True,
+    max_chars: Optional[int] = None,
 ) -> List[int]:
-    """Token ids for a string, a list of chat messages, or ids as given."""
+    """Token ids for a string, a list of chat messages, or ids as given.
+
+    The model's chat template runs under a time limit and the tokenizer's failures
+    (native panics included) become one :class:`~.bounded.PromptError`; ``max_chars``
+    bounds the rendered text before it is tokenized."""
     if isinstance(prompt, (list, tuple)) and (not prompt or isinstance(prompt[0], int)):
         return list(prompt)
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # The template writes BOS itself when the model wants one.
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    if isinstance(prompt, list):
+    templated = use_chat_template and getattr(tokenizer, "chat_template", None)
+    if templated:
+
+        def render():
+            with time_limit(TEMPLATE_SECONDS):
+                return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+        from jinja2 import TemplateError  # the template's own refusal ("roles must alternate") stays one
+
+        text = guarded(render, "the chat template", keep=(TemplateError,))
+    elif isinstance(prompt, list):
         text = "\n".join(m["content"] for m in prompt)
     else:
         text = prompt
-    return list(tokenizer.encode(text))
+    if max_chars is not None and len(text) > max_chars:
+        raise PromptError(f"the prompt renders to {len(text):,} characters, over the limit of {max_chars:,}")
+    # With a template, the template writes BOS itself when the model wants one.
+    kwargs = {"add_special_tokens": False} if templated else {}
+    return list(guarded(lambda: tokenizer.encode(text, **kwargs), "the tokenizer"))
 
 
 def stream_generate(

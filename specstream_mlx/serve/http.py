@@ -33,12 +33,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
+from ..runtime.bounded import FATAL
 from ..runtime.session import ChatSession, Reply
 from .protocol import (
     GenerationRequest,
     ProtocolError,
     cap_max_tokens,
-    chat_prompt_ids,
     check_prompt_chars,
     check_text,
     number,
@@ -46,6 +46,7 @@ from .protocol import (
     parse_mode,
     parse_sampling,
     parse_stop,
+    prompt_ids,
 )
 
 MAX_BODY = 1 << 20
@@ -169,7 +170,9 @@ class App:
                             n = s.value.stats.generated_tokens if s.value.stats else 0
                             sys.stderr.write(f"[http] {req.id} cancelled after {n} tokens\n")
                         break
-            except Exception as e:  # reported to the waiting request as a 500
+            except FATAL:
+                raise
+            except BaseException as e:  # reported to the waiting request as a 500 (native panics too)
                 events.put(("error", e))
             self.current = None
 
@@ -229,7 +232,7 @@ class App:
         if chat:
             messages = parse_messages(body.get("messages"), strict_keys=False)
             check_prompt_chars(sum(len(m["content"]) for m in messages), self.max_context, CONTEXT_CODE)
-            return chat_prompt_ids(self.tokenizer, messages)
+            return prompt_ids(self.tokenizer, messages, self.max_context, code=CONTEXT_CODE)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -239,7 +242,7 @@ class App:
         check_prompt_chars(len(prompt), self.max_context, CONTEXT_CODE)
         if not prompt.strip():
             raise ProtocolError("empty_prompt", "the prompt is empty")
-        return list(self.tokenizer.encode(prompt))
+        return prompt_ids(self.tokenizer, prompt, self.max_context, chat=False, code=CONTEXT_CODE)
 
 
 class ApiHandler(BaseHTTPRequestHandler):
@@ -399,7 +402,9 @@ class ApiHandler(BaseHTTPRequestHandler):
             self._error(e)
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
             self.close_connection = True
-        except Exception as e:  # a bug in one request must not stop the server
+        except FATAL:
+            raise
+        except BaseException as e:  # a bug in one request must not stop the server
             self._error(ProtocolError("internal_error", f"{type(e).__name__}: {e}", 500))
 
     def _read_body(self) -> Any:

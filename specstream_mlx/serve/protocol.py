@@ -155,14 +155,20 @@ def cap_max_tokens(requested: int, n_prompt: int, max_context: int, code: str = 
     return min(requested, max_context - n_prompt)
 
 
-def chat_prompt_ids(tokenizer, messages: List[Dict[str, str]]) -> List[int]:
-    """Token ids of validated messages through the chat template; a template that refuses
-    them (``raise_exception``, e.g. "roles must alternate") is the client's error."""
+def prompt_ids(tokenizer, prompt, max_context: int, chat: bool = True, code: str = "prompt_too_long") -> List[int]:
+    """Token ids of validated messages through the chat template (``chat``), or of a raw
+    prompt string. A template that refuses the messages (``raise_exception``, e.g. "roles
+    must alternate"), runs too long, renders more text than the context can hold, or a
+    tokenizer that fails on the text (a native panic included) is one ProtocolError."""
     from jinja2 import TemplateError
 
+    from ..runtime.bounded import PromptError
     from ..runtime.generation import encode_prompt
 
     try:
-        return encode_prompt(tokenizer, messages, use_chat_template=True)
+        return encode_prompt(tokenizer, prompt, use_chat_template=chat, max_chars=CHARS_PER_TOKEN_BOUND * max_context)
     except TemplateError as e:
         raise ProtocolError("invalid_value", f'"messages": the chat template refused them: {e}') from None
+    except PromptError as e:
+        over = "over the limit" in str(e)
+        raise ProtocolError(code if over else "invalid_prompt", str(e), 400) from None

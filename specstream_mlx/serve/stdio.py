@@ -17,12 +17,12 @@ import sys
 import threading
 from typing import Any, BinaryIO, Dict, List, Optional
 
+from ..runtime.bounded import FATAL
 from ..runtime.session import ChatSession
 from .protocol import (
     GenerationRequest,
     ProtocolError,
     cap_max_tokens,
-    chat_prompt_ids,
     check_prompt_chars,
     check_text,
     number,
@@ -30,6 +30,7 @@ from .protocol import (
     parse_mode,
     parse_sampling,
     parse_stop,
+    prompt_ids,
 )
 
 FIELDS = {
@@ -166,7 +167,9 @@ class StdioServer:
             self.queue.put(r)
         except ProtocolError as e:
             self.error(rid, e.code, e.message)
-        except Exception as e:  # never let one line kill the reader
+        except FATAL:
+            raise
+        except BaseException as e:  # never let one line kill the reader (a native panic included)
             self.error(rid, "internal_error", f"{type(e).__name__}: {e}")
 
     def parse_generation(self, req: dict) -> GenerationRequest:
@@ -208,7 +211,9 @@ class StdioServer:
                 return 0
             try:
                 self.generate(r)
-            except Exception as e:  # one failed request must not end the server
+            except FATAL:
+                raise
+            except BaseException as e:  # one failed request must not end the server, nor a native panic
                 self.error(r.id, "generation_failed", f"{type(e).__name__}: {e}")
             finally:
                 with self.live_lock:
@@ -228,7 +233,7 @@ class StdioServer:
             self.emit({"id": r.id, "event": "done", "text": "", "finish_reason": "cancelled", "stats": {}})
             return
         try:
-            ids = chat_prompt_ids(self.tokenizer, r.messages)
+            ids = prompt_ids(self.tokenizer, r.messages, self.max_context)
             max_tokens = cap_max_tokens(r.max_tokens, len(ids), self.max_context)
         except ProtocolError as e:
             self.error(r.id, e.code, e.message)

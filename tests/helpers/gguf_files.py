@@ -74,6 +74,8 @@ class TinySpec:
         default_factory=lambda: {"embd": "Q8_0", "attn": "Q4_0", "ffn": "Q4_1", "output": "F16"}
     )
     seed: int = 0
+    # Metadata values written instead of the consistent ones (hostile files), by key without the arch prefix.
+    overrides: Dict[str, int] = field(default_factory=dict)
 
 
 def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, merges=None) -> Dict[str, np.ndarray]:
@@ -89,12 +91,15 @@ def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, me
     w = gguf.GGUFWriter(str(path), spec.arch)
     a = spec.arch
     w.add_name("tiny")
-    w.add_uint32(f"{a}.context_length", 256)
-    w.add_uint32(f"{a}.embedding_length", h)
-    w.add_uint32(f"{a}.block_count", spec.layers)
-    w.add_uint32(f"{a}.feed_forward_length", spec.intermediate)
-    w.add_uint32(f"{a}.attention.head_count", spec.heads)
-    w.add_uint32(f"{a}.attention.head_count_kv", spec.kv_heads)
+    def size(key, value):
+        w.add_uint32(f"{a}.{key}", spec.overrides.get(key, value))
+
+    size("context_length", 256)
+    size("embedding_length", h)
+    size("block_count", spec.layers)
+    size("feed_forward_length", spec.intermediate)
+    size("attention.head_count", spec.heads)
+    size("attention.head_count_kv", spec.kv_heads)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32(f"{a}.rope.freq_base", 10000.0)
     w.add_uint32(f"{a}.rope.dimension_count", hd)
