@@ -397,6 +397,17 @@ def serve(
     ),
     timeout: float = typer.Option(30.0, "--timeout", help="HTTP: seconds a client may take to send a request."),
     max_connections: int = typer.Option(32, "--max-connections", help="HTTP: open connections served at once."),
+    header_timeout: float = typer.Option(
+        10.0, "--header-timeout", help="HTTP: seconds a connection may take to send a request's head, or sit idle."
+    ),
+    max_per_peer: Optional[int] = typer.Option(
+        None, "--max-connections-per-peer", help="HTTP: open connections one address may hold (default: half)."
+    ),
+    prefix_cache: bool = typer.Option(
+        True,
+        "--prefix-cache/--no-prefix-cache",
+        help="HTTP: reuse a client's cached conversation prefix (off: every request starts cold; see SECURITY.md).",
+    ),
 ):
     """Serve a model to other programs: --stdio (JSON lines) or --http (OpenAI API)."""
     if stdio == http:
@@ -419,9 +430,22 @@ def serve(
     from ..serve.http import HttpOptions, ServeError, serve_http
 
     origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
-    if timeout <= 0 or max_connections < 1:
-        _err("--timeout must be positive and --max-connections at least 1")
-    opts = HttpOptions(temp, top_p, max_tokens, api_key, origins, host, timeout, max_connections, hosts)
+    if timeout <= 0 or header_timeout <= 0 or max_connections < 1 or (max_per_peer is not None and max_per_peer < 1):
+        _err("--timeout and --header-timeout must be positive, --max-connections(-per-peer) at least 1")
+    opts = HttpOptions(
+        temp,
+        top_p,
+        max_tokens,
+        api_key,
+        origins,
+        host,
+        timeout,
+        max_connections,
+        hosts,
+        header_timeout=header_timeout,
+        max_per_peer=max_per_peer,
+        prefix_cache=prefix_cache,
+    )
     try:
         code = serve_http(m, tok, str(m.path.name), mode, ctx, modes, host, port, opts)
     except ServeError as e:

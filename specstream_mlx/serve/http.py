@@ -17,10 +17,12 @@ are capped. A client that disconnects cancels its generation.
 
 from __future__ import annotations
 
+import email.message
 import hmac
 import itertools
 import json
 import queue
+import re
 import select
 import signal
 import socket
@@ -29,6 +31,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
@@ -52,8 +55,10 @@ from .protocol import (
 MAX_BODY = 1 << 20
 CONTEXT_CODE = "context_length_exceeded"
 SOCKET_TIMEOUT_S = 30.0
+HEADER_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 32
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+_HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::[0-9]{1,5})?")
 
 
 @dataclass
@@ -70,6 +75,12 @@ class HttpOptions:
         max_connections: open connections served at once; more get 503.
         allowed_hosts: further names a request's ``Host`` may give (a LAN name when
             bound beyond loopback); ``*`` allows any and needs ``api_key``.
+        header_timeout: seconds a connection may take to send a request's head (request
+            line and headers), idle keep-alive time included; ``timeout`` bounds the whole request.
+        max_per_peer: open connections one peer address may hold (default half of
+            ``max_connections``).
+        prefix_cache: reuse the KV cache of a client's previous request (its
+            conversation); off, every request starts from an empty cache.
     """
 
     temperature: float = 0.0
@@ -81,6 +92,9 @@ class HttpOptions:
     timeout: float = SOCKET_TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
     allowed_hosts: List[str] = field(default_factory=list)
+    header_timeout: float = HEADER_TIMEOUT_S
+    max_per_peer: Optional[int] = None
+    prefix_cache: bool = True
 
 
 _CONNECTIONS = itertools.count()  # never reused, unlike id() of a closed connection's object
@@ -148,7 +162,7 @@ class App:
             except queue.Empty:
                 continue
             self.current = (req, events)
-            if req.owner is None or req.owner != self.cache_owner:
+            if req.owner is None or req.owner != self.cache_owner or not self.options.prefix_cache:
                 self.session.reset()
                 self.cache_owner = req.owner
             try:
@@ -266,30 +280,44 @@ class ApiHandler(BaseHTTPRequestHandler):
         except (ConnectionResetError, BrokenPipeError, socket.timeout, OSError):
             self.close_connection = True
 
-    def handle_one_request(self):
-        """One request, with ``timeout`` bounding the whole head and body: the socket
-        timeout alone bounds each read, so a client sending a header line every few
-        seconds (slow loris) would hold its connection slot forever."""
-        self._reading = True
-        timer = threading.Timer(self.timeout, self._expire)
-        timer.daemon = True
-        timer.start()
-        try:
-            super().handle_one_request()
-        finally:
-            timer.cancel()
+    def setup(self):
+        super().setup()
+        self.server.connections.opened(self)
 
-    def _expire(self) -> None:
-        if self._reading:  # still reading the request: drop the connection
-            self.close_connection = True
-            try:
-                self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+    def finish(self):
+        try:
+            super().finish()
+        finally:
+            self.server.connections.closed(self)
+
+    def handle_one_request(self):
+        """One request. The server's watchdog bounds its head by ``header_timeout`` (idle
+        keep-alive time included) and head plus body by ``timeout``: the socket timeout alone
+        bounds each read, so a client sending a header line every few seconds (slow loris)
+        would hold its connection slot for ever."""
+        self.server.connections.phase(self, "head")
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if ok:
+            self.server.connections.phase(self, "body")
+        return ok
 
     def _request_read(self) -> None:
-        """The request is in: what follows (generation) is not bounded by the read timeout."""
-        self._reading = False
+        """The request is in: what follows (generation) is not bounded by the read timeouts."""
+        self.server.connections.phase(self, "busy")
+
+    def send_error(self, code, message=None, explain=None):
+        """``http.server``'s own refusals (bad request line, 414, 431, HTTP/2.0) as the same
+        JSON error as every other, and the connection closed."""
+        if not hasattr(self, "headers"):
+            self.headers = email.message.Message()  # refused before any header was read
+        if self.request_version == "HTTP/0.9":  # an unparsable request line: answer in HTTP/1.1
+            self.request_version = "HTTP/1.1"
+        status = HTTPStatus(code) if code in HTTPStatus._value2member_map_ else None
+        text = message or (status.phrase if status else "error")
+        self._error(ProtocolError(_status_code(code), escape_controls(str(text)), code))
 
     def _json(self, status: int, obj: dict, close: bool = False) -> None:
         data = json.dumps(obj).encode()
@@ -331,11 +359,15 @@ class ApiHandler(BaseHTTPRequestHandler):
     def _check_access(self) -> None:
         """Refuse other hosts' names (DNS rebinding), foreign origins (CSRF) and missing keys."""
         opts = self.app.options
-        host = self.headers.get("Host", "")
-        try:
-            name = urlsplit("//" + host).hostname or ""
-        except ValueError:  # e.g. "[evil": an unclosed IPv6 bracket
-            raise ProtocolError("invalid_request", f"bad Host header {host!r}") from None
+        hosts = self.headers.get_all("Host") or []
+        if len(hosts) > 1:
+            raise ProtocolError("invalid_request", "more than one Host header")
+        host = hosts[0] if hosts else ""
+        # A name or address and a port, nothing else: "evil.com@127.0.0.1" is userinfo to a URL parser.
+        m = _HOST.fullmatch(host)
+        if m is None:
+            raise ProtocolError("invalid_request", f"bad Host header {escape_controls(host)[:100]!r}")
+        name = m.group(1).strip("[]").lower()
         allowed = name in LOCAL_HOSTS or name == opts.host.strip("[]") or name in opts.allowed_hosts
         if not allowed and not ("*" in opts.allowed_hosts and opts.api_key is not None):
             raise ProtocolError("forbidden_host", f"Host {host!r} is not this server", 403)
@@ -351,6 +383,10 @@ class ApiHandler(BaseHTTPRequestHandler):
     def do_OPTIONS(self):
         """CORS preflight: answered for allowed origins only."""
         self._request_read()
+        try:
+            self._no_body()
+        except ProtocolError as e:
+            return self._error(e)
         if self.headers.get("Origin") is None or not self._origin_allowed():
             return self._error(ProtocolError("forbidden_origin", "this origin may not call the API", 403))
         self.send_response(204)
@@ -365,11 +401,19 @@ class ApiHandler(BaseHTTPRequestHandler):
         self._request_read()
         self._error(ProtocolError("method_not_allowed", f"{self.command} is not supported here", 405))
 
+    def _no_body(self) -> None:
+        """A method that takes no body must come without one: an unread body on a kept-alive
+        connection would be parsed as the next request (CL.0 desync, request smuggling)."""
+        lengths = self.headers.get_all("Content-Length") or []
+        if self.headers.get("Transfer-Encoding") is not None or any(v.strip() != "0" for v in lengths):
+            raise ProtocolError("invalid_request", f"{self.command} requests take no body")
+
     do_PUT = do_DELETE = do_PATCH = do_HEAD = _method_not_allowed
 
     def do_GET(self):
         self._request_read()
         try:
+            self._no_body()
             self._check_access()
         except ProtocolError as e:
             return self._error(e)
@@ -584,21 +628,120 @@ def _usage(n_prompt: int, reply: Reply) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
 
 
+def _status_code(status: int) -> str:
+    """The machine-readable code of one of ``http.server``'s own refusals."""
+    return {414: "uri_too_long", 431: "headers_too_large", 505: "http_version_not_supported"}.get(
+        status, "invalid_request"
+    )
+
+
 def _finish(reason: Optional[str]) -> str:
     return "length" if reason == "length" else "stop"
 
 
+@dataclass
+class _Connection:
+    handler: Any
+    peer: str
+    phase: str  # head (reading a request line and headers, or idle), body, busy, dropped
+    since: float  # when this phase began
+    started: float  # when this request's head began
+
+
+class Connections:
+    """Open connections: their slots, their phases, and a watchdog that drops the slow ones.
+
+    A connection still sending its head (or idle between requests) may hold its slot
+    ``header_timeout`` seconds, a whole request ``timeout``; one peer address may hold
+    ``max_per_peer``. When every slot is taken, a new connection takes the slot of the
+    connection that has waited longest in its head, so connections that trickle bytes
+    or sit idle never keep a well-behaved client (or ``/health``) out."""
+
+    def __init__(self, max_connections: int, max_per_peer: int, header_timeout: float, timeout: float):
+        self.max_per_peer = max_per_peer
+        self.header_timeout = min(header_timeout, timeout)
+        self.timeout = timeout
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.lock = threading.Lock()
+        self.open: Dict[int, _Connection] = {}
+        self.stopped = threading.Event()
+
+    def opened(self, handler) -> None:
+        now = time.monotonic()
+        with self.lock:
+            self.open[id(handler)] = _Connection(handler, handler.client_address[0], "head", now, now)
+
+    def closed(self, handler) -> None:
+        with self.lock:
+            self.open.pop(id(handler), None)
+
+    def phase(self, handler, phase: str) -> None:
+        now = time.monotonic()
+        with self.lock:
+            c = self.open.get(id(handler))
+            if c is None or c.phase == "dropped":
+                return
+            if phase == "head":
+                c.started = now
+            c.phase, c.since = phase, now
+
+    def _oldest_waiting(self, peer: Optional[str] = None) -> Optional[_Connection]:
+        waiting = [c for c in self.open.values() if c.phase == "head" and (peer is None or c.peer == peer)]
+        return min(waiting, key=lambda c: c.since, default=None)
+
+    def drop(self, c: _Connection) -> None:
+        c.phase = "dropped"
+        c.handler.close_connection = True
+        try:
+            c.handler.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def admit(self, peer: str) -> bool:
+        """A slot for a new connection from ``peer`` (taken from a waiting one if need be)."""
+        with self.lock:
+            victim = None
+            if sum(c.peer == peer and c.phase != "dropped" for c in self.open.values()) >= self.max_per_peer:
+                victim = self._oldest_waiting(peer)
+                if victim is None:
+                    return False
+            if victim is not None:
+                self.drop(victim)
+            if self.slots.acquire(blocking=False):
+                return True
+            if victim is None:
+                victim = self._oldest_waiting()
+                if victim is None:
+                    return False
+                self.drop(victim)
+        return self.slots.acquire(timeout=2.0)  # the dropped connection's thread frees its slot
+
+    def watch(self) -> None:
+        """Drop connections past their head or request deadline, until stopped."""
+        while not self.stopped.wait(0.2):
+            now = time.monotonic()
+            with self.lock:
+                for c in list(self.open.values()):
+                    late_head = c.phase == "head" and now - c.since > self.header_timeout
+                    late_request = c.phase in ("head", "body") and now - c.started > self.timeout
+                    if late_head or late_request:
+                        self.drop(c)
+
+
 class _CappedServer(ThreadingHTTPServer):
-    """A threading server that refuses connections beyond ``max_connections`` open ones."""
+    """A threading server whose connections :class:`Connections` admits and bounds."""
 
     daemon_threads = True
 
-    def __init__(self, address, handler, max_connections: int = MAX_CONNECTIONS):
+    def __init__(self, address, handler, options: HttpOptions):
+        per_peer = options.max_per_peer or max(1, options.max_connections // 2)
+        # Before binding: a failed bind calls server_close, which stops the watchdog.
+        self.connections = Connections(options.max_connections, per_peer, options.header_timeout, options.timeout)
         super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(max_connections)
+        threading.Thread(target=self.connections.watch, daemon=True).start()
 
     def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
+        if not self.connections.admit(client_address[0]):
             try:
                 request.sendall(
                     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -619,7 +762,11 @@ class _CappedServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self.connections.slots.release()
+
+    def server_close(self):
+        self.connections.stopped.set()
+        super().server_close()
 
 
 class _CappedServer6(_CappedServer):
@@ -633,7 +780,7 @@ def make_server(
     app = App(model, tokenizer, model_id, mode, max_context, modes, options)
     server_cls = _CappedServer6 if ":" in host.strip("[]") else _CappedServer
     try:
-        server = server_cls((host.strip("[]"), port), make_handler(app), options.max_connections)
+        server = server_cls((host.strip("[]"), port), make_handler(app), options)
     except OSError as e:  # port in use, address not on this machine, no permission
         raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return server, app

@@ -191,7 +191,8 @@ class StdioServer:
             id=req["id"],
             messages=messages,
             prompt_ids=None,
-            max_tokens=number(req, "max_tokens", 256, 1, self.max_context, integer=True),
+            # Above the context left it is capped at run time (docs/PROTOCOL.md), as over HTTP.
+            max_tokens=number(req, "max_tokens", 256, 1, 1 << 30, integer=True),
             sampling=parse_sampling(req, 0.0),
             mode=parse_mode(req.get("mode"), self.modes, self.default_mode),
             stop=parse_stop(req.get("stop")),
