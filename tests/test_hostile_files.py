@@ -105,8 +105,8 @@ def test_oversized_values_and_bad_files_are_one_line(model, tmp_path):
         assert not (tmp_path / "never").exists()
 
     for key, value in (("vocab_size", 10**12), ("intermediate_size", 2**62), ("head_dim", 10**9)):
-        refused(lambda d: _edit_config(d, **{key: value}), key, "limit")
-        refused(lambda d: _edit_config(d, **{key: value}), key, "limit", load=False)
+        refused(lambda d, k=key, v=value: _edit_config(d, **{k: v}), key, "limit")
+        refused(lambda d, k=key, v=value: _edit_config(d, **{k: v}), key, "limit", load=False)
     deep = '{"a": ' * 100_000 + "1" + "}" * 100_000
     refused(lambda d: (d / "config.json").write_text(deep), "config.json", "nested too deeply")
 

@@ -91,6 +91,7 @@ def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, me
     w = gguf.GGUFWriter(str(path), spec.arch)
     a = spec.arch
     w.add_name("tiny")
+
     def size(key, value):
         w.add_uint32(f"{a}.{key}", spec.overrides.get(key, value))
 
