@@ -115,3 +115,50 @@ def test_smollm2_is_bundled_and_the_default_model():
         assert loaded.streams is not None and loaded.streams.config.trained
         assert (folder / "streams.safetensors").stat().st_size <= 20e6
         assert json.loads((folder / "specstream.json").read_text())["base_fingerprint"] == base_fingerprint(loaded.path)
+
+
+_MATERIALIZE = """
+import sys, time
+from pathlib import Path
+from specstream_mlx.io import bundles
+start = float(sys.argv[2])
+time.sleep(max(0.0, start - time.time()))  # every process past its imports, then all at once
+lines = []
+path = bundles.materialize(bundles.read_bundle(Path(sys.argv[1])), log=lines.append)
+print(sum("converting" in line and "(once)" in line for line in lines), path)
+"""
+
+
+def test_concurrent_first_use_converts_once_and_every_process_succeeds(fake_package, tmp_path):
+    """Three processes starting at once on an empty cache (before: one died with
+    FileNotFoundError, its temporary directory removed by another as a leftover); then a
+    second install of the same package elsewhere reuses the cache (before: the stamp held the
+    file's path, so two environments re-converted in turn)."""
+    import os
+    import time
+
+    # a larger file, so the conversions really overlap
+    write_tiny_gguf(tmp_path / "site" / "tiny_gguf_pkg" / "tiny.gguf", TinySpec(hidden=256, layers=8, intermediate=1024))
+
+    def run(site, n):
+        env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        start = time.time() + 12
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _MATERIALIZE, str(fake_package), str(start)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(n)
+        ]
+        outs = [p.communicate(timeout=180) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [err[-1500:] for _, err in outs]
+        return [int(out.split()[0]) for out, _ in outs]
+
+    assert sorted(run(tmp_path / "site", 3)) == [0, 0, 1]
+    other = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path / "site", other)  # the same package, installed at another path
+    assert run(other, 1) == [0]
+    assert load_model_dir("tinybundle", warn=False).config["num_hidden_layers"] == 8

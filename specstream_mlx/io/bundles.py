@@ -19,9 +19,10 @@ import json
 import os
 import shutil
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 BUNDLE_FILE = "bundle.json"
 # What the bundle folder ships beside bundle.json, copied into the cached model directory.
@@ -94,37 +95,86 @@ def package_file(bundle: GGUFBundle) -> Path:
     return f
 
 
-def _source_stamp(f: Path) -> dict:
-    st = f.stat()
-    return {"file": str(f), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "converter": CONVERTER_VERSION}
+def _package_version(bundle: GGUFBundle) -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version(bundle.package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _source_stamp(bundle: GGUFBundle, f: Path) -> dict:
+    """What the cached conversion was made from, by content, never by where it is installed:
+    two environments (a venv and a user install, two checkouts) share one cache."""
+    return {
+        "package": bundle.package,
+        "version": _package_version(bundle),
+        "file": f.name,
+        "size": f.stat().st_size,
+        "converter": CONVERTER_VERSION,
+    }
+
+
+@contextmanager
+def _exclusive(lock_path: Path, log: Callable[[str], None], what: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_path``: processes that start at once convert one at
+    a time, and the later ones find the first one's result."""
+    import fcntl
+
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"specstream-mlx: waiting for another process to finish {what}")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _is_current(dst: Path, stamp: dict) -> bool:
+    try:
+        return json.loads((dst / "bundle-source.json").read_text()) == stamp and (dst / "model.safetensors").exists()
+    except (OSError, json.JSONDecodeError):
+        return False
 
 
 def materialize(bundle: GGUFBundle, log: Optional[Callable[[str], None]] = None) -> Path:
     """The cached model directory for ``bundle``: converted now if absent or stale, with
-    the bundled streams copied in (or removed, if the bundle ships none)."""
+    the bundled streams copied in (or removed, if the bundle ships none). Safe when several
+    processes start at once: one converts, the others wait and use its result."""
     log = log or (lambda s: print(s, file=sys.stderr))
     src = package_file(bundle)
     dst = cache_root() / bundle.name
-    stamp_path = dst / "bundle-source.json"
-    stamp = _source_stamp(src)
-    try:
-        current = json.loads(stamp_path.read_text()) == stamp and (dst / "model.safetensors").exists()
-    except (OSError, json.JSONDecodeError):
-        current = False
-    if not current:
-        from .gguf import GGUFError, GGUFImport, import_gguf
+    stamp = _source_stamp(bundle, src)
+    if _is_current(dst, stamp) and _streams_current(bundle.folder, dst):
+        return dst  # the common case: no lock, nothing written
+    with _exclusive(cache_root() / f".{bundle.name}.lock", log, f"converting {bundle.name}"):
+        if not _is_current(dst, stamp):  # another process may have converted it meanwhile
+            from .gguf import GGUFError, GGUFImport, import_gguf
 
-        log(f"specstream-mlx: converting {src.name} ({bundle.package}, {bundle.license}) into {dst} (once)")
-        try:
-            # As stored: 4/8-bit blocks stay quantized, norms stay float32. The directory is
-            # replaced in one rename; the stamp is written last, so a run killed in between
-            # converts again next time.
-            import_gguf(src, dst, GGUFImport(force=True))
-        except GGUFError as e:
-            raise BundleError(str(e)) from e
-        stamp_path.write_text(json.dumps(stamp, indent=1))
-    _sync_streams(bundle.folder, dst)
+            log(f"specstream-mlx: converting {src.name} ({bundle.package}, {bundle.license}) into {dst} (once)")
+            try:
+                # As stored: 4/8-bit blocks stay quantized, norms stay float32. The directory is
+                # replaced in one rename; the stamp is written last, so a run killed in between
+                # converts again next time.
+                import_gguf(src, dst, GGUFImport(force=True))
+            except GGUFError as e:
+                raise BundleError(str(e)) from e
+            (dst / "bundle-source.json").write_text(json.dumps(stamp, indent=1))
+        _sync_streams(bundle.folder, dst)
     return dst
+
+
+def _streams_current(folder: Path, dst: Path) -> bool:
+    for name in SHIPPED_FILES:
+        src, out = folder / name, dst / name
+        if src.exists() != out.exists() or (src.exists() and not filecmp.cmp(src, out, shallow=False)):
+            return False
+    return True
 
 
 def _sync_streams(folder: Path, dst: Path) -> None:
