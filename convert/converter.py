@@ -214,8 +214,7 @@ def convert(
     opts = opts or ConvertOptions()
     dst = Path(mlx_path).expanduser()
     check_replaceable(dst, opts.force, ConvertError)
-    if opts.quantize and opts.q_bits not in (2, 3, 4, 6, 8):
-        raise ConvertError(f"unsupported --q-bits {opts.q_bits}; use 4 or 8")
+    _check_quantize_args(opts)
     src = _resolve_source(hf_path)
     config = read_config(src)
     from ..io.adapters import fuse_peft_adapter
@@ -256,12 +255,7 @@ def convert(
     out_config["torch_dtype"] = dtype_name
     out_config.update(legacy_rope_keys(config))
     if opts.quantize:
-        log(f"[convert] quantizing to {opts.q_bits} bits, group size {opts.q_group_size}")
-
-        def predicate(path, module):
-            return hasattr(module, "to_quantized") and module.weight.shape[-1] % opts.q_group_size == 0
-
-        nn.quantize(model, group_size=opts.q_group_size, bits=opts.q_bits, class_predicate=predicate)
+        quantize_or_refuse(model, opts.q_bits, opts.q_group_size, log, ConvertError)
         out_config["quantization"] = {"group_size": opts.q_group_size, "bits": opts.q_bits}
     streams = None
     if CONFIG_KEY in config:
@@ -305,8 +299,7 @@ def convert_gguf(
         raise ConvertError("--adapter fuses into float weights; convert the GGUF first, then fuse with generate")
     if opts.dtype is not None and opts.dtype not in DTYPES:
         raise ConvertError(f"unsupported dtype {opts.dtype!r}; choose one of {', '.join(DTYPES)}")
-    if opts.quantize and opts.q_bits not in (2, 3, 4, 6, 8):
-        raise ConvertError(f"unsupported --q-bits {opts.q_bits}; use 4 or 8")
+    _check_quantize_args(opts)
     how = GGUFImport(
         dtype=opts.dtype,
         quantize=(opts.q_bits, opts.q_group_size) if opts.quantize else None,
@@ -318,6 +311,31 @@ def convert_gguf(
         return import_gguf(Path(gguf_path).expanduser(), Path(mlx_path).expanduser(), how, log)
     except GGUFError as e:
         raise ConvertError(str(e)) from e
+
+
+def _check_quantize_args(opts: ConvertOptions) -> None:
+    from ..io.quantization import quantize_args_error
+
+    problem = quantize_args_error(opts.q_bits, opts.q_group_size) if opts.quantize else None
+    if problem:
+        raise ConvertError(problem)
+
+
+def quantize_or_refuse(model: nn.Module, bits: int, group_size: int, log, error) -> None:
+    """Quantize what ``group_size`` divides and say what was left float; refuse (``error``)
+    when it divides no layer's width, rather than write a quantization entry for nothing."""
+    from ..io.quantization import quantize_float_layers
+
+    log(f"[convert] quantizing to {bits} bits, group size {group_size}")
+    n, left = quantize_float_layers(model, bits, group_size)
+    if n == 0 and left:
+        widths = sorted({int(m.weight.shape[-1]) for p, m in model.named_modules() if p in set(left)})
+        raise error(
+            f"--q-group-size {group_size} divides none of this model's input widths "
+            f"({', '.join(map(str, widths[:6]))}): nothing would be quantized; choose a group size that divides them"
+        )
+    if left:
+        log(f"[convert] left {len(left)} layers float: their widths are not multiples of {group_size} (e.g. {left[0]})")
 
 
 def _write_model(tmp: Path, model: nn.Module, config: dict, streams=None) -> None:

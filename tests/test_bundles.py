@@ -138,7 +138,8 @@ def test_concurrent_first_use_converts_once_and_every_process_succeeds(fake_pack
     import time
 
     # a larger file, so the conversions really overlap
-    write_tiny_gguf(tmp_path / "site" / "tiny_gguf_pkg" / "tiny.gguf", TinySpec(hidden=256, layers=8, intermediate=1024))
+    bigger = TinySpec(hidden=256, layers=8, intermediate=1024)
+    write_tiny_gguf(tmp_path / "site" / "tiny_gguf_pkg" / "tiny.gguf", bigger)
 
     def run(site, n):
         env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

@@ -425,3 +425,26 @@ def test_measure_acceptance_writes_the_prior_auto_reads(streams_model_dir, tmp_p
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0 and "valid.jsonl:1" in r.stderr
     assert (model / "specstream.json").read_text() == before  # nothing half-written
+
+
+def test_one_default_tree_in_the_library_and_every_front_end():
+    """generate(mode="ss") without a tree decodes as the CLI does (before: a fixed dynamic:12
+    tree, 0.37-0.83x of ar on SmolLM2, while the CLI tuned and fell back to plain)."""
+    import importlib
+    import inspect
+
+    import typer
+
+    from specstream_mlx.cli.chat import ChatOptions
+    from specstream_mlx.runtime import generation, session, speculative
+
+    cli = importlib.import_module("specstream_mlx.cli.app")
+    assert speculative.DEFAULT_TREE == "auto"
+    for fn in (generation.generate, generation.stream_generate, speculative.ss_steps, session.ChatSession.stream_ids):
+        assert inspect.signature(fn).parameters["tree"].default == speculative.DEFAULT_TREE, fn
+    for command in (cli.generate, cli.chat, cli.serve, cli.bench):
+        params = inspect.signature(command).parameters
+        if "tree" in params:
+            default = params["tree"].default
+            assert (default.default if isinstance(default, typer.models.OptionInfo) else default) == "auto", command
+    assert ChatOptions().tree == "auto"

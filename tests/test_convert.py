@@ -161,10 +161,15 @@ def test_existing_destination_needs_force(tmp_path, hf_models):
     r = _run_convert(src, out)
     assert r.returncode == 1 and "--force" in r.stderr
     assert (out / "keep.txt").read_text() == "precious"
-    # --force replaces a model directory (anything else is refused: tests/test_hostile.py)
+    # --force refuses a directory holding anything a model directory does not (tests/test_hostile*.py)
+    r = _run_convert(src, out, "--force", "--dtype", "float16")
+    assert r.returncode == 1 and "not a model directory" in r.stderr and "keep.txt" in r.stderr
+    assert (out / "keep.txt").read_text() == "precious"
+    # and replaces a model directory
+    (out / "keep.txt").unlink()
     r = _run_convert(src, out, "--force", "--dtype", "float16")
     assert r.returncode == 0, r.stderr
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    assert (out / "model.safetensors").exists()
     w = mx.load(str(out / "model.safetensors"))
     assert all(v.dtype == mx.float16 for v in w.values())
 

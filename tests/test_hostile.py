@@ -420,7 +420,7 @@ def test_stdio_id_that_is_not_text_is_invalid_id(tiny_model_dir):
 
 def test_ctrl_c_ends_a_running_stream_with_a_final_chunk_and_done():
     """Ctrl-C while a stream is being generated: the client gets a final chunk
-    (finish_reason "cancelled") and [DONE], and the server exits. Repeated, because a
+    (finish_reason "length": cut off, never "stop") and [DONE], and the server exits. Repeated, because a
     KeyboardInterrupt raised at a random bytecode was sometimes swallowed (the server
     then finished the request and never stopped)."""
     import signal
@@ -454,8 +454,10 @@ def test_ctrl_c_ends_a_running_stream_with_a_final_chunk_and_done():
                 proc.kill()
             _, err = proc.communicate(timeout=30)
         text = rest.decode(errors="replace")
-        # The OpenAI stream's final chunk (finish_reason "stop": the API has no "cancelled"), then [DONE].
-        final = text.rfind('"finish_reason": "stop"')
+        # The OpenAI stream's final chunk (finish_reason "length": the API has no "cancelled", and a
+        # truncated answer must not claim "stop"), then [DONE].
+        assert '"finish_reason": "stop"' not in text, text[-500:]
+        final = text.rfind('"finish_reason": "length"')
         assert 0 <= final < text.find("data: [DONE]"), (attempt, text[-500:])
         log = [line for line in err.decode().splitlines() if "cancelled after" in line]
         assert len(log) == 1 and int(log[0].split("cancelled after ")[1].split()[0]) < 900, err.decode()[-1000:]

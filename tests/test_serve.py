@@ -545,13 +545,26 @@ def test_http_disconnect_cancels_and_slow_clients_time_out(ss_model):
         assert time.perf_counter() - t < 5
         assert answer == b"" or answer.startswith(b"HTTP/1.1 4"), answer
         slow.close()
-        # Beyond the connection cap: 503 at once.
+        # Beyond the connection cap: idle connections give up their slots (docs/SECURITY.md) ...
+        health = b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
         time.sleep(0.2)
-        status, _, _ = _raw(port, b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        assert status == 503
+        assert _raw(port, health)[0] == 200
         for s in idle:
             s.close()
+        # ... and when every slot holds a request being served, 503 at once.
+        busy = []
+        for _ in range(3):
+            b = socket.create_connection(("127.0.0.1", port))
+            b.sendall(
+                f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(long)}\r\n\r\n".encode()
+                + long
+            )
+            busy.append(b)
+        time.sleep(0.5)
+        assert _raw(port, health)[0] == 503
+        for b in busy:
+            b.close()
     finally:
         proc.terminate()
         proc.wait(timeout=30)

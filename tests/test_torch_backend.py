@@ -242,7 +242,7 @@ def test_torch_backend_trains_and_writes_a_loadable_model(tmp_path, tiny_model_d
     assert any(np.abs(np.array(v)).max() > 0 for k, v in tree_flatten(model.streams.parameters()) if k.endswith(".b"))
     for (k, a), (_, b) in zip(tree_flatten(model.base.parameters()), tree_flatten(base.model.parameters())):
         assert np.array_equal(np.array(a), np.array(b)), k
-    r = generate(model, tok, "abc", max_tokens=12, mode="ss")
+    r = generate(model, tok, "abc", max_tokens=12, mode="ss", tree="dynamic:12")  # a tree, never plain
     assert r.tokens == generate(model, tok, "abc", max_tokens=12, mode="ar").tokens
 
 
@@ -268,7 +268,7 @@ def test_torch_backend_shared_mode_fuses_its_lora_and_stays_exact(tmp_path, tiny
     ]
     assert any("q_proj" in k for k in changed), changed
     assert (
-        generate(model, tok, "abc", max_tokens=12, mode="ss").tokens
+        generate(model, tok, "abc", max_tokens=12, mode="ss", tree="dynamic:12").tokens
         == generate(model, tok, "abc", max_tokens=12, mode="ar").tokens
     )
 

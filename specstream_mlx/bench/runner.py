@@ -44,6 +44,7 @@ class Run:
     passes: int
     peak_gb: float
     eos: bool = False
+    first: int = 0  # tokens of the first response (the prefill pass's)
 
 
 @dataclass
@@ -67,13 +68,14 @@ def _timed(stream: Iterator, tokens_of: Callable, is_pass: Callable) -> Run:
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     first = last = None
-    toks, text, passes, after_first = [], [], 0, 0
+    toks, text, passes, after_first, first_n = [], [], 0, 0, 0
     for r in stream:
         now = time.perf_counter()
         new = tokens_of(r)
         passes += is_pass(r)
         if first is None:
             first = now
+            first_n = len(new)
         else:
             after_first += len(new)
             last = now
@@ -81,7 +83,7 @@ def _timed(stream: Iterator, tokens_of: Callable, is_pass: Callable) -> Run:
         text.append(r.text)
     tps = after_first / (last - first) if last and last > first else 0.0
     eos = getattr(r, "finish_reason", None) == "stop" if first is not None else False
-    return Run(toks, "".join(text), (first or t0) - t0, tps, passes, mx.get_peak_memory() / 1e9, eos)
+    return Run(toks, "".join(text), (first or t0) - t0, tps, passes, mx.get_peak_memory() / 1e9, eos, first_n)
 
 
 @dataclass
@@ -335,9 +337,10 @@ def _summarize(runs: Dict[str, List[Run]], setup: BenchSetup, eos_ids) -> List[M
         if refs and name in ("ss", "ar", "baseline-ar"):
             exact = sum(r.text.strip() == c.strip() for r, c in refs) / len(refs)
         total = sum(len(strip(r.tokens)) for r in rs)
-        # τ counts every token a pass decided, the EOS that ends a reply included.
-        decided = sum(len(strip(r.tokens)) + (len(strip(r.tokens)) < len(r.tokens) or r.eos) for r in rs)
-        passes = sum(r.passes for r in rs)
+        # τ (docs/DESIGN.md §5): every token a decoding pass decided, the EOS that ends a reply
+        # included, over the decoding passes: each run's prefill pass and its token left out.
+        decided = sum(len(strip(r.tokens)) + (len(strip(r.tokens)) < len(r.tokens) or r.eos) - r.first for r in rs)
+        passes = sum(r.passes - 1 for r in rs if r.passes > 1)
         results.append(
             MethodResult(
                 method=name,

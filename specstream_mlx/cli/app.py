@@ -176,8 +176,10 @@ def convert(
     mlx_path: str = typer.Option(..., "--mlx-path", help="Output MLX model directory."),
     dtype: Optional[DType] = typer.Option(None, "--dtype", help="Weight dtype (default: the checkpoint's)."),
     quantize: bool = typer.Option(False, "-q", "--quantize", help="Quantize the weights."),
-    q_bits: int = typer.Option(4, "--q-bits", help="Bits per weight when quantizing (4 or 8)."),
-    q_group_size: int = typer.Option(64, "--q-group-size", help="Quantization group size."),
+    q_bits: int = typer.Option(4, "--q-bits", help="Bits per weight when quantizing: 2, 3, 4, 5, 6 or 8."),
+    q_group_size: int = typer.Option(
+        64, "--q-group-size", help="Quantization group size: 32, 64 or 128 (it must divide the layers' widths)."
+    ),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --mlx-path."),
     num_streams: int = typer.Option(0, "--num-streams", help="Attach this many untrained speculative streams (γ)."),
     stream_layers: int = typer.Option(4, "--stream-layers", help="Top layers that run multi-stream attention (N_s)."),
@@ -311,10 +313,16 @@ def generate(
 
 def _summary(s) -> None:
     """The one-line summary of a generation, on stderr."""
+    # Rates need a decoding pass after the prefill's: one token (-m 1) has none to report.
+    rates = (
+        f"{s.tokens_per_second:.1f} tok/s, {s.tokens_per_pass:.2f} tokens/pass, "
+        if s.forward_passes > 1
+        else "no decoding pass after the prompt's, "
+    )
     typer.echo(
-        f"[{s.mode}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
-        f"{s.tokens_per_pass:.2f} tokens/pass, prompt {s.prompt_seconds * 1000:.0f} ms, "
-        f"peak {s.peak_memory_gb:.2f} GB" + (f", tree {s.tree}" if s.tree else ""),
+        f"[{s.mode}] {s.generated_tokens} token{'s' if s.generated_tokens != 1 else ''}, {rates}"
+        f"prompt {s.prompt_seconds * 1000:.0f} ms, peak {s.peak_memory_gb:.2f} GB"
+        + (f", tree {s.tree}" if s.tree else ""),
         err=True,
     )
     if s.fallback:

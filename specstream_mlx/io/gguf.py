@@ -439,13 +439,13 @@ def import_gguf(src: Path, dst: Path, how: GGUFImport, log: Callable[[str], None
     except ValueError as e:  # missing, extra or mis-shaped tensors
         raise GGUFError(f"{src}: tensors do not match the metadata's shapes ({e})") from e
     if how.quantize is not None:
+        from .quantization import quantize_float_layers
+
         bits, group = how.quantize
         log(f"[convert] quantizing float weights to {bits} bits, group size {group}")
-
-        def predicate(p, module):
-            return hasattr(module, "to_quantized") and module.weight.shape[-1] % group == 0
-
-        nn.quantize(model, group_size=group, bits=bits, class_predicate=predicate)
+        _, left = quantize_float_layers(model, bits, group)
+        if left:
+            log(f"[convert] left {len(left)} float layers as they are: widths not multiples of {group}")
     config = {k: v for k, v in config.items() if k != "quantization"}
     config["torch_dtype"] = dtype_name
     q = model_quantization(model)

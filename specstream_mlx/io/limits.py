@@ -185,6 +185,6 @@ def check_against_shapes(config: Dict[str, Any], shapes: Dict[str, Tuple[int, ..
         rows = found[1][0]
         if rows != factor * v:
             raise UnsafeFileError(
-                f"{where}: '{key}' is {v:,} but tensor {found[0]} has {rows:,} rows"
+                f"{where}: shape mismatch: '{key}' is {v:,} but tensor {found[0]} has {rows:,} rows"
                 + (f" ({factor} x {key})" if factor > 1 else "")
             )

@@ -44,3 +44,33 @@ def apply_quantization(model: nn.Module, config: Dict[str, Any], weights: Dict[s
         return per_module.get(path, True)
 
     nn.quantize(model, group_size=default["group_size"], bits=default["bits"], class_predicate=predicate)
+
+
+# What mx.quantize supports (affine): the widths and group sizes --q-bits / --q-group-size take.
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+QUANT_GROUP_SIZES = (32, 64, 128)
+
+
+def quantize_args_error(bits: int, group_size: int) -> "str | None":
+    """Why ``--q-bits`` / ``--q-group-size`` cannot be used, or None."""
+    if bits not in QUANT_BITS:
+        return f"unsupported --q-bits {bits}; choose one of {', '.join(map(str, QUANT_BITS))}"
+    if group_size not in QUANT_GROUP_SIZES:
+        return f"unsupported --q-group-size {group_size}; choose one of {', '.join(map(str, QUANT_GROUP_SIZES))}"
+    return None
+
+
+def quantize_float_layers(model: nn.Module, bits: int, group_size: int) -> "tuple[int, list]":
+    """Quantize every float Linear/Embedding whose input width ``group_size`` divides;
+    returns (how many were quantized, the paths of the float ones left as they are)."""
+    quantizable = [(p, m) for p, m in model.named_modules() if hasattr(m, "to_quantized")]
+    left = [p for p, m in quantizable if m.weight.shape[-1] % group_size != 0]
+    n = len(quantizable) - len(left)
+    if n:
+        nn.quantize(
+            model,
+            group_size=group_size,
+            bits=bits,
+            class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0,
+        )
+    return n, left

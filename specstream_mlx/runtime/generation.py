@@ -21,7 +21,7 @@ from .bounded import TEMPLATE_SECONDS, PromptError, guarded, time_limit
 from .engine import base_model
 from .lookup import lookup_steps
 from .sampling import SamplingParams
-from .speculative import ss_steps
+from .speculative import DEFAULT_TREE, ss_steps
 from .steps import Step, StepInfo, ar_steps
 
 MODES = ("ar", "ss", "lookup")
@@ -32,8 +32,8 @@ class GenerationStats:
     mode: str = "ar"
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    forward_passes: int = 0
-    tokens_per_pass: float = 0.0
+    forward_passes: int = 0  # the prefill pass included
+    tokens_per_pass: float = 0.0  # τ: per decoding pass, prefill left out (0 before the first one)
     tokens_per_second: float = 0.0
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
@@ -88,7 +88,7 @@ def make_steps(
     ids: mx.array,
     sampling: SamplingParams,
     cache=None,
-    tree: Union[None, str, TreeSpec] = None,
+    tree: Union[None, str, TreeSpec] = DEFAULT_TREE,
     pruning_threshold: Optional[float] = None,
     log: Optional[Callable[[str], None]] = None,
     client: Any = None,
@@ -149,7 +149,7 @@ def stream_generate(
     mode: str = "ar",
     use_chat_template: bool = True,
     cache=None,
-    tree: Union[None, str, TreeSpec] = None,
+    tree: Union[None, str, TreeSpec] = DEFAULT_TREE,
     pruning_threshold: Optional[float] = None,
     log: Optional[Callable[[str], None]] = None,
     client: Any = None,
@@ -164,7 +164,8 @@ def stream_generate(
         mode: decoding mode (``ar``).
         use_chat_template: wrap text in the tokenizer's chat template if it has one.
         cache: an existing KV cache to continue (multi-turn); default fresh.
-        tree: ss only: a :class:`TreeSpec` or its text form, ``"auto"``, or None (default tree).
+        tree: ss only: a :class:`TreeSpec` or its text form, or ``"auto"`` (the default, as in
+            the CLI: measure and choose, plain decoding when no tree pays).
         pruning_threshold: ss only: early-exit pruning threshold; default the model's.
         log: ss only: where ``--tree auto`` says it has no stored pass costs for this model yet.
         client: ss with ``tree="auto"``: whose acceptance evidence and back-off to use
@@ -217,9 +218,10 @@ def stream_generate(
                 first_tokens = stats.generated_tokens
             elif elapsed > 0:
                 stats.tokens_per_second = (stats.generated_tokens - first_tokens) / elapsed
-            # τ counts every token a pass decided, including an EOS that ends the reply.
-            decided = stats.generated_tokens + (1 if finish == "stop" else 0)
-            stats.tokens_per_pass = decided / stats.forward_passes
+            # τ (docs/DESIGN.md §5): tokens per decoding pass, the prefill pass and its
+            # token left out, an EOS that ends the reply counted (a pass decided it).
+            decided = stats.generated_tokens + (1 if finish == "stop" else 0) - first_tokens
+            stats.tokens_per_pass = decided / (stats.forward_passes - 1) if stats.forward_passes > 1 else 0.0
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
             yield GenerationResponse(detok.last_segment, out, stats, finish, list(step.tokens))
             if finish is not None:
@@ -250,7 +252,7 @@ def generate(
     mode: str = "ar",
     use_chat_template: bool = True,
     cache=None,
-    tree: Union[None, str, TreeSpec] = None,
+    tree: Union[None, str, TreeSpec] = DEFAULT_TREE,
     pruning_threshold: Optional[float] = None,
     log: Optional[Callable[[str], None]] = None,
 ) -> GenerationResult:

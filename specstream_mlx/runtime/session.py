@@ -16,6 +16,7 @@ from ..method.tree import TreeSpec
 from .cache import make_cache, trim_cache
 from .generation import GenerationStats, encode_prompt, stream_generate
 from .sampling import SamplingParams
+from .speculative import DEFAULT_TREE
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -111,7 +112,7 @@ class ChatSession:
         stop: Sequence[str] = (),
         cancel: Optional[threading.Event] = None,
         reply: Optional[Reply] = None,
-        tree: Union[None, str, TreeSpec] = "auto",
+        tree: Union[None, str, TreeSpec] = DEFAULT_TREE,
         client: Any = None,
     ) -> Generator[str, None, Reply]:
         """Stream the reply to token ids ``ids``, yielding text deltas.

@@ -33,7 +33,9 @@ from .sampling import KeyStream, SamplingParams, sample_token
 from .steps import Step, StepInfo, ar_steps, prefill
 from .verification import verification_target, verify
 
-DEFAULT_TREE = TreeSpec("dynamic", budget=12, depth=4)
+# The one default of the library and every front end (CLI, chat, servers, bench): measure
+# and choose, falling back to plain decoding when no tree pays, so it is never slower.
+DEFAULT_TREE = "auto"
 
 # Below this many stream-logit elements (kept nodes x γ x vocab) the streams of
 # every kept node go through the LM head in the verification pass itself when
@@ -66,12 +68,14 @@ def make_policy(
     threshold = sm.streams.config.pruning_threshold if pruning_threshold is None else pruning_threshold
     if not sampling.greedy:
         threshold = 0.0  # lossless sampling: see ss_steps
+    if tree is None:
+        tree = DEFAULT_TREE
     if tree == "auto":
         policy = sm.tuner(sampling, log, client)
         # With the model's own threshold auto chooses between it and no pruning, by measurement.
         policy.new_request((0.0, threshold) if pruning_threshold is None else (threshold,))
         return policy
-    spec = TreeSpec.parse(tree) if isinstance(tree, str) else tree or DEFAULT_TREE
+    spec = TreeSpec.parse(tree) if isinstance(tree, str) else tree
     return FixedPolicy(spec, threshold)
 
 
@@ -201,7 +205,7 @@ def ss_steps(
     sampling: SamplingParams,
     cache=None,
     streams: Optional[StreamParams] = None,
-    tree: Union[None, str, TreeSpec] = None,
+    tree: Union[None, str, TreeSpec] = DEFAULT_TREE,
     pruning_threshold: Optional[float] = None,
     prefill_chunk: int = 512,
     log: Optional[Callable[[str], None]] = None,
@@ -216,7 +220,7 @@ def ss_steps(
         cache: a KV cache to continue (multi-turn); default fresh.
         streams: streams to use instead of the model's own.
         tree: a :class:`TreeSpec` (or its text form), ``"auto"`` (measure and
-            choose; may fall back to plain decoding), or None for the default dynamic tree.
+            choose; may fall back to plain decoding; the default, as everywhere), or None (the same).
         pruning_threshold: early-exit pruning threshold; default from specstream.json.
             Applied to greedy decoding only: under sampling the surviving children
             would no longer be draws from the proposal that verification assumes.

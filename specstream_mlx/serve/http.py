@@ -636,7 +636,9 @@ def _status_code(status: int) -> str:
 
 
 def _finish(reason: Optional[str]) -> str:
-    return "length" if reason == "length" else "stop"
+    """OpenAI's finish reason. A reply cut short (shutdown, cancel) never claims ``stop``: it is
+    ``length``, the API's one value for an answer that was cut off (strict clients accept no other)."""
+    return "length" if reason in ("length", "cancelled") else "stop"
 
 
 @dataclass
