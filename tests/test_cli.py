@@ -448,3 +448,31 @@ def test_one_default_tree_in_the_library_and_every_front_end():
             default = params["tree"].default
             assert (default.default if isinstance(default, typer.models.OptionInfo) else default) == "auto", command
     assert ChatOptions().tree == "auto"
+
+
+def test_tau_leaves_the_prefill_pass_out_and_one_token_prints_no_rate():
+    """τ as docs/DESIGN.md §5 defines it: tokens decided per decoding pass, the prefill pass
+    and its token left out (before: generate and bench counted the prefill pass, demo-sql
+    dynamic:4 2.67 where the tree sweep said 3.08); -m 1 printed "0.0 tok/s"."""
+    r = run(
+        "generate",
+        "--model",
+        "demo-sql",
+        "--mode",
+        "ss",
+        "--tree",
+        "dynamic:4",
+        "--prompt",
+        "SELECT",
+        "-m",
+        "40",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    s = out["stats"]
+    decided = s["generated_tokens"] + (out["finish_reason"] == "stop")
+    assert s["forward_passes"] > 2 and s["tokens_per_pass"] > 1.2
+    assert abs(s["tokens_per_pass"] * (s["forward_passes"] - 1) - (decided - 1)) < 1e-6, s
+    one = run("generate", "--model", "demo-sql", "--mode", "ar", "--prompt", "SELECT", "-m", "1")
+    assert one.returncode == 0 and "tok/s" not in one.stderr and "1 token," in one.stderr, one.stderr
