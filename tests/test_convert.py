@@ -256,3 +256,26 @@ def test_converted_directory_decodes_the_same_in_mlx_lm(hf_models, arch):
     for _ in range(16):
         ids.append(int(mx.argmax(theirs(mx.array([ids]))[0, -1]).item()))
     assert ids[len(prompt) :] == want
+
+
+def test_quantize_flags_are_what_mlx_supports_and_never_quantize_nothing(tmp_path, hf_models, tiny_model_dir):
+    """-q with a group size that divides no width wrote {'bits': 4, 'group_size': 48} over float
+    weights; --q-bits 3 was accepted while the help said "4 or 8"."""
+    _, src, _ = hf_models("llama")
+    for flags, needle in (
+        (("--q-group-size", "32"), "divides none"),  # this model's widths are 72 and 100
+        (("--q-group-size", "48"), "--q-group-size 48"),
+        (("--q-bits", "7"), "--q-bits 7"),
+    ):
+        r = _run_convert(src, tmp_path / "never", "-q", *flags)
+        errors = [line for line in r.stderr.splitlines() if "error:" in line]
+        assert r.returncode == 1 and len(errors) == 1 and needle in errors[0], r.stderr
+        assert not (tmp_path / "never").exists()
+    r = _run_convert(tiny_model_dir, tmp_path / "q3", "-q", "--q-bits", "3", "--q-group-size", "32")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "q3" / "config.json").read_text())["quantization"] == {"bits": 3, "group_size": 32}
+    import os
+
+    wide = {**os.environ, "COLUMNS": "400"}  # the help on one line per option
+    help_text = subprocess.run([*CLI, "convert", "--help"], capture_output=True, text=True, env=wide).stdout
+    assert "2, 3, 4, 5, 6" in help_text and "32, 64" in help_text
