@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 UNAME  := $(shell uname -s)
 # The BLAS the CLI preloads on Linux (chosen by `specstream-mlx bench-blas`; SPECSTREAM_BLAS
 # picks another), as VAR=value words: the tests and builds run under the same one.
-BLAS_ENV = $(shell $(PY) -m specstream_mlx.platform_info 2>/dev/null)
+BLAS_ENV = $(shell $(PY) -m specstream_mlx.blas_env 2>/dev/null)
 # Debian packages of the libraries it chooses between (the first is the default).
 BLAS_PACKAGES = libopenblas0-pthread libblis4-pthread
 

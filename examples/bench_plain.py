@@ -1,7 +1,7 @@
 """Plain decoding speed: this runtime's `ar` mode against mlx_lm on the same weights.
 
 Run with the CLI's BLAS (OpenBLAS preloaded on Linux), e.g.
-    env $(.venv/bin/python -m specstream_mlx.platform_info) \
+    env $(.venv/bin/python -m specstream_mlx.blas_env) \
         .venv/bin/python examples/bench_plain.py [--size small|medium|qwen0.5b | --model smollm2]
 
 Builds a random checkpoint of the chosen shape (float32), or takes a real model

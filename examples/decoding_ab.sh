@@ -12,8 +12,8 @@ py=$PWD/.venv/bin/python
 old=$(mktemp -d)/before
 git worktree add -q --detach "$old" "$before"
 trap 'git worktree remove --force "$old"' EXIT
-before_env=$(SPECSTREAM_BLAS=${BEFORE_BLAS:-openblas:2} SPECSTREAM_BLAS_GEMV=0 "$py" -m specstream_mlx.platform_info)
-after_env=$("$py" -m specstream_mlx.platform_info)
+before_env=$(SPECSTREAM_BLAS=${BEFORE_BLAS:-openblas:2} SPECSTREAM_BLAS_GEMV=0 "$py" -m specstream_mlx.blas_env)
+after_env=$("$py" -m specstream_mlx.blas_env)
 runs=$(mktemp -d)
 for i in $(seq "$rounds"); do
   for side in before after; do

@@ -1,7 +1,7 @@
 """Self-distillation experiment on the bundled demo-chat: its streams, trained further
 on demo-chat's own replies, against the bundled streams, by τ at fixed trees.
 
-    env $(.venv/bin/python -m specstream_mlx.platform_info) \\
+    env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/distill_demo_chat.py [--out runs/distill-demo-chat]
 
 Steps (each a specstream-mlx command; about 30 minutes on 2 CPU cores):

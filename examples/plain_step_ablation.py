@@ -1,6 +1,6 @@
 """What compiling the plain step is worth, in one process (same BLAS).
 
-    env $(.venv/bin/python -m specstream_mlx.platform_info) .venv/bin/python examples/plain_step_ablation.py
+    env $(.venv/bin/python -m specstream_mlx.blas_env) .venv/bin/python examples/plain_step_ablation.py
 
 SmolLM2 (float32 on the CPU backend) decodes greedy tokens at a 128-token context,
 op by op and as the compiled step (:mod:`specstream_mlx.runtime.plain_step`), in

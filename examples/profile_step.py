@@ -1,6 +1,6 @@
 """Where a plain decoding step's time goes, on a real model.
 
-    env $(.venv/bin/python -m specstream_mlx.platform_info) \
+    env $(.venv/bin/python -m specstream_mlx.blas_env) \
         .venv/bin/python examples/profile_step.py [--model smollm2] [--rounds 3]
 
 Times, on the same loaded weights (float32 on the CPU backend): one plain decoding

@@ -1,6 +1,6 @@
 """Step-cost ratio of Speculative Streaming vs plain decoding, and peak memory.
 
-    env $(.venv/bin/python -m specstream_mlx.platform_info) \
+    env $(.venv/bin/python -m specstream_mlx.blas_env) \
         .venv/bin/python examples/step_cost.py [--size qwen0.5b | --model smollm2] [--json out.json]
 
 Builds a random model of the given shape (random weights are fine for cost), or

@@ -1,6 +1,6 @@
 """Stream accuracy and tokens/pass before and after training, on the synthetic corpus.
 
-    env $(.venv/bin/python -m specstream_mlx.platform_info) \
+    env $(.venv/bin/python -m specstream_mlx.blas_env) \
         .venv/bin/python examples/train_synthetic.py
 
 The configuration of tests/test_training.py::test_shared_training_raises_accuracy_and_tokens_per_pass

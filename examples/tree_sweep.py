@@ -1,6 +1,6 @@
 """Greedy ``ss`` tokens/s and τ per draft tree on a bundled model, against ``ar``.
 
-    env $(.venv/bin/python -m specstream_mlx.platform_info) \\
+    env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/tree_sweep.py demo-sql dynamic:2,dynamic:4,dynamic:8@1,dynamic:12/prune=0.25,auto [16]
 
 Each item is a tree (``--tree`` syntax), optionally ``/prune=T`` for an early-exit

@@ -1,6 +1,6 @@
 """Sampled verification at a real vocabulary: host rejection sampling vs the device's.
 
-    env $(.venv/bin/python -m specstream_mlx.platform_info) \\
+    env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/verify_cost.py [--vocab 49152] [--widths 2,1,1,1] [--reps 50]
 
 One sampled pass verifies a tree whose children at each depth were drawn from the

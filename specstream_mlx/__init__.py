@@ -19,6 +19,11 @@ Package layout (each layer imports only the ones above it):
 
 __version__ = "0.1.0"
 
+# Before anything imports mlx.core: on Linux's CPU wheel, the fast BLAS (platform_info).
+from .platform_info import preload_in_process as _preload_blas  # noqa: E402
+
+_preload_blas()
+
 __all__ = [
     "__version__",
     "load",

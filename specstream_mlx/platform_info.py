@@ -8,9 +8,12 @@ them. Which one, with how many threads, is a measured choice
 AVX2 machines this project is built on, OpenBLAS with two threads and one-row
 products forwarded to its GEMV (below) gives SmolLM2 the fastest plain step and stays
 near the best at 2-16 rows; BLIS with one thread comes next (and is ahead on tiny,
-latency-bound models). A process cannot preload a
-library after it has started, so the CLI re-executes itself once with
-``LD_PRELOAD`` set (:func:`maybe_reexec_with_blas`).
+latency-bound models). ``import specstream_mlx`` loads the chosen library with
+``RTLD_GLOBAL`` before anything imports ``mlx.core`` (:func:`preload_in_process`):
+the symbols MLX's library looks up are then found in it first, as with
+``LD_PRELOAD``, so scripts that use the library directly are as fast as the CLI. Where
+that cannot happen (``mlx.core`` imported first) the first model load warns once;
+the CLI then re-executes itself with ``LD_PRELOAD`` set (:func:`maybe_reexec_with_blas`).
 
 MLX multiplies even one row by a weight with ``cblas_sgemm``, which these
 libraries run through their general GEMM path, well below the memory bandwidth;
@@ -19,7 +22,7 @@ their ``cblas_sgemv`` streams the weight much faster. A tiny library of our own,
 cache, :func:`gemv_forwarder`), is preloaded in front of the BLAS and forwards
 one-row products to ``cblas_sgemv``, everything else to the library unchanged.
 
-Settings (read by the CLI only): ``SPECSTREAM_BLAS`` = ``openblas`` | ``blis`` |
+Settings: ``SPECSTREAM_BLAS`` = ``openblas`` | ``blis`` |
 ``none`` | a library path, optionally ``:THREADS`` (``openblas:2``); the older
 ``SPECSTREAM_NO_OPENBLAS=1`` means ``none``. ``SPECSTREAM_BLAS_GEMV=0`` preloads the
 library without the forwarder.
@@ -220,6 +223,64 @@ def blas_preloaded() -> bool:
     return any(lib.soname.split(".")[0] in pre for lib in LIBRARIES.values())
 
 
+GEMV_NEXT_ENV = "SPECSTREAM_GEMV_NEXT"  # the forwarder's next library when loaded in-process
+_in_process: Optional[BlasChoice] = None
+_warned = False
+
+
+def torch_backend_requested(argv) -> bool:
+    """Whether a command line asks for the torch training backend: PyTorch's CPU kernels run
+    ~2x slower beside a preloaded OpenBLAS (its threads compete with PyTorch's)."""
+    return "--backend=torch" in argv or any(
+        a == "--backend" and argv[i + 1 : i + 2] == ["torch"] for i, a in enumerate(argv)
+    )
+
+
+def preload_in_process() -> Optional[BlasChoice]:
+    """Load the chosen BLAS (and the one-row forwarder in front of it) with ``RTLD_GLOBAL``,
+    before ``mlx.core`` is imported; returns what was loaded, or None (not the Linux CPU
+    wheel, a BLAS already preloaded, ``none``, a bad setting, none installed, or too late)."""
+    global _in_process
+    if _in_process is not None:
+        return _in_process
+    if "mlx.core" in sys.modules or not _uses_mlx_cpu_wheel() or blas_preloaded():
+        return None
+    if os.environ.get(DISABLE_ENV) or torch_backend_requested(sys.argv[1:]):
+        return None
+    try:
+        choice = choose_blas(os.environ.get(BLAS_ENV), gemv=os.environ.get(GEMV_ENV, "1") != "0")
+    except BlasSettingError:
+        return None  # the CLI reports it (exit 2); a library user gets the load-time warning
+    if choice.path is None:
+        return None
+    if choice.library is not None and choice.threads is not None:
+        os.environ.setdefault(choice.library.threads_env, str(choice.threads))  # read when the library loads
+    os.environ[GEMV_NEXT_ENV] = choice.path
+    try:
+        for path in (choice.forwarder, choice.path):  # the forwarder first: it must be found first
+            if path:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        return None
+    _in_process = choice
+    return choice
+
+
+def warn_if_reference_blas() -> None:
+    """Once per process: say so when MLX's CPU products run on the bundled reference BLAS."""
+    global _warned
+    if _warned or not _uses_mlx_cpu_wheel():
+        return
+    _warned = True
+    if "reference" in blas_in_use() and (os.environ.get(BLAS_ENV) or "").strip().partition(":")[0] != "none":
+        print(
+            "specstream-mlx: warning: MLX is using its bundled reference BLAS (matrix products ~30x slower): "
+            "import specstream_mlx before mlx, or start Python with "
+            "`env $(python -m specstream_mlx.blas_env)`; " + FIX_HINT,
+            file=sys.stderr,
+        )
+
+
 def maybe_reexec_with_blas(argv: Optional[list] = None) -> None:
     """Re-execute this CLI process with the chosen BLAS preloaded (:func:`choose_blas`
     of ``SPECSTREAM_BLAS``).
@@ -229,7 +290,7 @@ def maybe_reexec_with_blas(argv: Optional[list] = None) -> None:
     Prints one warning with the fix when no BLAS is installed; a wrong setting is an
     error (one line, exit status 2): a BLAS asked for by name is never silently replaced.
     """
-    if not _uses_mlx_cpu_wheel() or blas_preloaded():
+    if _in_process is not None or not _uses_mlx_cpu_wheel() or blas_preloaded():
         return
     if os.environ.get(DISABLE_ENV) or os.environ.get(REEXEC_ENV):
         return
@@ -361,12 +422,16 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-if __name__ == "__main__":
-    # `python -m specstream_mlx.platform_info`: the environment that preloads the chosen BLAS,
-    # as VAR=value words for `env` (the Makefile runs the tests under it).
+def print_env() -> int:
+    """The environment that preloads the chosen BLAS, as VAR=value words for ``env``
+    (``python -m specstream_mlx.blas_env``; the Makefile runs the tests under it)."""
     try:
         chosen = choose_blas(os.environ.get(BLAS_ENV), gemv=os.environ.get(GEMV_ENV, "1") != "0")
     except BlasSettingError as err:
         print(f"specstream-mlx: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    print(" ".join(f"{k}={v}" for k, v in chosen.env().items()))
+        return 2
+    env = chosen.env()
+    if chosen.path is not None:
+        env[GEMV_NEXT_ENV] = chosen.path
+    print(" ".join(f"{k}={v}" for k, v in env.items()))
+    return 0

@@ -2,6 +2,9 @@
 precomputed angles, the compiled plain step (across KV growth), one-row products
 forwarded to GEMV; and the BLAS setting is parsed as documented."""
 
+import subprocess
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -138,3 +141,43 @@ def test_one_row_gemv_forwarding_computes_what_gemm_does(library):
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["forwarding"] is True and res["worst"] < 1e-5, res
+
+
+_IN_PROCESS = """
+import sys
+if sys.argv[1] == "mlx-first":
+    import mlx.core  # too early: the library can no longer put a BLAS in front of MLX's
+import specstream_mlx
+from specstream_mlx import load
+from specstream_mlx.platform_info import blas_in_use, gemv_forwarding
+load(sys.argv[2], warn=True)
+load(sys.argv[2], warn=True)
+print(blas_in_use().split()[0], gemv_forwarding())
+"""
+
+
+def test_importing_the_library_loads_the_fast_blas_in_process(tiny_model_dir):
+    """A script that imports the library without the CLI's re-exec ran 3.7x slower on the
+    reference BLAS without a word. Importing specstream_mlx first now loads the chosen BLAS
+    (and the forwarder) in-process; importing mlx first warns once, with the fix."""
+    import os
+
+    from specstream_mlx.platform_info import _uses_mlx_cpu_wheel, choose_blas
+
+    if not _uses_mlx_cpu_wheel() or choose_blas(None).path is None:
+        pytest.skip("needs MLX's Linux CPU wheel and a system BLAS (CI installs both)")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "SPECSTREAM_BLAS", "SPECSTREAM_BLAS_REEXEC")}
+    fast = subprocess.run(
+        [sys.executable, "-c", _IN_PROCESS, "library-first", str(tiny_model_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert fast.returncode == 0, fast.stderr
+    library, forwarding = fast.stdout.split()
+    assert library in ("openblas", "blis") and forwarding == "True" and "reference BLAS" not in fast.stderr
+    slow = subprocess.run(
+        [sys.executable, "-c", _IN_PROCESS, "mlx-first", str(tiny_model_dir)], capture_output=True, text=True, env=env
+    )
+    assert slow.returncode == 0 and slow.stdout.split()[0] == "reference", slow.stderr
+    assert slow.stderr.count("reference BLAS") == 1 and "import specstream_mlx before mlx" in slow.stderr

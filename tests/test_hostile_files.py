@@ -258,3 +258,15 @@ def test_stdio_survives_the_models_own_tokenizer_and_template(model, tmp_path):
         assert [e["event"] for e in by_id[1]] == ["error"] and by_id[1][0]["code"] in cases[name][2], events
         # the second request uses the same template/tokenizer: it ends in exactly one event too
         assert len(by_id[2]) == 1 and by_id[3][0]["event"] == "pong", events
+
+
+def test_stdio_caps_max_tokens_above_the_context_as_documented(model, tmp_path):
+    """docs/PROTOCOL.md: max_tokens above the context left is capped (before: refused)."""
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": 1, "prompt": "hi", "max_tokens": 1 << 20}) + "\n")
+    with open(tmp_path / "in.jsonl") as requests:
+        proc = _start(["serve", "--stdio", "--model", str(model), "--max-context", "48"], stdin=requests)
+    rc, out, err = _finish(proc)
+    done = [json.loads(line) for line in out.splitlines() if '"done"' in line]
+    assert rc == 0 and len(done) == 1, out + err[-1000:]
+    stats = done[0]["stats"]
+    assert stats["prompt_tokens"] + stats["generated_tokens"] <= 48 and done[0]["finish_reason"] in ("length", "stop")

@@ -872,21 +872,15 @@ def train(
             _err(str(e))
 
 
-def _torch_backend(argv) -> bool:
-    return "--backend=torch" in argv or any(
-        a == "--backend" and argv[i + 1 : i + 2] == ["torch"] for i, a in enumerate(argv)
-    )
-
-
 def main():
     import sys
 
-    from ..platform_info import maybe_reexec_with_blas
+    from ..platform_info import maybe_reexec_with_blas, torch_backend_requested
 
     # PyTorch's CPU kernels run ~2x slower with OpenBLAS preloaded (its threads compete
     # with PyTorch's); the torch backend does its validation and calibration in PyTorch.
-    if not _torch_backend(sys.argv[1:]):
-        maybe_reexec_with_blas()
+    if not torch_backend_requested(sys.argv[1:]):
+        maybe_reexec_with_blas()  # only where `import specstream_mlx` could not load it in-process
     app()
 
 

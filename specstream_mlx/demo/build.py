@@ -141,7 +141,7 @@ def _train_torch_cli(base: Path, data: Path, out: Path, cfg_kw: dict, resume: bo
     names = {"max_seq_len": "max-seq-length"}
     for k, v in cfg_kw.items():
         cmd += [f"--{names.get(k, k.replace('_', '-'))}", str(v)]
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env = {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, "SPECSTREAM_BLAS": "none"}
     subprocess.run(cmd, env=env, check=True)
 
 
@@ -238,7 +238,7 @@ def _pretrain_hf(init: Path, data: Path, name: str, steps: int, **kw) -> Path:
                 cmd += [f"--{k.replace('_', '-')}"] if v else []
             else:
                 cmd += [f"--{k.replace('_', '-')}", str(v)]
-        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        env = {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, "SPECSTREAM_BLAS": "none"}
         subprocess.run(cmd, env=env, check=True)
     summary = json.loads(done.read_text())["summary"]
     log(

@@ -10,6 +10,8 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 enum { ROW_MAJOR = 101 };
 enum { NO_TRANS = 111, TRANS = 112 };
@@ -24,11 +26,29 @@ static sgemv_fn next_sgemv;
 /* Reports that the forwarding is in place (for `specstream-mlx doctor`). */
 int specstream_gemv_forward(void) { return 1; }
 
+/* The next library's symbol: after this one in the preload order (LD_PRELOAD), or, when
+ * loaded in-process with dlopen (where RTLD_NEXT sees only this library's own
+ * dependencies), from the BLAS that SPECSTREAM_GEMV_NEXT names. */
+static void *next_symbol(const char *name) {
+  void *f = dlsym(RTLD_NEXT, name);
+  const char *lib = getenv("SPECSTREAM_GEMV_NEXT");
+  if (!f && lib) {
+    void *h = dlopen(lib, RTLD_LAZY | RTLD_NOLOAD);
+    if (h)
+      f = dlsym(h, name);
+  }
+  if (!f) {
+    fprintf(stderr, "specstream-mlx: the one-row forwarder found no %s to forward to\n", name);
+    abort();
+  }
+  return f;
+}
+
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
                  const float *b, int ldb, float beta, float *c, int ldc) {
   if (!next_sgemm) {
-    next_sgemv = (sgemv_fn)dlsym(RTLD_NEXT, "cblas_sgemv");
-    next_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
+    next_sgemv = (sgemv_fn)next_symbol("cblas_sgemv");
+    next_sgemm = (sgemm_fn)next_symbol("cblas_sgemm");
   }
   if (order == ROW_MAJOR && m == 1 && next_sgemv) {
     /* a is one row: contiguous (no transpose), or one column of a (k x 1) with stride lda. */

@@ -126,6 +126,10 @@ def load(
         A :class:`SpeculativeModel` (``model.streams`` is None for a model
         without streams) and mlx-lm's tokenizer wrapper.
     """
+    if warn:
+        from ..platform_info import warn_if_reference_blas
+
+        warn_if_reference_blas()
     lm = load_model_dir(path_or_name, dtype=dtype, lazy=lazy, warn=warn)
     if adapter_path is not None:
         try:
