@@ -476,3 +476,62 @@ def test_tau_leaves_the_prefill_pass_out_and_one_token_prints_no_rate():
     assert abs(s["tokens_per_pass"] * (s["forward_passes"] - 1) - (decided - 1)) < 1e-6, s
     one = run("generate", "--model", "demo-sql", "--mode", "ar", "--prompt", "SELECT", "-m", "1")
     assert one.returncode == 0 and "tok/s" not in one.stderr and "1 token," in one.stderr, one.stderr
+
+
+def test_chat_help_seed_and_a_missing_template(tmp_path, tiny_model_dir):
+    """/help lists the commands, --seed makes sampled replies reproducible, -h is --help, and a
+    model without a chat template is said to have none."""
+    from tests.helpers.tiny_models import copy_model
+
+    def chat(model, script, *flags):
+        r = run("chat", "--model", str(model), "-m", "12", *flags, input=script)
+        assert r.returncode == 0, r.stderr
+        return r
+
+    r = chat(tiny_model_dir, "/help\n/quit\n")
+    assert "/reset" in r.stdout and "/stats" in r.stdout and "Ctrl-C" in r.stdout
+    sampled = [chat(tiny_model_dir, "hello\n", "--temp", "1.5", "--seed", "7").stdout for _ in range(2)]
+    assert sampled[0] == sampled[1] and sampled[0].strip()
+    assert chat(tiny_model_dir, "hello\n", "--temp", "1.5", "--seed", "8").stdout != sampled[0]
+    assert "--seed" in run("chat", "-h").stdout
+    bare = copy_model(tiny_model_dir, tmp_path / "bare", streams=False)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert "no chat template" in chat(bare, "hello\n").stderr
+
+
+def test_chat_ctrl_c_stops_a_reply_and_stats_show_it(tmp_path, tiny_model_dir):
+    """Ctrl-C during a reply ends it with its text and figures (before: /stats had none)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers.tiny_models import copy_model
+
+    # A model that never ends its reply: its EOS is a token it does not produce.
+    endless = copy_model(tiny_model_dir, tmp_path / "endless", streams=False)
+    for name, edit in (("config.json", {"eos_token_id": 258}), ("tokenizer_config.json", {"eos_token": None})):
+        cfg = json.loads((endless / name).read_text())
+        cfg.update(edit)
+        (endless / name).write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specstream_mlx", "chat", "--model", str(endless), "-m", "100000"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdin.write("zzz\n")
+    proc.stdin.flush()
+    first = proc.stdout.read(20)  # the reply has started
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate("/stats\n/quit\n", timeout=60)
+    assert proc.returncode == 0, err
+    assert first and "[stopped]" in out, out[-500:]
+    stats = [line for line in out.splitlines() if line.startswith("[ar]")]
+    assert stats and "cancelled" in stats[-1], out[-800:]
+    assert int(stats[-1].split("] ")[1].split()[0]) > 0  # the tokens of the stopped reply

@@ -21,6 +21,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -364,13 +365,14 @@ def chat(
         help="Context limit in tokens (default: the model's); the oldest turns are dropped to stay within it.",
     ),
     tree: str = typer.Option("auto", "--tree", help="Draft tree for ss (see generate)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (reply n uses seed + n)."),
 ):
-    """Chat with a model: streaming replies, multi-turn KV reuse, /commands."""
+    """Chat with a model: streaming replies, multi-turn KV reuse, /commands (/help)."""
     from .chat import ChatOptions, run_chat
 
     _check_sampling_flags(temp, top_p, max_tokens)
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
-    opts = ChatOptions(mode, temp, max_tokens, system, tree, top_p, context_limit(m, max_kv_size))
+    opts = ChatOptions(mode, temp, max_tokens, system, tree, top_p, context_limit(m, max_kv_size), seed)
     raise typer.Exit(run_chat(m, tok, opts))
 
 

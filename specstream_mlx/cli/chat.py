@@ -1,15 +1,19 @@
 """Interactive chat (`specstream-mlx chat`): streaming replies, multi-turn KV reuse.
 
-Commands: /reset, /stats, /mode ss|ar|lookup, /temp T, /quit. Ctrl-C stops the
-current reply, not the program. When stdin is not a terminal, no prompts or
-colours are printed, so the command can be driven through a pipe. When the
-conversation outgrows the context, the oldest turns are dropped (with a
-notice); a failing turn prints one line and the chat goes on.
+Commands: /help, /reset, /stats, /mode ss|ar|lookup, /temp T, /quit. In a terminal the
+line is edited with the standard ``readline`` (arrows, history). Ctrl-C stops the
+current reply (its figures stay for /stats), not the program; at an empty prompt it
+asks once before quitting (a second Ctrl-C, Ctrl-D or /quit ends the chat). When stdin
+is not a terminal, no prompts or colours are printed, so the command can be driven
+through a pipe. When the conversation outgrows the context, the oldest turns are
+dropped (with a notice); a failing turn prints one line and the chat goes on.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, TextIO
@@ -18,12 +22,26 @@ from ..runtime.generation import MODES
 from ..runtime.sampling import SamplingParams
 from ..runtime.session import ChatSession, ContextError, Reply
 
-HELP = "commands: /reset  /stats  /mode ss|ar|lookup  /temp T  /quit"
+HELP = "commands: /help  /reset  /stats  /mode ss|ar|lookup  /temp T  /quit"
+HELP_LONG = """/help             this list
+/reset            forget the conversation (and its cached tokens)
+/stats            the last reply's figures: tokens, tok/s, tokens per pass, cached tokens
+/mode ss|ar|lookup  the decoding mode (ss: Speculative Streaming, when the model has streams)
+/temp T           the sampling temperature (0: greedy)
+/quit, /exit      end the chat (also Ctrl-D, or Ctrl-C twice at an empty prompt)
+Ctrl-C during a reply stops it."""
+# Why ss might not pay, and what would help: said once per chat, when it falls back.
+SS_HINT = (
+    "streams that accept more draft tokens (`specstream-mlx train`) or a cheaper tree pass "
+    "on this machine would make ss pay; `specstream-mlx bench` measures both"
+)
 
 
 @dataclass
 class ChatOptions:
-    """Settings of a chat; ``mode`` and ``temp`` change with /mode and /temp."""
+    """Settings of a chat; ``mode`` and ``temp`` change with /mode and /temp.
+
+    ``seed``: sampling seed of the first reply (the n-th uses seed + n); None: from the clock."""
 
     mode: str = "ar"
     temp: float = 0.0
@@ -32,6 +50,7 @@ class ChatOptions:
     tree: str = "auto"
     top_p: float = 1.0
     max_context: int = 4096
+    seed: Optional[int] = None
 
 
 class _Chat:
@@ -41,6 +60,8 @@ class _Chat:
         self.interactive = stdin.isatty() and stdout.isatty()
         self.session = ChatSession(model, tokenizer, opts.system)
         self.last: Optional[Reply] = None
+        self.turns = 0
+        self.told_fallback = False
 
     def dim(self, s: str) -> str:
         return f"\033[2m{s}\033[0m" if self.interactive else s
@@ -50,9 +71,11 @@ class _Chat:
         cmd, _, arg = text.strip().partition(" ")
         arg = arg.strip()
         out, err = self.stdout, self.stderr
-        if cmd in ("/quit", "/exit"):
+        if cmd in ("/quit", "/exit", "/bye"):
             return False
-        if cmd == "/reset":
+        if cmd in ("/help", "/?"):
+            print(self.dim(HELP_LONG), file=out)
+        elif cmd == "/reset":
             self.session.reset()
             print(self.dim("[conversation reset]"), file=out)
         elif cmd == "/stats":
@@ -79,20 +102,32 @@ class _Chat:
 
     def turn(self, text: str) -> None:
         o = self.opts
-        sampling = SamplingParams(temperature=o.temp, top_p=o.top_p, seed=time.time_ns() % 2**31)
+        seed = (o.seed + self.turns) if o.seed is not None else time.time_ns() % 2**31
+        self.turns += 1
+        sampling = SamplingParams(temperature=o.temp, top_p=o.top_p, seed=seed)
+        cancel = threading.Event()
         gen = self.session.say(
-            text, max_tokens=o.max_tokens, sampling=sampling, mode=o.mode, tree=o.tree, max_context=o.max_context
+            text,
+            max_tokens=o.max_tokens,
+            sampling=sampling,
+            mode=o.mode,
+            tree=o.tree,
+            max_context=o.max_context,
+            cancel=cancel,
         )
+        # Ctrl-C during a reply sets the cancel flag: the reply ends at its next token with
+        # its text and figures (for /stats), instead of an exception inside the model code.
+        on_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, lambda *_: cancel.set()) if on_main else None
         try:
             while True:
                 self.stdout.write(next(gen))
                 self.stdout.flush()
         except StopIteration as stop:
             self.last = stop.value
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # not on the main thread: no handler was installed
             gen.close()
             self.last = None
-            self.stdout.write(self.dim(" [stopped]"))
         except ContextError as e:
             self.last = None
             print(f"[{e}]", file=self.stderr)
@@ -101,8 +136,13 @@ class _Chat:
             self.last = None
             print(f"[error: {type(e).__name__}: {e}]", file=self.stderr)
             return
-        self.stdout.write("\n")
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
         last = self.last
+        if last is None or last.finish_reason == "cancelled":
+            self.stdout.write(self.dim(" [stopped]"))
+        self.stdout.write("\n")
         if last is not None and last.dropped_turns:
             print(
                 self.dim(
@@ -112,7 +152,21 @@ class _Chat:
             )
         if last is not None and last.stats is not None:
             print(self.dim(_stats_line(last)), file=self.stdout if self.interactive else self.stderr)
+            if last.stats.fallback and not self.told_fallback:
+                self.told_fallback = True
+                print(self.dim(f"[ss is not paying here: {last.stats.fallback}; {SS_HINT}]"), file=self.stderr)
         self.stdout.flush()
+
+    def read(self) -> Optional[str]:
+        """The next line (None at EOF); in a terminal through ``readline``'s line editing."""
+        if not self.interactive:
+            line = self.stdin.readline()
+            return line.rstrip("\n") if line else None
+        try:
+            return input("\n> ")
+        except EOFError:
+            self.stdout.write("\n")
+            return None
 
 
 def run_chat(
@@ -125,19 +179,28 @@ def run_chat(
 ) -> int:
     chat = _Chat(model, tokenizer, opts, stdin, stdout, stderr)
     if chat.interactive:
+        import readline  # noqa: F401  (line editing and history for input())
+
         print(chat.dim(f"specstream-mlx chat — mode {opts.mode}, temperature {opts.temp}. {HELP}"), file=stdout)
+    if not getattr(tokenizer, "chat_template", None):
+        print(
+            chat.dim("[warning: this model has no chat template: each turn is sent as plain text, unformatted]"),
+            file=stderr,
+        )
+    asked = False  # Ctrl-C once at an empty prompt asks; twice in a row quits
     while True:
-        if chat.interactive:
-            stdout.write("\n> ")
-            stdout.flush()
         try:
-            line = stdin.readline()
+            text = chat.read()
         except KeyboardInterrupt:
-            stdout.write("\n")
+            if asked:
+                stdout.write("\n")
+                return 0
+            asked = True
+            print(chat.dim("\n[Ctrl-C again, Ctrl-D or /quit to end the chat]"), file=stdout)
+            continue
+        asked = False
+        if text is None:
             return 0
-        if not line:
-            return 0
-        text = line.rstrip("\n")
         if not text.strip():
             continue
         if text.startswith("/"):
