@@ -272,9 +272,9 @@ TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoke
 
 
 def load_tokenizer(path: Path):
-    """mlx-lm's TokenizerWrapper (streaming detokenizer, chat template, EOS ids)."""
-    from mlx_lm.tokenizer_utils import load as _load_tok
-
+    """The directory's tokenizer (streaming detokenizer, chat template, EOS ids): a
+    :class:`~.fast_tokenizer.FastTokenizer` where it reproduces transformers' exactly (a
+    plain ``tokenizer.json``), else mlx-lm's TokenizerWrapper."""
     path = Path(path)
     if not any((path / f).exists() for f in TOKENIZER_MARKERS):
         raise ModelLoadError(f"{path}: no tokenizer files (expected one of {', '.join(TOKENIZER_MARKERS)})")
@@ -303,17 +303,33 @@ def load_tokenizer(path: Path):
                 f"{tok_cfg}: 'auto_map' asks to run Python code shipped with the model; specstream-mlx never "
                 "runs a model's own code (remove 'auto_map' if the tokenizer works without it)"
             )
+    from .fast_tokenizer import FastTokenizer, can_serve
+
+    if isinstance(tok_config, dict) and can_serve(path, tok_config):
+        # tokenizer.json as it is: read directly, without importing transformers (seconds).
+        try:
+            tok = FastTokenizer(path, tok_config, eos)
+        except Exception as e:  # tokenizers raises on corrupt files
+            raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+        _check_template_size(path, tok)
+        return tok
+    from mlx_lm.tokenizer_utils import load as _load_tok
+
     try:
         # Never run code from a model directory, and never ask on stdin (it may be a protocol).
         tok = _load_tok(path, tokenizer_config_extra={"trust_remote_code": False}, eos_token_ids=eos)
     except Exception as e:  # tokenizers/transformers raise many kinds on corrupt files
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+    _check_template_size(path, tok)
+    return tok
+
+
+def _check_template_size(path: Path, tok) -> None:
     template = getattr(tok, "chat_template", None)
     if isinstance(template, str) and len(template) > MAX_TEMPLATE_CHARS:
         raise ModelLoadError(
             f"{path}: a chat template of {len(template):,} characters, over the limit of {MAX_TEMPLATE_CHARS:,}"
         )
-    return tok
 
 
 @dataclass
