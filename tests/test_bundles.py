@@ -163,3 +163,19 @@ def test_concurrent_first_use_converts_once_and_every_process_succeeds(fake_pack
     shutil.copytree(tmp_path / "site", other)  # the same package, installed at another path
     assert run(other, 1) == [0]
     assert load_model_dir("tinybundle", warn=False).config["num_hidden_layers"] == 8
+
+
+def test_remembered_fingerprints_follow_the_files(tmp_path, tiny_model_dir, monkeypatch):
+    """The fingerprint cache (start-up time) never answers for weights that changed."""
+    import mlx.core as mx
+
+    from tests.helpers.tiny_models import copy_model
+
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path / "cache"))
+    d = copy_model(tiny_model_dir, tmp_path / "m", streams=False)
+    first = base_fingerprint(d)
+    assert (tmp_path / "cache" / "fingerprints.json").exists() and base_fingerprint(d) == first
+    w = mx.load(str(d / "model.safetensors"))
+    w["model.norm.weight"] = w["model.norm.weight"] + 1
+    mx.save_safetensors(str(d / "model.safetensors"), w)  # same size, new bytes
+    assert base_fingerprint(d) == base_fingerprint(d, cache=False) != first

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
+import os
 from pathlib import Path
+from typing import Dict, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -29,9 +32,47 @@ def weights_fingerprint(weights) -> str:
     return h.hexdigest()[:16]
 
 
-def base_fingerprint(model_dir: Path) -> str:
-    """The fingerprint of the base weights stored in ``model_dir`` (model*.safetensors, as stored)."""
+def base_fingerprint(model_dir: Path, cache: bool = True) -> str:
+    """The fingerprint of the base weights stored in ``model_dir`` (model*.safetensors, as stored).
+
+    Hashing a model's weights takes a noticeable part of a start-up (0.2 s for SmolLM2), so
+    the result is remembered in the user cache under each file's path, size and
+    modification time (a guard against mistakes, as the fingerprint itself is)."""
+    files = sorted(glob.glob(str(Path(model_dir) / "model*.safetensors")))
+    key = "|".join(f"{os.path.realpath(f)}:{os.stat(f).st_size}:{os.stat(f).st_mtime_ns}" for f in files)
+    store = _store() if cache else None
+    known = _read(store) if store else {}
+    if key in known:
+        return known[key]
     weights = {}
-    for f in sorted(glob.glob(str(Path(model_dir) / "model*.safetensors"))):
+    for f in files:
         weights.update(mx.load(f))
-    return weights_fingerprint(weights)
+    fp = weights_fingerprint(weights)
+    if store is not None:
+        known[key] = fp
+        _write(store, dict(list(known.items())[-256:]))  # the most recent ones
+    return fp
+
+
+def _store() -> Optional[Path]:
+    from .bundles import cache_root
+
+    return cache_root() / "fingerprints.json"
+
+
+def _read(store: Path) -> Dict[str, str]:
+    try:
+        d = json.loads(store.read_text())
+        return {k: v for k, v in d.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(store: Path, known: Dict[str, str]) -> None:
+    try:  # atomic; a read-only or missing cache only costs the hashing next time
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp = store.with_name(f".{store.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, store)
+    except OSError:
+        pass
