@@ -101,9 +101,10 @@ def test_streamed_text_is_the_decoded_text(directories):
             ids = tok.encode(text, add_special_tokens=False)
             detok, pieces = tok.detokenizer, []
             detok.reset()
-            for t in ids:
+            for i, t in enumerate(ids):
                 detok.add_token(t)
-                pieces.append(detok.last_segment)
+                if i % 3 != 1:  # as a pass that decides several tokens reads it: not after each
+                    pieces.append(detok.last_segment)
             detok.finalize()
             pieces.append(detok.last_segment)
             assert "".join(pieces) == tok.decode(ids) == detok.text, (name, text)

@@ -161,3 +161,47 @@ def test_prefix_cache_can_be_turned_off(tmp_path, tiny_model_dir):
         proc.terminate()
         proc.wait(timeout=30)
     assert reused == [0, 0]
+
+
+def test_connection_slots_per_peer_and_who_gives_up_a_slot():
+    """One address holds at most max_per_peer connections; when the slots are full a new
+    connection takes the slot of the one waiting longest for its head, never a busy one's."""
+    from types import SimpleNamespace
+
+    from specstream_mlx.serve.http import Connections
+
+    conns = Connections(max_connections=3, max_per_peer=2, header_timeout=10, timeout=30)
+    pairs = []
+
+    def open_(peer, phase="head"):
+        assert conns.admit(peer)
+        a, b = socket.socketpair()
+        pairs.append((a, b))
+        h = SimpleNamespace(client_address=(peer, 0), connection=a, close_connection=False)
+        conns.opened(h)
+        conns.phase(h, phase)
+        records[id(h)] = conns.open[id(h)]  # kept: a closed connection leaves conns.open
+        time.sleep(0.01)  # distinct waiting times
+        return h
+
+    records = {}
+
+    def dropped(h):
+        return records[id(h)].phase == "dropped"
+
+    a1, a2 = open_("10.0.0.1"), open_("10.0.0.1", "busy")
+    a3 = open_("10.0.0.1")  # over A's cap: A's waiting connection gives up its slot
+    assert dropped(a1) and not dropped(a2) and not dropped(a3)
+    conns.closed(a1)
+    conns.slots.release()  # what a1's thread does when it ends
+    b1 = open_("10.0.0.2", "busy")  # the last free slot
+    # full: 3 open (a2 busy, a3 waiting, b1 busy); a new peer takes a3's slot
+    releaser = threading.Timer(0.2, lambda: (conns.closed(a3), conns.slots.release()))
+    releaser.start()
+    c1 = open_("10.0.0.3")
+    assert dropped(a3) and not dropped(a2) and not dropped(b1) and not dropped(c1)
+    conns.phase(c1, "busy")
+    assert not conns.admit("10.0.0.4")  # every open connection busy: refused (503)
+    for a, b in pairs:
+        a.close()
+        b.close()

@@ -411,7 +411,9 @@ def serve(
         10.0, "--header-timeout", help="HTTP: seconds a connection may take to send a request's head, or sit idle."
     ),
     max_per_peer: Optional[int] = typer.Option(
-        None, "--max-connections-per-peer", help="HTTP: open connections one address may hold (default: half)."
+        None,
+        "--max-connections-per-peer",
+        help="HTTP: open connections one address may hold (default: half of them beyond loopback).",
     ),
     prefix_cache: bool = typer.Option(
         True,

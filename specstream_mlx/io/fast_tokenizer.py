@@ -102,7 +102,9 @@ class StreamingDetokenizer:
     """Text of a growing token sequence, piece by piece, never splitting a character: each
     token's text is the decoding of a short window that starts a token earlier (so a
     tokenizer that drops a leading space at the start of a decode keeps it), and is held
-    back while it ends in an incomplete UTF-8 sequence."""
+    back while it ends in an incomplete UTF-8 sequence. As mlx-lm's detokenizers,
+    :attr:`last_segment` is the text added since it was last read (a pass may add several
+    tokens)."""
 
     def __init__(self, tokenizer: "FastTokenizer"):
         self._tok = tokenizer
@@ -111,27 +113,27 @@ class StreamingDetokenizer:
     def reset(self) -> None:
         self.tokens: List[int] = []
         self.text = ""
-        self.last_segment = ""
+        self._shown = 0  # characters of self.text already returned by last_segment
         self._prefix = 0  # window start
         self._read = 0  # tokens before this are in self.text
+
+    @property
+    def last_segment(self) -> str:
+        segment = self.text[self._shown :]
+        self._shown = len(self.text)
+        return segment
 
     def add_token(self, token: int) -> None:
         self.tokens.append(token)
         prefix_text = self._tok.decode(self.tokens[self._prefix : self._read])
         new_text = self._tok.decode(self.tokens[self._prefix :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            self.last_segment = new_text[len(prefix_text) :]
-            self.text += self.last_segment
+            self.text += new_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self.tokens)
-        else:
-            self.last_segment = ""
 
     def finalize(self) -> None:
-        rest = self._tok.decode(self.tokens[self._prefix :])[
-            len(self._tok.decode(self.tokens[self._prefix : self._read])) :
-        ]
-        self.last_segment = rest
-        self.text += rest
+        prefix_text = self._tok.decode(self.tokens[self._prefix : self._read])
+        self.text += self._tok.decode(self.tokens[self._prefix :])[len(prefix_text) :]
         self._prefix = self._read = len(self.tokens)
 
 

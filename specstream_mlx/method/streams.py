@@ -283,12 +283,10 @@ def load_streams(model, model_dir: Path, warn=True) -> Optional[StreamParams]:
     cfg_path = model_dir / CONFIG_FILE
     if not cfg_path.exists():
         return None
-    from ..io.limits import UnsafeFileError, read_json
-
-    try:
-        cfg = StreamConfig.from_json(read_json(cfg_path))
-    except UnsafeFileError:
-        raise
+    try:  # a file a loader has checked (io.limits: regular, inside the directory, size-bounded)
+        cfg = StreamConfig.from_json(json.loads(cfg_path.read_text()))
+    except RecursionError:
+        raise ValueError(f"{cfg_path}: invalid (nested too deeply)") from None
     except (TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{cfg_path}: invalid ({e})") from e
     w_path = model_dir / WEIGHTS_FILE

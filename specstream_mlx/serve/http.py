@@ -11,8 +11,10 @@ local port: requests whose ``Host`` is not the bound address or localhost are
 refused (DNS rebinding), as are browser requests whose ``Origin`` is not in
 ``--allowed-origins`` (cross-site request forgery; CORS preflights are answered
 for allowed origins only); ``--api-key`` requires ``Authorization: Bearer KEY``.
-Sockets time out (slow clients cannot hold a connection) and open connections
-are capped. A client that disconnects cancels its generation.
+Request heads and whole requests have deadlines (slow clients cannot hold a
+connection), open connections are capped in all and per peer, and waiting ones give
+up their slot to new ones (docs/SECURITY.md). A client that disconnects cancels its
+generation.
 """
 
 from __future__ import annotations
@@ -72,13 +74,15 @@ class HttpOptions:
         allowed_origins: browser origins allowed to call the API (CORS); none by default.
         host: the bound address (a request's ``Host`` must name it or localhost).
         timeout: seconds a socket read may wait (slow or stalled clients are dropped).
-        max_connections: open connections served at once; more get 503.
+        max_connections: open connections at once; a new one beyond them takes the slot of
+            the one that has waited longest for its request head, else gets 503.
         allowed_hosts: further names a request's ``Host`` may give (a LAN name when
             bound beyond loopback); ``*`` allows any and needs ``api_key``.
         header_timeout: seconds a connection may take to send a request's head (request
             line and headers), idle keep-alive time included; ``timeout`` bounds the whole request.
-        max_per_peer: open connections one peer address may hold (default half of
-            ``max_connections``).
+        max_per_peer: open connections one peer address may hold (default: half of
+            ``max_connections`` when bound beyond loopback; on loopback, where every client
+            has the same address, all of them).
         prefix_cache: reuse the KV cache of a client's previous request (its
             conversation); off, every request starts from an empty cache.
     """
@@ -736,7 +740,10 @@ class _CappedServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address, handler, options: HttpOptions):
-        per_peer = options.max_per_peer or max(1, options.max_connections // 2)
+        # On loopback every client has the same address: a per-peer cap would be the total.
+        loopback = options.host.strip("[]") in LOCAL_HOSTS
+        default_per_peer = options.max_connections if loopback else max(1, options.max_connections // 2)
+        per_peer = options.max_per_peer or default_per_peer
         # Before binding: a failed bind calls server_close, which stops the watchdog.
         self.connections = Connections(options.max_connections, per_peer, options.header_timeout, options.timeout)
         super().__init__(address, handler)
