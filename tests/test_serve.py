@@ -552,16 +552,21 @@ def test_http_disconnect_cancels_and_slow_clients_time_out(ss_model):
         assert _raw(port, health)[0] == 200
         for s in idle:
             s.close()
-        # ... and when every slot holds a request being served, 503 at once.
+        # ... and when every slot holds a request being served, 503 at once. (Streamed: the
+        # response head arrives as soon as a request is accepted, queued or generating.)
+        streamed = json.dumps({"prompt": "zzz", "max_tokens": 8000, "temperature": 0, "stream": True}).encode()
         busy = []
         for _ in range(3):
-            b = socket.create_connection(("127.0.0.1", port))
+            b = socket.create_connection(("127.0.0.1", port), timeout=30)
             b.sendall(
-                f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(long)}\r\n\r\n".encode()
-                + long
+                f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(streamed)}\r\n\r\n".encode()
+                + streamed
             )
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += b.recv(4096)
+            assert head.startswith(b"HTTP/1.1 200"), head
             busy.append(b)
-        time.sleep(0.5)
         assert _raw(port, health)[0] == 503
         for b in busy:
             b.close()
