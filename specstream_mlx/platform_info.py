@@ -247,6 +247,8 @@ def preload_in_process() -> Optional[BlasChoice]:
         return None
     if os.environ.get(DISABLE_ENV) or torch_backend_requested(sys.argv[1:]):
         return None
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        return None  # a help text multiplies nothing: keep `--help` instant
     try:
         choice = choose_blas(os.environ.get(BLAS_ENV), gemv=os.environ.get(GEMV_ENV, "1") != "0")
     except BlasSettingError:
