@@ -10,23 +10,14 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
+from specstream_mlx.demo.tiny import tiny_config
 from specstream_mlx.models import build_model
 from specstream_mlx.models.base import ModelArgs, RoPE
 from specstream_mlx.runtime.cache import make_cache, trim_cache
 from specstream_mlx.runtime.plain_step import PlainStep
 
-CFG = dict(
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=97,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-)
+# The tiny test llama, smaller still and with odd widths (a vocabulary of 97).
+CFG = tiny_config(intermediate_size=96, num_hidden_layers=3, vocab_size=97, rope_theta=10000.0)
 
 
 def _model(seed=0, **kw):

@@ -181,18 +181,18 @@ def test_bad_port_is_one_line():
 def test_force_never_deletes_a_project_with_a_config(tmp_path, tiny_model_dir):
     """A directory holding a config.json (or a file named checkpoint) and the user's work is
     not a model directory: --force refuses it and deletes nothing."""
+
+    def force_convert(dst):
+        cmd = [*CLI, "convert", "--hf-path", str(tiny_model_dir), "--mlx-path", str(dst), "--force"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
     for marker in ("config.json", "checkpoint"):
         project = tmp_path / f"project-{marker}"
         (project / "src").mkdir(parents=True)
         (project / marker).write_text("{}")
         (project / "thesis.tex").write_text("\\documentclass{article}")
         (project / "src" / "main.py").write_text("print('mine')")
-        r = subprocess.run(
-            [*CLI, "convert", "--hf-path", str(tiny_model_dir), "--mlx-path", str(project), "--force"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        r = force_convert(project)
         _assert_one_line(r.returncode, r.stderr, "not a model directory")
         assert (project / "thesis.tex").exists() and (project / "src" / "main.py").exists()
     # a model directory of ours (with a training checkpoint inside) is still replaced
@@ -200,12 +200,7 @@ def test_force_never_deletes_a_project_with_a_config(tmp_path, tiny_model_dir):
     copy_model(tiny_model_dir, out)
     (out / "checkpoint").mkdir()
     (out / "checkpoint" / "state.json").write_text("{}")
-    r = subprocess.run(
-        [*CLI, "convert", "--hf-path", str(tiny_model_dir), "--mlx-path", str(out), "--force"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = force_convert(out)
     assert r.returncode == 0 and not (out / "checkpoint").exists(), r.stderr
 
 
