@@ -43,6 +43,7 @@ class ConvertOptions:
             speculative streams; 0 attaches none.
         stream_layers: top layers running multi-stream attention.
         adapter: a PEFT LoRA adapter directory to fuse into the base.
+        dequantize: GGUF only: store quantized blocks as float weights.
     """
 
     dtype: Optional[str] = None
@@ -53,6 +54,7 @@ class ConvertOptions:
     num_streams: int = 0
     stream_layers: int = 4
     adapter: Optional[str] = None
+    dequantize: bool = False
 
 
 def _resolve_source(hf_path: str) -> Path:
@@ -306,6 +308,7 @@ def convert_gguf(
         num_streams=opts.num_streams,
         stream_layers=opts.stream_layers,
         force=opts.force,
+        dequantize=opts.dequantize,
     )
     try:
         return import_gguf(Path(gguf_path).expanduser(), Path(mlx_path).expanduser(), how, log)

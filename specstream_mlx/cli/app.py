@@ -185,6 +185,9 @@ def convert(
     num_streams: int = typer.Option(0, "--num-streams", help="Attach this many untrained speculative streams (γ)."),
     stream_layers: int = typer.Option(4, "--stream-layers", help="Top layers that run multi-stream attention (N_s)."),
     adapter: Optional[str] = typer.Option(None, "--adapter", help="PEFT LoRA adapter directory to fuse into the base."),
+    dequantize: bool = typer.Option(
+        False, "--dequantize", help="GGUF: store quantized blocks as float weights (--dtype, default float16)."
+    ),
 ):
     """Convert a Hugging Face checkpoint or a GGUF file (optionally with speculative streams or a PEFT
     adapter) into MLX."""
@@ -203,7 +206,10 @@ def convert(
         num_streams=num_streams,
         stream_layers=stream_layers,
         adapter=adapter,
+        dequantize=dequantize,
     )
+    if dequantize and gguf is None:
+        _err("--dequantize applies to --gguf (a Hugging Face checkpoint's weights are float already)", 2)
     try:
         if gguf is not None:
             convert_gguf(gguf, mlx_path, opts, log=lambda s: typer.echo(s, err=True))
@@ -774,6 +780,38 @@ def prepare_sharegpt(
     typer.echo(f"wrote {out}: " + ", ".join(f"{k} {v}" for k, v in counts.items()), err=True)
 
 
+@app.command("prepare-bfcl")
+def prepare_bfcl(
+    out: str = typer.Option(..., "--out", help="Output data directory (train/valid/test.jsonl)."),
+    model: str = typer.Option("smollm2", "--model", help="Model whose tokenizer and chat template measure lengths."),
+    max_tokens: int = typer.Option(
+        512, "--max-tokens", help="Leave out train/valid items longer than this (prompt + call); 0 keeps all."
+    ),
+):
+    """Turn BFCL (the bfcl-eval package's single-turn function-calling sets) into chat JSONL for `train`."""
+    import numpy as np
+
+    from ..io.loading import ModelLoadError, load_tokenizer, resolve_model_path
+    from ..tasks.bfcl import BFCLError, prepare
+
+    try:
+        tok = load_tokenizer(resolve_model_path(model))
+        res = prepare(Path(out), tok, max_tokens or None)
+    except (BFCLError, ModelLoadError) as e:
+        _err(str(e))
+    for split, n in res.counts.items():
+        p, t = np.array(res.prompt_tokens[split] or [0]), np.array(res.target_tokens[split] or [0])
+        typer.echo(
+            f"{split}: {n} items ({res.too_long[split]} longer than {max_tokens} left out), prompt tokens median "
+            f"{np.median(p):.0f} / p90 {np.percentile(p, 90):.0f} / max {p.max()}, call tokens median "
+            f"{np.median(t):.0f}, {int(p.sum() + t.sum()):,} tokens",
+            err=True,
+        )
+    if res.skipped:
+        typer.echo("skipped: " + ", ".join(f"{k} {v}" for k, v in sorted(res.skipped.items())), err=True)
+    typer.echo(f"wrote {out}", err=True)
+
+
 class TrainMode(str, Enum):
     lossless = "lossless"
     shared = "shared"
@@ -830,6 +868,14 @@ def train(
     export_hf: Optional[str] = typer.Option(
         None, "--export-hf", help="Also write the trained model in Hugging Face layout here (as `export`)."
     ),
+    no_streams: bool = typer.Option(
+        False, "--no-streams", help="Shared mode: a next-token-only LoRA baseline (no streams, no stream losses)."
+    ),
+    pruning_keep: float = typer.Option(
+        0.98,
+        "--pruning-keep",
+        help="Calibrate the pruning threshold so this share of would-be-accepted children survives (0: off).",
+    ),
 ):
     """Train speculative streams (and, in shared mode, a fused LoRA) on a dataset."""
     from ..io.loading import ModelLoadError
@@ -860,6 +906,8 @@ def train(
             backend=backend.value,
             segment=segment,
             precision=precision if backend.value == "torch" or precision != "auto" else "float32",
+            streams=not no_streams,
+            pruning_keep=pruning_keep,
         )
         res = _train(model, data, out, cfg, resume=resume, log=lambda s: typer.echo(s, err=True))
     except (DataError, TrainError, ModelLoadError, ValueError) as e:

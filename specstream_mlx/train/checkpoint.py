@@ -75,6 +75,36 @@ def fuse_base_lora(model, base_lora: dict) -> None:
             lin.weight = lin.weight + delta
 
 
+ADAPTER_FILE = "adapters.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def save_base_lora(model, base_lora: dict, out_dir: Path, base_fingerprint: str) -> int:
+    """The shared-mode LoRA as an mlx-lm adapter (``<module>.lora_a`` (in, r), ``.lora_b``
+    (r, out), float16; ``adapter_config.json``), so a fine-tune can ship as a small file
+    beside a base it names by fingerprint. Returns the parameter count."""
+    paths = {id(m): p for p, m in model.named_modules()}
+    arrays, rank, scale, keys = {}, 0, 1.0, set()
+    for i, layer in enumerate(model.layers):
+        for name, lora in (base_lora.get(lora_key(i)) or {}).items():
+            path = paths[id(find_linear(layer, name))]
+            arrays[f"{path}.lora_a"] = lora.a.astype(mx.float16)
+            arrays[f"{path}.lora_b"] = lora.b.astype(mx.float16)
+            rank, scale = lora.a.shape[1], float(lora.scale)
+            keys.add(path.split(".", 3)[-1] if path.count(".") >= 3 else name)
+    if not arrays:
+        return 0
+    mx.save_safetensors(str(out_dir / ADAPTER_FILE), arrays, metadata={"format": "mlx"})
+    config = {
+        "fine_tune_type": "lora",
+        "num_layers": len(model.layers),
+        "lora_parameters": {"rank": rank, "scale": scale, "keys": sorted(keys)},
+        "base_fingerprint": base_fingerprint,
+    }
+    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return sum(v.size for v in arrays.values())
+
+
 def write_model_dir(base_dir: Path, out_dir: Path, model, trainable, cfg: TrainConfig, extra: dict) -> None:
     """A complete model directory, written into ``out_dir`` (a fresh temporary
     directory the caller renames into place): base files (fused weights in shared
@@ -88,6 +118,10 @@ def write_model_dir(base_dir: Path, out_dir: Path, model, trainable, cfg: TrainC
         ):
             shutil.copy2(f, out_dir / f.name)
     if cfg.mode == "shared":
+        if trainable.base_lora:
+            from ..io.fingerprint import base_fingerprint
+
+            save_base_lora(model, trainable.base_lora, out_dir, base_fingerprint(base_dir))
         fuse_base_lora(model, trainable.base_lora)
         weights = dict(tree_flatten(model.parameters()))
         base_cfg = json.loads((Path(base_dir) / "config.json").read_text())

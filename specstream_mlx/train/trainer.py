@@ -274,7 +274,7 @@ def train(
     if cfg.mode == "shared" and loaded.config.get("quantization"):
         raise TrainError(
             f"{base_dir}: shared mode fuses a LoRA into the base weights, which needs a float model; "
-            "convert it without -q (or train in lossless mode)"
+            "convert it without -q (a GGUF file with --dequantize), or train in lossless mode"
         )
     existing = _adopt_existing_streams(loaded.streams, cfg, log)
     if not cfg.streams:

@@ -1,0 +1,1 @@
+"""Task data and task evaluation: function calling (BFCL) and its tool-call format."""
