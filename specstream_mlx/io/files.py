@@ -61,6 +61,7 @@ MODEL_DIRECTORY_FILES = frozenset(
         "bench_prompts.jsonl",
         "step_costs.json",
         "exact_match.json",
+        "tools.json",
         "model.safetensors.index.json",
         "tokenizer.ggml.model",
         "README.md",

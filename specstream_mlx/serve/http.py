@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 
 from ..runtime.bounded import FATAL
 from ..runtime.session import ChatSession, Reply
+from ..tasks.tool_calls import model_tool_format
 from .protocol import (
     GenerationRequest,
     ProtocolError,
@@ -51,7 +52,10 @@ from .protocol import (
     parse_mode,
     parse_sampling,
     parse_stop,
+    parse_tools,
     prompt_ids,
+    reply_calls,
+    tool_prompt,
 )
 
 MAX_BODY = 1 << 20
@@ -107,8 +111,6 @@ _CONNECTIONS = itertools.count()  # never reused, unlike id() of a closed connec
 UNSUPPORTED_FIELDS = (
     "logprobs",
     "top_logprobs",
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
     "response_format",
@@ -133,6 +135,7 @@ class App:
         self.model_id, self.mode, self.max_context, self.modes = model_id, mode, max_context, modes
         self.options = options or HttpOptions()
         self.session = ChatSession(model, tokenizer)
+        self.tool_format = model_tool_format(getattr(model, "path", None))
         # The cached prefix belongs to one client's conversation: another owner's request
         # starts from an empty cache, so no client learns (from prompt_tokens reused or
         # from timing) what another one sent.
@@ -223,7 +226,12 @@ class App:
         for key in UNSUPPORTED_FIELDS:
             if body.get(key) not in (None, False, [], {}):
                 raise ProtocolError("invalid_value", f'"{key}" is not supported by this server')
-        ids = self._prompt_ids(body, chat)
+        tools = None
+        if chat:
+            tools = parse_tools(body, self.tool_format, self.model_id)
+        elif body.get("tools") not in (None, []):
+            raise ProtocolError("invalid_value", '"tools" needs /v1/chat/completions')
+        ids = self._prompt_ids(body, chat, tools)
         # Above the context left, max_tokens is capped (not refused), as OpenAI-style clients expect.
         requested = number(body, "max_completion_tokens", None, 1, 1 << 30, integer=True)
         if requested is None:
@@ -244,11 +252,12 @@ class App:
             stop=parse_stop(body.get("stop")),
             stream=stream,
             include_usage=stream_options.get("include_usage") is True,
+            tools=tools,
         )
 
-    def _prompt_ids(self, body: dict, chat: bool) -> List[int]:
+    def _prompt_ids(self, body: dict, chat: bool, tools: Optional[List[dict]] = None) -> List[int]:
         if chat:
-            messages = parse_messages(body.get("messages"), strict_keys=False)
+            messages = tool_prompt(parse_messages(body.get("messages"), strict_keys=False), tools)
             check_prompt_chars(sum(len(m["content"]) for m in messages), self.max_context, CONTEXT_CODE)
             return prompt_ids(self.tokenizer, messages, self.max_context, code=CONTEXT_CODE)
         prompt = body.get("prompt")
@@ -526,7 +535,7 @@ class ApiHandler(BaseHTTPRequestHandler):
                 raise val
             if kind == "done":
                 self._access_log(val)
-                return self._json(200, self._final(chat, req.id, created, val, len(req.prompt_ids)))
+                return self._json(200, self._final(chat, req, created, val))
 
     def _access_log(self, reply: Reply) -> None:
         st = reply.stats
@@ -546,17 +555,36 @@ class ApiHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         first = True
+        # With tools, text that may be a call is held back until the reply ends (then it is
+        # sent as delta.tool_calls, or as text if it did not parse); text that cannot be a
+        # call (its first character is not "{", "[" or "`") streams as it comes.
+        held = "" if req.tools else None
         try:
             while True:
                 kind, val = events.get()
                 if kind == "delta":
+                    if held is not None:
+                        held += val
+                        if not held.strip() or held.lstrip()[0] in "{[`":
+                            continue
+                        val, held = held, None
                     self._sse(self._chunk(chat, req.id, created, val, None, first))
                     first = False
                     continue
                 if kind == "error":
                     self._sse({"error": {"message": f"{type(val).__name__}: {val}", "type": "server_error"}})
                 else:
-                    self._sse(self._chunk(chat, req.id, created, "", _finish(val.finish_reason), first))
+                    finish = _finish(val.finish_reason)
+                    calls = reply_calls(held, req.tools) if held is not None and val.finish_reason == "stop" else None
+                    if calls:
+                        chunk = self._chunk(chat, req.id, created, "", None, first)
+                        chunk["choices"][0]["delta"].update(content=None, tool_calls=_openai_calls(calls, True))
+                        self._sse(chunk)
+                        finish, first = "tool_calls", False
+                    elif held:
+                        self._sse(self._chunk(chat, req.id, created, held, None, first))
+                        first = False
+                    self._sse(self._chunk(chat, req.id, created, "", finish, first))
                     if req.include_usage:
                         usage = self._chunk(chat, req.id, created, "", None, False)
                         usage["choices"] = []
@@ -595,12 +623,18 @@ class ApiHandler(BaseHTTPRequestHandler):
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
         }
 
-    def _final(self, chat: bool, rid: str, created: int, reply: Reply, n_prompt: int) -> Dict[str, Any]:
-        usage = _usage(n_prompt, reply)
+    def _final(self, chat: bool, req: GenerationRequest, created: int, reply: Reply) -> Dict[str, Any]:
+        rid = req.id
+        usage = _usage(len(req.prompt_ids), reply)
         stats = reply.stats.to_dict() if reply.stats else {}
         finish = _finish(reply.finish_reason)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": reply.text}, "finish_reason": finish}
+            message = {"role": "assistant", "content": reply.text}
+            calls = reply_calls(reply.text, req.tools) if reply.finish_reason == "stop" else None
+            if calls:
+                message = {"role": "assistant", "content": None, "tool_calls": _openai_calls(calls)}
+                finish = "tool_calls"
+            choice = {"index": 0, "message": message, "finish_reason": finish}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": reply.text, "logprobs": None, "finish_reason": finish}
@@ -637,6 +671,20 @@ def _status_code(status: int) -> str:
     return {414: "uri_too_long", 431: "headers_too_large", 505: "http_version_not_supported"}.get(
         status, "invalid_request"
     )
+
+
+def _openai_calls(calls, streamed: bool = False) -> List[dict]:
+    """OpenAI's ``tool_calls``: arguments as a JSON string, a fresh id per call (and, in a
+    streamed delta, each call's index)."""
+    out = []
+    for i, c in enumerate(calls):
+        item = {
+            "id": "call_" + uuid.uuid4().hex[:24],
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+        }
+        out.append({"index": i, **item} if streamed else item)
+    return out
 
 
 def _finish(reason: Optional[str]) -> str:

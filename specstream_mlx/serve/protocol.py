@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ..runtime.sampling import SamplingParams
+from ..tasks.tool_calls import ToolCall, ToolError, check_tools, format_calls, parse_tool_calls, with_tools
 
 ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 16
@@ -60,6 +61,8 @@ class GenerationRequest:
     cancel: threading.Event = field(default_factory=threading.Event)
     # Who may reuse the KV cache this request leaves (HTTP: one client's conversation).
     owner: Any = None
+    # Checked tool definitions shown to the model (its reply may then be tool calls), or None.
+    tools: Optional[List[dict]] = None
 
 
 def number(body: dict, key: str, default, lo, hi, integer: bool = False):
@@ -98,11 +101,22 @@ def parse_messages(raw: Any, strict_keys: bool = True) -> List[Dict[str, str]]:
     """Validated chat messages ``[{"role", "content"}]``.
 
     ``strict_keys``: refuse keys besides role and content (stdio); HTTP clients
-    send extra keys (``name``...) that are ignored."""
+    send extra keys (``name``...) that are ignored, and the turns of OpenAI tool use: an
+    assistant turn with ``tool_calls`` (its content the calls in the model's format) and
+    ``tool`` turns with the results."""
     if not isinstance(raw, list) or not raw:
         raise ProtocolError("invalid_type", '"messages" must be a non-empty list')
     out = []
-    for m in raw:
+    for i, m in enumerate(raw):
+        if not strict_keys and isinstance(m, dict) and m.get("role") == "tool":
+            content = text_of(m.get("content"))
+            if content is None:
+                raise ProtocolError("invalid_type", f'messages[{i}]: a "tool" message needs a string "content"')
+            out.append({"role": "tool", "content": content})
+            continue
+        if not strict_keys and isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls"):
+            out.append({"role": "assistant", "content": format_calls(_history_calls(m["tool_calls"], i))})
+            continue
         content = text_of(m.get("content")) if isinstance(m, dict) else None
         ok = isinstance(m, dict) and m.get("role") in ROLES and content is not None
         if ok and strict_keys:
@@ -113,6 +127,65 @@ def parse_messages(raw: Any, strict_keys: bool = True) -> List[Dict[str, str]]:
     if not any(m["content"].strip() for m in out):
         raise ProtocolError("empty_prompt", "the prompt is empty")
     return out
+
+
+def _history_calls(raw: Any, i: int) -> List[ToolCall]:
+    """An earlier assistant turn's OpenAI ``tool_calls``, as calls."""
+    import json
+
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(raw, list):
+        raise ProtocolError("invalid_type", f"{where}: must be a list")
+    calls = []
+    for j, c in enumerate(raw):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ProtocolError("invalid_type", f'{where}[{j}]: needs a "function" with a string "name"')
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            raise ProtocolError("invalid_value", f"{where}[{j}].function.arguments: not valid JSON") from None
+        if not isinstance(args, dict):
+            raise ProtocolError("invalid_type", f"{where}[{j}].function.arguments: must be a JSON object")
+        calls.append(ToolCall(fn["name"], args))
+    return calls
+
+
+TOOL_CHOICES = ("auto", "none")
+
+
+def parse_tools(body: dict, tool_format: Optional[str], model_name: str = "this model") -> Optional[List[dict]]:
+    """The request's checked tool definitions, or None when it gives none (or
+    ``tool_choice`` is "none": then they are checked but not shown). A model without a
+    tool-call format refuses tools it would be shown."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice is not None and choice not in TOOL_CHOICES:
+        raise ProtocolError("invalid_value", '"tool_choice" must be "auto" or "none" (forced calls are not supported)')
+    if tools in (None, []):
+        return None
+    try:
+        checked = check_tools(tools, "tools")
+    except ToolError as e:
+        raise ProtocolError("invalid_value", str(e)) from None
+    if choice == "none":  # the model is not shown them: any model can answer
+        return None
+    if tool_format is None:
+        raise ProtocolError(
+            "invalid_value", f'"tools" is not supported by {model_name}: it was not fine-tuned with a tool-call format'
+        )
+    return checked
+
+
+def tool_prompt(messages: List[Dict[str, str]], tools: Optional[List[dict]]) -> List[Dict[str, str]]:
+    return with_tools(messages, tools) if tools else messages
+
+
+def reply_calls(text: str, tools: Optional[List[dict]]) -> Optional[List[ToolCall]]:
+    """The tool calls a finished reply makes, or None (then it is plain text)."""
+    if not tools:
+        return None
+    return parse_tool_calls(text, [t["name"] for t in tools])
 
 
 def parse_stop(raw: Any) -> List[str]:

@@ -19,6 +19,7 @@ from typing import Any, BinaryIO, Dict, List, Optional
 
 from ..runtime.bounded import FATAL
 from ..runtime.session import ChatSession
+from ..tasks.tool_calls import model_tool_format
 from .protocol import (
     GenerationRequest,
     ProtocolError,
@@ -30,7 +31,10 @@ from .protocol import (
     parse_mode,
     parse_sampling,
     parse_stop,
+    parse_tools,
     prompt_ids,
+    reply_calls,
+    tool_prompt,
 )
 
 FIELDS = {
@@ -46,6 +50,8 @@ FIELDS = {
     "seed",
     "cancel",
     "ping",
+    "tools",
+    "tool_choice",
 }
 MAX_LINE_BYTES = 4 << 20
 _EOF = object()
@@ -71,6 +77,7 @@ class StdioServer:
         self.live: Dict[Any, GenerationRequest] = {}  # queued or running, by id
         self.live_lock = threading.Lock()
         self.session = ChatSession(model, tokenizer)
+        self.tool_format = model_tool_format(getattr(model, "path", None))
         self.out_closed = False
         self.stop_code: Optional[int] = None
 
@@ -186,6 +193,8 @@ class StdioServer:
             messages = [{"role": "user", "content": p}]
         else:
             messages = parse_messages(req["messages"])
+        tools = parse_tools(req, self.tool_format)
+        messages = tool_prompt(messages, tools)
         check_prompt_chars(sum(len(x["content"]) for x in messages), self.max_context)
         return GenerationRequest(
             id=req["id"],
@@ -196,6 +205,7 @@ class StdioServer:
             sampling=parse_sampling(req, 0.0),
             mode=parse_mode(req.get("mode"), self.modes, self.default_mode),
             stop=parse_stop(req.get("stop")),
+            tools=tools,
         )
 
     # --- generation -------------------------------------------------------------
@@ -249,15 +259,17 @@ class StdioServer:
                 reply = s.value
                 break
             self.emit({"id": r.id, "event": "token", "text": delta})
-        self.emit(
-            {
-                "id": r.id,
-                "event": "done",
-                "text": reply.text,
-                "finish_reason": reply.finish_reason,
-                "stats": reply.stats.to_dict() if reply.stats else {},
-            }
-        )
+        done = {
+            "id": r.id,
+            "event": "done",
+            "text": reply.text,
+            "finish_reason": reply.finish_reason,
+            "stats": reply.stats.to_dict() if reply.stats else {},
+        }
+        calls = reply_calls(reply.text, r.tools) if reply.finish_reason == "stop" else None
+        if calls:
+            done.update(finish_reason="tool_calls", tool_calls=[c.to_json() for c in calls])
+        self.emit(done)
 
 
 def serve_stdio(model, tokenizer, default_mode: str, max_context: int, modes: List[str], name: str = "") -> int:

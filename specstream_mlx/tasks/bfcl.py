@@ -9,7 +9,7 @@ the eight categories with answers becomes one chat row::
 
 The target is the call(s) in one canonical JSON form: ``{"name", "arguments"}`` with the
 first acceptable value of each argument, an argument whose acceptable values include
-``""`` (BFCL's "may be omitted") left out, and several calls as a list in the answer's
+``""`` (BFCL's "may be omitted") left out unless the schema requires it, and several calls as a list in the answer's
 order. The split is a pure function of the id (:func:`split_of`), so the test split never
 changes with the data's order or the length cap.
 """
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from .ast_check import check_calls
 from .tool_calls import ToolCall, ToolError, check_tools, format_calls, with_tools
 
 PACKAGE = "bfcl-eval"
@@ -78,7 +79,7 @@ def data_dir() -> Path:
 
 
 def split_of(item_id: str) -> str:
-    """"train", "valid" or "test": a stable hash of the id, independent of everything else."""
+    """ "train", "valid" or "test": a stable hash of the id, independent of everything else."""
     b = int.from_bytes(hashlib.sha256(item_id.encode()).digest()[:8], "big") % BUCKETS
     return "test" if b < TEST_BUCKETS else "valid" if b < TEST_BUCKETS + VALID_BUCKETS else "train"
 
@@ -126,15 +127,20 @@ def _item(rec, category: str, answers: dict, report: ReadReport) -> Optional[BFC
         report.skip("not single-turn")
         return None
     msgs = q[0]
-    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
+    if not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
+    ):
         report.skip("bad message")
         return None
     try:
         tools = check_tools(rec.get("function"), "function")
         item = BFCLItem(rec["id"], category, [dict(role=m["role"], content=m["content"]) for m in msgs], tools, gt)
-        item.target()
+        target = item.target()
     except (ToolError, BFCLError) as e:
         report.skip(f"bad record ({str(e).split(':')[0]})")
+        return None
+    if not check_calls(target, gt, tools, category).valid:
+        report.skip("answer contradicts its own schema")  # no reply could pass this item
         return None
     if msgs[-1]["role"] != "user":
         report.skip("does not end with a user turn")
@@ -159,21 +165,22 @@ def _first_value(values, schema):
     (dicts of per-key acceptable lists) reduced the same way."""
     if not isinstance(values, list) or not values:
         raise BFCLError("an argument's acceptable values must be a non-empty list")
-    v = values[0]
-    kind = _schema_type(schema)
+    v = next((x for x in values if x != ""), values[0])
+    kind, schema = _schema_type(schema), schema or {}
     if kind in ("dict", "object") and isinstance(v, dict):
-        return _canonical_args(v, (schema or {}).get("properties", {}))
-    if kind in ("array", "tuple") and isinstance(v, list) and _schema_type((schema or {}).get("items")) in ("dict", "object"):
+        return _canonical_args(v, schema.get("properties", {}), schema.get("required", []))
+    if kind in ("array", "tuple") and isinstance(v, list) and _schema_type(schema.get("items")) in ("dict", "object"):
         props = schema["items"].get("properties", {})
-        return [_canonical_args(d, props) if isinstance(d, dict) else d for d in v]
+        req = schema["items"].get("required", [])
+        return [_canonical_args(d, props, req) if isinstance(d, dict) else d for d in v]
     return v
 
 
-def _canonical_args(answer: dict, props: dict) -> dict:
+def _canonical_args(answer: dict, props: dict, required=()) -> dict:
     out = {}
     for k, values in answer.items():
-        if isinstance(values, list) and "" in values:
-            continue  # may be omitted: the canonical form omits it
+        if isinstance(values, list) and "" in values and (k not in required or values == [""]):
+            continue  # may be omitted (and the schema does not require it): the canonical form omits it
         out[k] = _first_value(values, props.get(k) if isinstance(props, dict) else None)
     return out
 
@@ -182,11 +189,11 @@ def canonical_calls(ground_truth: List[dict], tools: List[dict]) -> List[ToolCal
     by_name = {t["name"]: t for t in tools}
     calls = []
     for c in ground_truth:
-        (name, answer), = c.items()
+        ((name, answer),) = c.items()
         if not isinstance(answer, dict):
             raise BFCLError(f"{name}: the answer's arguments must be an object")
-        props = by_name.get(name, {}).get("parameters", {}).get("properties", {})
-        calls.append(ToolCall(name, _canonical_args(answer, props)))
+        params = by_name.get(name, {}).get("parameters", {})
+        calls.append(ToolCall(name, _canonical_args(answer, params.get("properties", {}), params.get("required", []))))
     return calls
 
 

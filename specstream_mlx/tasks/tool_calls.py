@@ -13,13 +13,36 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-TOOLS_PREAMBLE = (
-    "You are a function-calling assistant. These functions are available, one JSON schema per line:\n"
-)
+TOOLS_PREAMBLE = "You are a function-calling assistant. These functions are available, one JSON schema per line:\n"
 TOOLS_RULE = (
     '\nTo call functions, reply with JSON only: {"name": <function name>, "arguments": {<argument>: <value>}}'
     " for one call, or a list of such objects for several calls."
 )
+
+
+# In a model directory: the model answers tool calls in this module's format.
+TOOLS_FILE = "tools.json"
+FORMAT = "specstream-json-v1"
+
+
+def model_tool_format(model_dir) -> Optional[str]:
+    """The tool-call format a model directory declares in ``tools.json``, or None."""
+    from pathlib import Path
+
+    if model_dir is None:
+        return None
+    try:
+        d = json.loads((Path(model_dir) / TOOLS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return d.get("format") if isinstance(d, dict) and d.get("format") == FORMAT else None
+
+
+def write_tools_file(model_dir) -> None:
+    from pathlib import Path
+
+    note = "replies to tools shown in a system message (tasks/tool_calls.py) with JSON calls only"
+    (Path(model_dir) / TOOLS_FILE).write_text(json.dumps({"format": FORMAT, "note": note}, indent=2) + "\n")
 
 
 class ToolError(ValueError):
@@ -53,7 +76,7 @@ def check_tools(tools, where: str = "tools") -> List[dict]:
             raise ToolError(f"{at}: must be an object")
         if "function" in t or "type" in t:
             if t.get("type", "function") != "function":
-                raise ToolError(f"{at}.type: only \"function\" tools are supported")
+                raise ToolError(f'{at}.type: only "function" tools are supported')
             t, at = t.get("function"), f"{at}.function"
             if not isinstance(t, dict):
                 raise ToolError(f"{at}: must be an object")
