@@ -13,7 +13,7 @@ BLAS_ENV = $(shell $(PY) -m specstream_mlx.blas_env 2>/dev/null)
 # Debian packages of the libraries it chooses between (the first is the default).
 BLAS_PACKAGES = libopenblas0-pthread libblis4-pthread
 
-.PHONY: swift-test install install-runtime demo demo-models bench bench-blas test lint bench-plain clean blas
+.PHONY: swift-test install install-runtime demo demo-models eval-bfcl bench bench-blas test lint bench-plain clean blas
 
 install: $(STAMP)
 
@@ -31,6 +31,8 @@ $(RUNTIME_STAMP): pyproject.toml
 
 $(STAMP): $(RUNTIME_STAMP)
 	$(PY) -m pip install -q -e ".[dev]"
+	# BFCL's function-calling data (read as files, never imported: its own dependencies are not wanted).
+	$(PY) -m pip install -q --no-deps bfcl-eval
 	@touch $(STAMP)
 
 # On Linux, MLX's CPU wheel needs a real BLAS to be fast; install the candidates when we can.
@@ -73,7 +75,13 @@ lint: install
 # Rebuild the bundled demo models and SmolLM2's streams from scratch (needs the dev
 # extras, PyTorch included, which `make install` installs; times in docs/RECIPE.md).
 demo-models: install
-	env $(BLAS_ENV) $(PY) -m specstream_mlx.demo.build sql chat smollm2
+	env $(BLAS_ENV) $(PY) -m specstream_mlx.demo.build sql chat smollm2 smollm2-fc
+
+# Function calling on BFCL's test split: zero-shot base, plain LoRA and the shipped
+# speculative-streaming fine-tune, in one table (needs `demo-models` smollm2-fc's runs/).
+eval-bfcl: install
+	env $(BLAS_ENV) $(VENV)/bin/specstream-mlx eval-bfcl --model runs/smollm2-f16 --model runs/smollm2-fc-lora \
+	  --model smollm2-fc --tree dynamic:8 --limit $(or $(LIMIT),120) --out bench/bfcl-smollm2-fc.json
 
 bench: install
 	$(VENV)/bin/specstream-mlx bench --model smollm2 --json bench/bench-smollm2.json

@@ -360,6 +360,13 @@ def gemv_forwarding() -> bool:
     return _symbol("specstream_gemv_forward") is not None
 
 
+def blas_words() -> str:
+    """One phrase for a report header: the BLAS, its version and threads."""
+    return f"BLAS {blas_in_use()} {blas_version() or ''}, {blas_threads()} threads".replace("  ", " ") + (
+        ", one-row GEMV forwarder" if gemv_forwarding() else ""
+    )
+
+
 def blas_in_use() -> str:
     """Which BLAS serves MLX's CPU matrix products in this process."""
     if sys.platform == "darwin":

@@ -20,10 +20,11 @@ ALLOWED = {
     "runtime": {"models", "method", "io", "platform_info"},
     "convert": {"models", "method", "io"},
     "train": {"models", "method", "io"},
-    "serve": {"models", "method", "io", "runtime"},
+    "tasks": {"models", "method", "io", "runtime"},
+    "serve": {"models", "method", "io", "runtime", "tasks"},
     "bench": {"models", "method", "io", "runtime", "platform_info"},
-    "demo": {"models", "method", "io", "runtime", "train", "convert"},
-    "cli": {"models", "method", "io", "runtime", "train", "convert", "serve", "bench", "platform_info"},
+    "demo": {"models", "method", "io", "runtime", "train", "convert", "tasks"},
+    "cli": {"models", "method", "io", "runtime", "train", "convert", "serve", "bench", "platform_info", "tasks"},
     "platform_info": set(),
 }
 

@@ -481,3 +481,58 @@ def test_a_bundle_fuses_its_shipped_adapter_into_the_dequantized_base(fake_packa
     mx.save_safetensors(str(fake_package / "adapters.safetensors"), {key + ".lora_a": a * 2, key + ".lora_b": b})
     with pytest.raises(bundles.BundleError, match="trained on base 0000000000000000"):
         bundles.materialize(bundles.read_bundle(fake_package), log=lambda s: None)
+
+
+# --- the shipped fine-tune ----------------------------------------------------------------
+
+FC_PROMPT = [{"role": "user", "content": "What is the weather like in Paris today? Use celsius."}]
+
+
+def test_smollm2_fc_decodes_losslessly():
+    """Greedy speculative decoding of the shipped fine-tune equals its plain decoding."""
+    from specstream_mlx import generate, load
+
+    m, tok = load("smollm2-fc")
+    assert m.streams is not None and m.streams.config.mode == "shared"
+    messages = with_tools(FC_PROMPT, [WEATHER])
+    ar = generate(m, tok, messages, max_tokens=40, mode="ar")
+    for tree in ("dynamic:8", "chain:4"):
+        ss = generate(m, tok, messages, max_tokens=40, mode="ss", tree=tree)
+        assert ss.tokens == ar.tokens, tree
+    assert parse_tool_calls(ar.text, ["get_weather"]), ar.text  # the fine-tune answers with a call
+
+
+def test_smollm2_fc_serves_tool_calls_to_the_openai_client():
+    from openai import OpenAI
+
+    from tests.test_serve import _start_server
+
+    proc, port = _start_server("smollm2-fc", "--max-context", "2048")
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        tools = [{"type": "function", "function": WEATHER}]
+        kw = dict(model="smollm2-fc", messages=FC_PROMPT, tools=tools, max_tokens=64, temperature=0)
+        r = client.chat.completions.create(**kw)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        call = choice.message.tool_calls[0]
+        assert call.type == "function" and call.function.name == "get_weather"
+        args = json.loads(call.function.arguments)
+        assert "paris" in str(args.get("city", "")).lower()
+        calls, finish = {}, None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            delta = chunk.choices[0].delta
+            assert not delta.content
+            for c in delta.tool_calls or []:
+                got = calls.setdefault(c.index, {"name": "", "arguments": ""})
+                got["name"] += c.function.name or ""
+                got["arguments"] += c.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls" and calls[0]["name"] == "get_weather"
+        assert json.loads(calls[0]["arguments"]) == args
+        # tool_choice "none": the tools are not shown, the reply is text
+        r = client.chat.completions.create(**dict(kw, tool_choice="none", max_tokens=8))
+        assert r.choices[0].message.tool_calls is None and isinstance(r.choices[0].message.content, str)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

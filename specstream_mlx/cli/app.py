@@ -11,7 +11,7 @@ import json
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -298,17 +298,8 @@ def generate(
         _err(str(e))
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
     ss_log = lambda s: typer.echo(f"specstream-mlx: {s}", err=True)  # noqa: E731
-    if system_prompt is not None:
-        if ignore_chat_template:
-            _err("--system-prompt needs the chat template; drop --ignore-chat-template")
-        prompt = [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
     tools = _read_tools(tools_file, m)
-    if tools:
-        from ..tasks.tool_calls import with_tools
-
-        if ignore_chat_template:
-            _err("--tools needs the chat template; drop --ignore-chat-template")
-        prompt = with_tools(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}], tools)
+    prompt = _compose_prompt(prompt, system_prompt, tools, ignore_chat_template)
     max_tokens = _fit_context(m, tok, prompt, max_tokens, max_kv_size, not ignore_chat_template)
     text, tokens, last = [], [], None
     try:
@@ -356,6 +347,21 @@ def generate(
         for c in _reply_calls("".join(text), tools, last) or []:
             typer.echo(f"[tool call] {c.name} {json.dumps(c.arguments, ensure_ascii=False)}", err=True)
         _summary(last.stats)
+
+
+def _compose_prompt(prompt: str, system_prompt: Optional[str], tools: Optional[list], raw: bool):
+    """The prompt text, or chat messages when a system prompt or tools come with it."""
+    if system_prompt is None and not tools:
+        return prompt
+    if raw:
+        _err(f"{'--tools' if tools else '--system-prompt'} needs the chat template; drop --ignore-chat-template")
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    msgs.append({"role": "user", "content": prompt})
+    if tools:
+        from ..tasks.tool_calls import with_tools
+
+        msgs = with_tools(msgs, tools)
+    return msgs
 
 
 def _reply_calls(text: str, tools, last):
@@ -870,7 +876,9 @@ def prepare_bfcl(
 
 @app.command("eval-bfcl")
 def eval_bfcl(
-    model: str = typer.Option(..., "--model", help="Model directory or bundled name."),
+    models: List[str] = typer.Option(
+        ..., "--model", help="Model directory or bundled name; repeat to compare models in one table."
+    ),
     data: Optional[str] = typer.Option(
         None, "--data", help="A prepare-bfcl directory (its test.jsonl); default: the bfcl-eval package's test split."
     ),
@@ -878,16 +886,19 @@ def eval_bfcl(
         None, "--mode", help="ar, ss, or ar,ss (default: ar,ss with streams, else ar); accuracy is the first's."
     ),
     tree: str = typer.Option("auto", "--tree", help="ss: draft tree (as in generate)."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate the first N test items only."),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens per reply."),
-    out: Optional[str] = typer.Option(None, "--out", help="Write the report (every reply and verdict) as JSON here."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate N test items spread over the split."),
+    max_tokens: int = typer.Option(192, "--max-tokens", "-m", help="Most tokens per reply."),
+    out: Optional[str] = typer.Option(None, "--out", help="Write the reports (every reply and verdict) as JSON."),
 ):
     """Function-calling accuracy (BFCL's AST rule) and decoding speed (τ, ar and ss tok/s) on BFCL's test split."""
+    from mlx.utils import tree_flatten
+
+    from ..platform_info import blas_words
     from ..tasks.bfcl import BFCLError
-    from ..tasks.evaluate import bfcl_test_rows, evaluate, format_report, read_test_rows
+    from ..tasks.evaluate import bfcl_test_rows, evaluate, format_report, format_table, read_test_rows, spread
 
     try:
-        rows = read_test_rows(Path(data) / "test.jsonl", limit) if data else bfcl_test_rows(limit)
+        rows = spread(read_test_rows(Path(data) / "test.jsonl") if data else bfcl_test_rows(), limit)
     except (OSError, ValueError, BFCLError) as e:
         _err(str(e))
     if not rows:
@@ -895,31 +906,39 @@ def eval_bfcl(
     modes = mode.split(",") if mode else []
     if len(set(modes)) != len(modes) or any(x not in ("ar", "ss", "lookup") for x in modes):
         _err(f"--mode {mode}: give ar, ss, lookup or a comma-separated list of them", 2)
-    m, tok, _, available = _load_for_decoding(model, None)
-    if not modes:
-        modes = ["ar", "ss"] if "ss" in available else ["ar"]
-    if "ss" in modes and "ss" not in available:
-        _err(f"--mode ss: {model} has no speculative streams", 2)
     from tqdm import tqdm
 
-    bar = tqdm(total=len(rows), desc="eval-bfcl", unit="item", dynamic_ncols=True, file=sys.stderr)
+    reports = []
+    for name in models:
+        m, tok, _, available = _load_for_decoding(name, None)
+        these = modes or (["ar", "ss"] if "ss" in available else ["ar"])
+        if "ss" in these and "ss" not in available:
+            _err(f"--mode ss: {name} has no speculative streams", 2)
+        bar = tqdm(total=len(rows), desc=Path(name).name, unit="item", dynamic_ncols=True, file=sys.stderr)
 
-    def progress(i, n, rep):
-        bar.update(1)
-        bar.set_postfix_str(f"accuracy {rep.accuracy:.1%}")
+        def progress(i, n, rep, bar=bar):
+            bar.update(1)
+            bar.set_postfix_str(f"accuracy {rep.accuracy:.1%}")
 
-    try:
-        report = evaluate(m, tok, rows, modes, tree if "ss" in modes else None, max_tokens, model, progress)
-    except KeyboardInterrupt:
-        _err("interrupted; no report written", 130)
-    finally:
-        bar.close()
-    typer.echo(format_report(report))
+        try:
+            report = evaluate(m, tok, rows, these, tree if "ss" in these else None, max_tokens, name, progress)
+        except KeyboardInterrupt:
+            _err("interrupted; no report written", 130)
+        finally:
+            bar.close()
+        if m.streams is not None:
+            report.extra_parameters = sum(v.size for _, v in tree_flatten(m.streams.parameters()))
+        typer.echo(format_report(report))
+        reports.append(report)
+        del m
+    typer.echo(f"\nBFCL test split, {len(rows)} items, greedy; {blas_words()}")
+    typer.echo(format_table(reports))
     if out:
         import os
 
+        doc = {"items": len(rows), "machine": blas_words(), "reports": [r.to_json() for r in reports]}
         tmp = Path(out).with_name(f".{Path(out).name}.tmp")
-        tmp.write_text(json.dumps(report.to_json(), indent=1, ensure_ascii=False))
+        tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False))
         os.replace(tmp, out)
         typer.echo(f"wrote {out}", err=True)
 

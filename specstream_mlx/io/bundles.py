@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from .files import cache_root  # noqa: F401  (where converted bundles and caches live)
+
 BUNDLE_FILE = "bundle.json"
 # What the bundle folder ships beside bundle.json, copied into the cached model directory.
 SHIPPED_FILES = ("specstream.json", "streams.safetensors", "bench_prompts.jsonl", "tools.json")
@@ -61,14 +63,6 @@ class GGUFBundle:
     file: str
     license: str = ""
     adapter: Optional[str] = None
-
-
-def cache_root() -> Path:
-    env = os.environ.get("SPECSTREAM_MLX_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "specstream-mlx"
 
 
 def read_bundle(folder: Path) -> GGUFBundle:

@@ -151,3 +151,11 @@ def atomic_directory(dst: Path, force: bool, exists_error) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def cache_root() -> Path:
+    env = os.environ.get("SPECSTREAM_MLX_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "specstream-mlx"

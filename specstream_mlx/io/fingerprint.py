@@ -55,7 +55,7 @@ def base_fingerprint(model_dir: Path, cache: bool = True) -> str:
 
 
 def _store() -> Optional[Path]:
-    from .bundles import cache_root
+    from .files import cache_root
 
     return cache_root() / "fingerprints.json"
 

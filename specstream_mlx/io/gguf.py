@@ -442,7 +442,7 @@ def import_gguf(src: Path, dst: Path, how: GGUFImport, log: Callable[[str], None
     except ValueError as e:  # missing, extra or mis-shaped tensors
         raise GGUFError(f"{src}: tensors do not match the metadata's shapes ({e})") from e
     if how.dequantize:
-        from .loading import cast_floating, dequantize_model
+        from .quantization import cast_floating, dequantize_model
 
         dequantize_model(model)
         dtype_name = how.dtype or "float16"

@@ -17,7 +17,6 @@ from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map, tree_unflatten
 
 from ..method.streams import StreamParams, load_streams
 from ..models import UnsupportedModelError, build_model
@@ -30,7 +29,7 @@ from .limits import (
     read_json,
     safetensors_shapes,
 )
-from .quantization import QuantizationConfigError, apply_quantization
+from .quantization import QuantizationConfigError, apply_quantization, cast_floating, dequantize_model  # noqa: F401
 
 
 class ModelLoadError(RuntimeError):
@@ -173,45 +172,11 @@ def compute_dtype_for_device() -> Optional[mx.Dtype]:
     return None
 
 
-def cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
-    def cast(x):
-        if mx.issubdtype(x.dtype, mx.floating) and x.dtype != dtype:
-            return x.astype(dtype)
-        return x
-
-    model.update(tree_map(cast, model.parameters()))
-
-
 def dequantize_on_cpu() -> bool:
     """Whether quantized weights are expanded at load: on MLX's CPU backend a 4-bit
     ``quantized_matmul`` costs several float32 matmuls and grows linearly with rows,
     which is what verifying a draft tree needs; elsewhere they stay quantized."""
     return mx.default_device() == mx.cpu
-
-
-def dequantize_model(model: nn.Module) -> int:
-    """Replace quantized Linear/Embedding layers by float32 ones; returns the bytes added."""
-    replaced, added = [], 0
-    for path, m in model.named_modules():
-        if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            continue
-        # Scales in float32 first: dequantizing with float16 scales rounds every weight to float16.
-        biases = m.get("biases")
-        biases = None if biases is None else biases.astype(mx.float32)
-        w = mx.dequantize(m.weight, m.scales.astype(mx.float32), biases, m.group_size, m.bits)
-        before = sum(v.nbytes for k, v in m.items() if isinstance(v, mx.array) and k != "bias")
-        if isinstance(m, nn.QuantizedEmbedding):
-            new = nn.Embedding(w.shape[0], w.shape[1])
-        else:
-            new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
-            if "bias" in m:
-                new.bias = m.bias
-        new.weight = w
-        replaced.append((path, new))
-        added += w.nbytes - before
-    if replaced:
-        model.update_modules(tree_unflatten(replaced))
-    return added
 
 
 def load_model(

@@ -7,6 +7,7 @@ from typing import Any, Dict
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map, tree_unflatten
 
 
 class QuantizationConfigError(ValueError):
@@ -74,3 +75,37 @@ def quantize_float_layers(model: nn.Module, bits: int, group_size: int) -> "tupl
             class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0,
         )
     return n, left
+
+
+def cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
+    def cast(x):
+        if mx.issubdtype(x.dtype, mx.floating) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    model.update(tree_map(cast, model.parameters()))
+
+
+def dequantize_model(model: nn.Module) -> int:
+    """Replace quantized Linear/Embedding layers by float32 ones; returns the bytes added."""
+    replaced, added = [], 0
+    for path, m in model.named_modules():
+        if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            continue
+        # Scales in float32 first: dequantizing with float16 scales rounds every weight to float16.
+        biases = m.get("biases")
+        biases = None if biases is None else biases.astype(mx.float32)
+        w = mx.dequantize(m.weight, m.scales.astype(mx.float32), biases, m.group_size, m.bits)
+        before = sum(v.nbytes for k, v in m.items() if isinstance(v, mx.array) and k != "bias")
+        if isinstance(m, nn.QuantizedEmbedding):
+            new = nn.Embedding(w.shape[0], w.shape[1])
+        else:
+            new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            if "bias" in m:
+                new.bias = m.bias
+        new.weight = w
+        replaced.append((path, new))
+        added += w.nbytes - before
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+    return added

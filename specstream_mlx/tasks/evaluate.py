@@ -59,7 +59,9 @@ class EvalReport:
     items: List[ItemResult] = field(default_factory=list)
     totals: Dict[str, ModeTotals] = field(default_factory=dict)
     mismatches: int = 0  # items where greedy ss and ar replies differ (must be 0)
+    cut: int = 0  # replies stopped at a first character that no call starts with
     seconds: float = 0.0
+    extra_parameters: int = 0  # the streams' parameters (the fine-tune itself is fused)
 
     @property
     def accuracy(self) -> float:
@@ -89,12 +91,14 @@ class EvalReport:
             "totals": {k: v.to_json() for k, v in self.totals.items()},
             "speedup": self.speedup(),
             "ss_ar_mismatches": self.mismatches,
+            "cut_replies": self.cut,
+            "extra_parameters": self.extra_parameters,
             "seconds": self.seconds,
             "items": [asdict(r) for r in self.items],
         }
 
 
-def read_test_rows(path: Path, limit: Optional[int] = None) -> List[dict]:
+def read_test_rows(path: Path) -> List[dict]:
     """The rows of a prepared ``test.jsonl`` (``prepare-bfcl``), the target turn dropped."""
     rows = []
     with open(path, encoding="utf-8") as f:
@@ -109,17 +113,14 @@ def read_test_rows(path: Path, limit: Optional[int] = None) -> List[dict]:
                 rows.append(dict(r, messages=msgs))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{n}: not a prepare-bfcl row ({e})") from None
-            if limit and len(rows) >= limit:
-                break
     return rows
 
 
-def bfcl_test_rows(limit: Optional[int] = None) -> List[dict]:
+def bfcl_test_rows() -> List[dict]:
     """The test split straight from the installed bfcl-eval package (no prepared directory)."""
     from .bfcl import chat_row, read_bfcl, split_of
 
-    rows = [chat_row(it, with_target=False) for it in read_bfcl().items if split_of(it.id) == "test"]
-    return rows[:limit] if limit else rows
+    return [chat_row(it, with_target=False) for it in read_bfcl().items if split_of(it.id) == "test"]
 
 
 def _account(t: ModeTotals, stats) -> None:
@@ -129,6 +130,31 @@ def _account(t: ModeTotals, stats) -> None:
     t.decoding_seconds += stats.generation_seconds
     t.prompt_tokens += stats.prompt_tokens
     t.prefill_seconds += stats.prompt_seconds
+
+
+def _cannot_be_a_call(text: str) -> bool:
+    """A reply is a call only if it is JSON (optionally fenced): its first visible character
+    decides (:func:`.tool_calls.parse_tool_calls`)."""
+    s = text.lstrip()
+    return bool(s) and s[0] not in "{[`"
+
+
+def decode_reply(model, tokenizer, messages, mode: str, tree, max_tokens: int):
+    """(text, tokens, stats) of one greedy reply, stopped as soon as it cannot be a call."""
+    from ..runtime.generation import stream_generate
+
+    kw = {"tree": tree} if mode == "ss" and tree else {}
+    text, tokens, stats, cut = "", [], None, False
+    gen = stream_generate(model, tokenizer, messages, max_tokens=max_tokens, mode=mode, **kw)
+    for r in gen:
+        text += r.text
+        tokens += r.tokens
+        stats = r.stats
+        if r.finish_reason is None and _cannot_be_a_call(text):
+            cut = True
+            gen.close()
+            break
+    return text, tokens, stats, cut
 
 
 def evaluate(
@@ -141,38 +167,58 @@ def evaluate(
     name: str = "",
     progress: Optional[Callable[[int, int, "EvalReport"], None]] = None,
 ) -> EvalReport:
-    from ..runtime.generation import generate
-
+    """Decode every row in every mode and check the first mode's reply. A reply whose first
+    visible character shows it is prose is cut there (it fails either way); such replies
+    are counted in ``cut``."""
     report = EvalReport(name, list(modes), tree, totals={m: ModeTotals() for m in modes})
     t0 = time.perf_counter()
     for i, row in enumerate(rows):
         order = list(modes) if i % 2 == 0 else list(reversed(modes))
-        texts, tokens = {}, {}
+        texts, tokens, cut = {}, {}, False
         for mode in order:
-            kw = {"tree": tree} if mode == "ss" and tree else {}
-            res = generate(model, tokenizer, row["messages"], max_tokens=max_tokens, mode=mode, **kw)
-            texts[mode], tokens[mode] = res.text, res.tokens
-            _account(report.totals[mode], res.stats)
+            texts[mode], tokens[mode], stats, cut = decode_reply(
+                model, tokenizer, row["messages"], mode, tree, max_tokens
+            )
+            _account(report.totals[mode], stats)
+        report.cut += cut
         if "ar" in tokens and "ss" in tokens and tokens["ar"] != tokens["ss"]:
             report.mismatches += 1
         reply = texts[modes[0]]
-        names = [t["name"] for t in row["tools"]]
-        calls = parse_tool_calls(reply, names)
+        calls = parse_tool_calls(reply, [t["name"] for t in row["tools"]])
         verdict = check_calls(calls, row["ground_truth"], row["tools"], row["category"])
-        report.items.append(
-            ItemResult(
-                row["id"],
-                row["category"],
-                verdict.valid,
-                verdict.error,
-                reply,
-                [c.to_json() for c in calls] if calls else None,
-            )
-        )
+        calls_json = [c.to_json() for c in calls] if calls else None
+        report.items.append(ItemResult(row["id"], row["category"], verdict.valid, verdict.error, reply, calls_json))
         if progress:
             progress(i + 1, len(rows), report)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def spread(rows: Sequence[dict], n: Optional[int]) -> List[dict]:
+    """``n`` rows evenly spaced over ``rows`` (every category represented), or all of them."""
+    if not n or n >= len(rows):
+        return list(rows)
+    return [rows[(k * len(rows)) // n] for k in range(n)]
+
+
+def format_table(reports: Sequence[EvalReport]) -> str:
+    """One Markdown row per model: accuracy, τ, decoding rates, speedup, extra parameters."""
+    head = "| model | accuracy | τ (ss) | ar tok/s | ss tok/s | ss / ar | extra parameters | ss ≠ ar |"
+    lines = [head, "|" + "---|" * 8]
+    for r in reports:
+        ar, ss = r.totals.get("ar"), r.totals.get("ss")
+        cells = [
+            r.model,
+            f"{r.accuracy:.1%} ({sum(x.correct for x in r.items)}/{len(r.items)})",
+            f"{ss.tau:.2f}" if ss else "–",
+            f"{ar.tokens_per_second:.1f}" if ar else "–",
+            f"{ss.tokens_per_second:.1f}" if ss else "–",
+            f"{r.speedup():.2f}x" if r.speedup() else "–",
+            f"{r.extra_parameters:,}",
+            str(r.mismatches) if ss and ar else "–",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def format_report(r: EvalReport) -> str:
@@ -189,4 +235,6 @@ def format_report(r: EvalReport) -> str:
         lines.append(f"  ss / ar decoding speed: {r.speedup():.2f}x" + (f" (tree {r.tree})" if r.tree else ""))
     if "ss" in r.totals and "ar" in r.totals:
         lines.append(f"  greedy ss replies that differ from ar: {r.mismatches}")
+    if r.cut:
+        lines.append(f"  replies stopped at a first character no call starts with: {r.cut}")
     return "\n".join(lines)
