@@ -167,8 +167,10 @@ def _root(
 
 
 @app.command()
-def doctor():
-    """Print versions, the MLX device and the BLAS in use."""
+def doctor(
+    model: Optional[str] = typer.Option(None, "--model", help="Also say how this model's weights are stored."),
+):
+    """Print versions, the MLX device and the BLAS in use (and how a model's weights are stored)."""
     from ..platform_info import FIX_HINT, runtime_info
 
     info = runtime_info()
@@ -185,6 +187,16 @@ def doctor():
         )
     else:
         typer.echo("quantized models: kept quantized on this device")
+    if model is not None:
+        from ..io.loading import ModelLoadError, load_model, resolve_model_path
+        from ..io.quantization import stored_widths
+
+        try:
+            path = resolve_model_path(model)
+            base, _ = load_model(path, dtype=None, lazy=True, dequantize=False)
+        except (ModelLoadError, ValueError) as e:
+            _err(str(e))
+        typer.echo(f"model {path}: stored weights {stored_widths(base)}")
 
 
 class DType(str, Enum):

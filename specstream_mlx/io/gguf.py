@@ -5,7 +5,10 @@ What is notable here:
 * ``mx.load`` reads GGUF natively and returns Q4_0, Q4_1 and Q8_0 tensors as MLX
   affine quantization (group size 32: ``weight`` packed in uint32, ``scales``,
   ``biases``), so they stay 4/8-bit on a Mac GPU. Files holding other tensor types
-  (K-quants, IQ*) are read with the ``gguf`` package and dequantized instead.
+  (K-quants, Q5_0/Q5_1, IQ*) are dequantized exactly with the ``gguf`` package's
+  reference dequantizers, and the block-quantized weights among them are requantized to
+  MLX affine quantization at the nearest width (:data:`REQUANT_BITS`; group size by
+  measured error), unless float weights are asked for.
 * llama.cpp permutes the rows of the llama family's ``attn_q``/``attn_k`` for its
   interleaved RoPE; :func:`unpermute_rows` undoes it (for K with the KV head count)
   on packed weights, scales and biases alike, since quantization groups run along a row.
@@ -29,6 +32,35 @@ import numpy as np
 
 GROUP_SIZE = 32  # every GGUF block format MLX reads has 32-element blocks
 NATIVE_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
+FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
+# Block types dequantized on import -> the MLX width they are requantized to (4-bit up to
+# 5.5 bits per weight as stored, 8-bit above).
+REQUANT_BITS = {
+    "Q2_K": 4,
+    "Q3_K": 4,
+    "Q4_K": 4,
+    "Q5_K": 4,
+    "Q4_0": 4,
+    "Q4_1": 4,
+    "Q5_0": 4,
+    "Q5_1": 4,
+    "IQ2_XXS": 4,
+    "IQ2_XS": 4,
+    "IQ2_S": 4,
+    "IQ3_XXS": 4,
+    "IQ3_S": 4,
+    "IQ1_S": 4,
+    "IQ1_M": 4,
+    "IQ4_NL": 4,
+    "IQ4_XS": 4,
+    "Q6_K": 8,
+    "Q8_0": 8,
+    "Q8_1": 8,
+    "Q8_K": 8,
+}
+REQUANT_GROUP_SIZES = (32, 64, 128)
+# The largest group size whose error is within this factor of the smallest's is chosen.
+REQUANT_ERROR_SLACK = 1.10
 
 # general.architecture -> our model_type. Mistral models are stored as 'llama'.
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
@@ -67,6 +99,7 @@ class GGUFCheckpoint:
         tokenizer_files: file name -> JSON object (``tokenizer.json``, ``tokenizer_config.json``, ...).
         chat_template: the template text, or None.
         notes: one-line remarks for the user (dequantized types, tokenizer fall-backs).
+        dequantized: module path -> GGUF block type, for weights dequantized on reading.
     """
 
     config: Dict[str, Any]
@@ -74,6 +107,7 @@ class GGUFCheckpoint:
     tokenizer_files: Dict[str, Any]
     chat_template: Optional[str] = None
     notes: List[str] = field(default_factory=list)
+    dequantized: Dict[str, str] = field(default_factory=dict)
 
 
 def _scalar(v):
@@ -84,7 +118,10 @@ def _scalar(v):
 
 def read_tensors(path: Path) -> Tuple[Dict[str, mx.array], Dict[str, Any], List[str]]:
     """(tensors, metadata, notes) of a GGUF file, natively or dequantized with ``gguf``."""
-    types = _tensor_types(path)
+    return _read_tensors(path, _tensor_types(path))
+
+
+def _read_tensors(path: Path, types: Dict[str, str]) -> Tuple[Dict[str, mx.array], Dict[str, Any], List[str]]:
     foreign = sorted({t for t in types.values() if t not in NATIVE_TYPES})
     try:
         tensors, metadata = mx.load(str(path), return_metadata=True)
@@ -97,7 +134,7 @@ def read_tensors(path: Path) -> Tuple[Dict[str, mx.array], Dict[str, Any], List[
         tensors = _dequantized_tensors(path)
         notes.append(
             f"tensor types {', '.join(foreign)} are not MLX formats: all {len(types)} tensors dequantized "
-            "to float (only F32/F16/BF16/Q4_0/Q4_1/Q8_0 stay as stored)"
+            "exactly (gguf's reference dequantizers)"
         )
         if metadata is None:
             metadata = _metadata_with_gguf(path)
@@ -116,7 +153,25 @@ def _reader(path: Path):
 
 
 def _tensor_types(path: Path) -> Dict[str, str]:
-    return {t.name: t.tensor_type.name for t in _reader(path).tensors}
+    """Tensor name -> GGUF type name, after checking that every tensor's bytes (as its type
+    and shape need them) lie inside the file and before the next tensor's: a shape that
+    disagrees with the bytes stored would otherwise be read from its neighbour's data."""
+    tensors = sorted(_reader(path).tensors, key=lambda t: t.data_offset)
+    size = path.stat().st_size
+    out = {}
+    for i, t in enumerate(tensors):
+        kind = getattr(t.tensor_type, "name", None)
+        if kind is None:
+            raise GGUFError(f"{path}: tensor '{t.name}' has an unknown quantization type ({t.tensor_type})")
+        end = tensors[i + 1].data_offset if i + 1 < len(tensors) else size
+        if t.data_offset + t.n_bytes > end:
+            shape = tuple(int(d) for d in reversed(t.shape))
+            raise GGUFError(
+                f"{path}: tensor '{t.name}' ({kind}): its shape {shape} needs {t.n_bytes:,} bytes, "
+                f"but {max(end - t.data_offset, 0):,} are stored"
+            )
+        out[t.name] = kind
+    return out
 
 
 def _dequantized_tensors(path: Path) -> Dict[str, mx.array]:
@@ -124,9 +179,17 @@ def _dequantized_tensors(path: Path) -> Dict[str, mx.array]:
 
     out = {}
     for t in _reader(path).tensors:
-        arr = dequantize(t.data, t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions fastest-first
-        out[t.name] = mx.array(np.asarray(arr, dtype=np.float32).reshape(shape))
+        kind = t.tensor_type.name
+        try:
+            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        except NotImplementedError:
+            raise GGUFError(f"{path}: tensor '{t.name}': quantization type {kind} cannot be read") from None
+        except ValueError as e:  # the bytes do not hold whole blocks of this shape
+            raise GGUFError(
+                f"{path}: tensor '{t.name}' ({kind}): {t.data.nbytes} bytes do not hold its shape {shape} ({e})"
+            ) from None
+        out[t.name] = mx.array(arr)
     return out
 
 
@@ -353,9 +416,19 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
         raise GGUFError(f"{path}: no such file")
     from .limits import UnsafeFileError, check_against_shapes
 
-    tensors, metadata, notes = read_tensors(path)
+    types = _tensor_types(path)
+    tensors, metadata, notes = _read_tensors(path, types)
     cfg = hf_config(metadata, tensors, path)
     weights = convert_tensors(tensors, cfg, path)
+    dequantized = {}
+    if any(t not in NATIVE_TYPES for t in types.values()):  # every tensor was read as float
+        for name, kind in types.items():
+            hf = _hf_name(name)
+            if kind in REQUANT_BITS and hf is not None and hf.endswith(".weight"):
+                module = hf[: -len(".weight")]
+                if cfg["model_type"] == "phi3":
+                    module = module.replace(".mlp.up_proj", ".mlp.gate_up_proj")
+                dequantized[module] = kind
     try:  # before anything is built from the metadata
         check_against_shapes(cfg, {k: tuple(v.shape) for k, v in weights.items()}, path)
     except UnsafeFileError as e:
@@ -369,7 +442,7 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
         files, template, tok_notes = tokenizer_files(metadata, path)
     except GGUFTokenizerError as e:
         raise GGUFError(str(e)) from e
-    return GGUFCheckpoint(cfg, weights, files, template, notes + tok_notes)
+    return GGUFCheckpoint(cfg, weights, files, template, notes + tok_notes, dequantized)
 
 
 def write_tokenizer(ckpt: GGUFCheckpoint, dst: Path) -> None:
@@ -402,6 +475,56 @@ class GGUFImport:
     num_streams: int = 0
     stream_layers: int = 4
     force: bool = False
+
+
+@dataclass
+class Requantized:
+    """What :func:`requantize` did: modules per (GGUF type, MLX bits), the group size and
+    the relative RMS error against the dequantized weights at each candidate size."""
+
+    counts: Dict[Tuple[str, int], int]
+    group_size: int
+    errors: Dict[int, float]
+
+    def line(self) -> str:
+        kinds = ", ".join(f"{k} x{n} -> {b}-bit" for (k, b), n in sorted(self.counts.items()))
+        tried = ", ".join(f"{g}: {e:.4f}" for g, e in sorted(self.errors.items()))
+        return (
+            f"requantized {sum(self.counts.values())} dequantized weights to MLX affine quantization ({kinds}), "
+            f"group size {self.group_size}: relative RMS error {self.errors[self.group_size]:.4f} against the "
+            f"dequantized weights (group size {tried})"
+        )
+
+
+def requantize(model: nn.Module, dequantized: Dict[str, str]) -> Optional[Requantized]:
+    """Quantize the Linear/Embedding layers whose weights were dequantized from GGUF blocks
+    at the nearest MLX width (:data:`REQUANT_BITS`). The group size is measured: the largest
+    of 32/64/128 whose relative RMS error over all of them is within
+    :data:`REQUANT_ERROR_SLACK` of the best (larger groups store fewer scales)."""
+    mods = {
+        p: m
+        for p, m in model.named_modules()
+        if p in dequantized and hasattr(m, "to_quantized") and m.weight.shape[-1] % REQUANT_GROUP_SIZES[0] == 0
+    }
+    if not mods:
+        return None
+    bits = {p: REQUANT_BITS[dequantized[p]] for p in mods}
+    errors = {}
+    for g in REQUANT_GROUP_SIZES:
+        if any(m.weight.shape[-1] % g for m in mods.values()):
+            continue
+        num = den = 0.0
+        for p, m in mods.items():
+            w = m.weight.astype(mx.float32)
+            back = mx.dequantize(*mx.quantize(w, g, bits[p]), group_size=g, bits=bits[p])
+            num += mx.sum(mx.square(back - w)).item()
+            den += mx.sum(mx.square(w)).item()
+        errors[g] = (num / max(den, 1e-30)) ** 0.5
+    best = min(errors.values())
+    g = max(k for k, e in errors.items() if e <= best * REQUANT_ERROR_SLACK)
+    nn.quantize(model, class_predicate=lambda p, m: {"group_size": g, "bits": bits[p]} if p in mods else False)
+    counts = Counter((dequantized[p], bits[p]) for p in mods)
+    return Requantized(dict(counts), g, errors)
 
 
 def model_quantization(model: nn.Module) -> Optional[dict]:
@@ -448,6 +571,10 @@ def import_gguf(src: Path, dst: Path, how: GGUFImport, log: Callable[[str], None
         dtype_name = how.dtype or "float16"
         cast_floating(model, getattr(mx, dtype_name))
         log(f"[convert] quantized blocks dequantized to {dtype_name}")
+    elif ckpt.dequantized and how.dtype != "float32":  # --dtype float32: the float (parity) path
+        done = requantize(model, ckpt.dequantized)
+        if done is not None:
+            log(f"[convert] {done.line()}")
     if how.quantize is not None:
         from .quantization import quantize_float_layers
 
@@ -461,7 +588,9 @@ def import_gguf(src: Path, dst: Path, how: GGUFImport, log: Callable[[str], None
     q = model_quantization(model)
     if q is not None:
         config["quantization"] = q
-        log(f"[convert] quantized weights kept: {q['bits']}-bit, group size {q['group_size']}")
+        from .quantization import stored_widths
+
+        log(f"[convert] stored weights: {stored_widths(model)}")
     streams = None
     if how.num_streams > 0:
         if not 1 <= how.stream_layers <= len(model.layers):

@@ -109,3 +109,20 @@ def dequantize_model(model: nn.Module) -> int:
     if replaced:
         model.update_modules(tree_unflatten(replaced))
     return added
+
+
+def stored_widths(model: nn.Module) -> str:
+    """How a model's Linear/Embedding weights are stored, e.g. "4-bit x 180 (group 64), 8-bit
+    x 31 (group 64), float x 2" (``convert`` and ``doctor --model`` print it)."""
+    from collections import Counter
+
+    kinds = Counter()
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            kinds[(m.bits, m.group_size)] += 1
+        elif isinstance(m, (nn.Linear, nn.Embedding)):
+            kinds[(None, None)] += 1
+    parts = [f"{b}-bit x {n} (group {g})" for (b, g), n in sorted(kinds.items(), key=lambda kv: kv[0][0] or 99) if b]
+    if kinds.get((None, None)):
+        parts.append(f"float x {kinds[(None, None)]}")
+    return ", ".join(parts)

@@ -53,6 +53,38 @@ def bpe_vocabulary(vocab_size: int = 420):
     return tokens, merges
 
 
+# K-quants (256-element blocks): byte offset of each float16 field in a block and its scale,
+# chosen so that the dequantized weights have magnitudes like a trained layer's (~0.1).
+K_FLOAT_FIELDS = {
+    "Q2_K": ((80, 2e-3), (82, 1e-3)),
+    "Q3_K": ((108, 1e-3),),
+    "Q4_K": ((0, 2e-4), (2, 1e-4)),
+    "Q5_K": ((0, 1e-4), (2, 5e-5)),
+    "Q6_K": ((208, 2e-5),),
+}
+
+
+def random_k_blocks(shape, kind: str, rng) -> np.ndarray:
+    """Valid K-quant blocks for a float tensor of ``shape`` (rows, columns): random quants
+    and sub-block scales, float16 super-block scales of a realistic size. ``gguf`` cannot
+    quantize K-types, so the test's reference weights are these blocks dequantized."""
+    import gguf
+
+    qt = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    rows, cols = shape
+    assert cols % block == 0, f"{kind} needs rows of a multiple of {block} elements"
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset, scale in K_FLOAT_FIELDS[kind]:
+        d = (scale * (0.5 + rng.random((rows, cols // block)))).astype(np.float16)
+        raw[..., offset : offset + 2] = d.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def llama_cpp_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's ``permute`` of Q/K rows (convert_hf_to_gguf.py)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -127,6 +159,15 @@ def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, me
             x = value
         t = "F32" if norm else spec.types[kind]
         stored = llama_cpp_permute(x, permute_heads) if permute_heads else x
+        if t in K_FLOAT_FIELDS:  # blocks first; the reference weights are what they hold
+            from gguf.quants import dequantize
+
+            qt = gguf.GGMLQuantizationType[t]
+            blocks = random_k_blocks(shape, t, rng)
+            w.add_tensor(gguf_name, blocks, raw_dtype=qt)
+            stored = dequantize(blocks, qt).reshape(shape).astype(np.float32)
+            hf[hf_name] = llama_cpp_unpermute(stored, permute_heads) if permute_heads else stored
+            return
         if t == "F32":
             w.add_tensor(gguf_name, stored)
         elif t == "F16":
