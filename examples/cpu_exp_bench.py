@@ -1,4 +1,4 @@
-"""Micro-benchmark behind the README's note on MLX's CPU `exp`.
+"""Micro-benchmark behind bench/README.md's note on MLX's CPU `exp`.
 
     .venv/bin/python examples/cpu_exp_bench.py
 

@@ -1,6 +1,6 @@
 """Mistral: the Llama layout (q/k/v/o projections, SwiGLU MLP, RMSNorm, RoPE).
 
-``sliding_window`` is not applied (see the README)."""
+``sliding_window`` is not applied (README, "Known limitations")."""
 
 from dataclasses import dataclass
 
