@@ -32,7 +32,7 @@ $(RUNTIME_STAMP): pyproject.toml
 $(STAMP): $(RUNTIME_STAMP)
 	$(PY) -m pip install -q -e ".[dev]"
 	# BFCL's function-calling data (read as files, never imported: its own dependencies are not wanted).
-	$(PY) -m pip install -q --no-deps bfcl-eval
+	$(PY) -m pip install -q --no-deps bfcl-eval==2026.3.23
 	@touch $(STAMP)
 
 # On Linux, MLX's CPU wheel needs a real BLAS to be fast; install the candidates when we can.

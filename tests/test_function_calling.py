@@ -536,3 +536,41 @@ def test_smollm2_fc_serves_tool_calls_to_the_openai_client():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_generate_and_chat_take_a_tools_file(tool_model, tiny_model_dir, tmp_path):
+    import subprocess
+
+    from tests.test_serve import CLI
+
+    good, bad = tmp_path / "tools.json", tmp_path / "bad.json"
+    good.write_text(json.dumps({"tools": [{"type": "function", "function": WEATHER}]}))
+    bad.write_text(json.dumps([{"name": "f", "parameters": {"required": "city"}}]))
+
+    def gen(model, tools, *extra):
+        cmd = [*CLI, "generate", "--model", str(model), "--prompt", "Weather?", "-m", "3", "--tools", str(tools)]
+        return subprocess.run(cmd + list(extra), capture_output=True, text=True, timeout=120)
+
+    r = gen(tool_model, good, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] in ("stop", "length") and "tool_calls" not in out  # noise, not a call
+    for model, tools, needle in (
+        (tool_model, bad, "bad.json[0].parameters.required"),
+        (tool_model, tmp_path / "missing.json", "cannot read"),
+        (tiny_model_dir, good, "has no tool-call format"),
+    ):
+        r = gen(model, tools)
+        errors = [line for line in r.stderr.splitlines() if "error:" in line]
+        assert r.returncode == 1 and len(errors) == 1 and needle in errors[0], r.stderr
+        assert "Traceback" not in r.stderr
+    r = gen(tool_model, good, "--ignore-chat-template")
+    assert r.returncode == 1 and "--tools needs the chat template" in r.stderr
+    r = subprocess.run(
+        [*CLI, "chat", "--model", str(tiny_model_dir), "--tools", str(good)],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and "has no tool-call format" in r.stderr

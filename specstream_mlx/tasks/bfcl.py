@@ -27,6 +27,8 @@ from .ast_check import check_calls
 from .tool_calls import ToolCall, ToolError, check_tools, format_calls, with_tools
 
 PACKAGE = "bfcl-eval"
+# The version whose data the shipped split and fine-tune were built from (Makefile pins it).
+VERSION = "2026.3.23"
 MODULE = "bfcl_eval"
 CATEGORIES = (
     "simple_python",
@@ -71,7 +73,7 @@ def data_dir() -> Path:
     """The package's ``data`` folder."""
     spec = importlib.util.find_spec(MODULE)
     if spec is None or not spec.submodule_search_locations:
-        raise BFCLError(f"the {PACKAGE} package is not installed: pip install --no-deps {PACKAGE}")
+        raise BFCLError(f"the {PACKAGE} package is not installed: pip install --no-deps {PACKAGE}=={VERSION}")
     d = Path(list(spec.submodule_search_locations)[0]) / "data"
     if not (d / "possible_answer").is_dir():
         raise BFCLError(f"{d}: no possible_answer folder (an unexpected {PACKAGE} layout)")
