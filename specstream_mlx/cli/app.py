@@ -25,11 +25,6 @@ app = typer.Typer(
 )
 
 
-def _fail(msg: str, code: int = 1):
-    typer.echo(f"specstream-mlx: error: {msg}", err=True)
-    raise typer.Exit(code)
-
-
 def _err(msg: str, code: int = 1):
     typer.echo(f"specstream-mlx: error: {msg}", err=True)
     raise typer.Exit(code)
@@ -41,10 +36,10 @@ def _load_for_decoding(model: str, mode: Optional[str], report=None, adapter_pat
     has streams, else ar. Returns (model, tokenizer, mode, available modes).
     ``report(message)`` also receives a failure (the stdio server's error event)."""
 
-    def _err(msg: str):
+    def fail(msg: str):
         if report is not None:
             report(msg)
-        _fail(msg)
+        _err(msg)
 
     from ..io.loading import ModelLoadError
     from ..method.streams import no_streams_message
@@ -53,18 +48,18 @@ def _load_for_decoding(model: str, mode: Optional[str], report=None, adapter_pat
     from ..runtime.generation import MODES
 
     if mode is not None and mode not in MODES:
-        _err(f"unknown --mode {mode!r}; available: {', '.join(MODES)}")
+        fail(f"unknown --mode {mode!r}; available: {', '.join(MODES)}")
     try:
         m, tok = load(model, adapter_path=adapter_path)
     except (ModelLoadError, UnsupportedModelError, ValueError) as e:
-        _err(str(e))
+        fail(str(e))
     except (RecursionError, OverflowError, MemoryError, Exception) as e:  # a model file no check foresaw
-        _err(f"{model}: cannot load ({type(e).__name__}: {str(e)[:300]})")
+        fail(f"{model}: cannot load ({type(e).__name__}: {str(e)[:300]})")
     modes = [x for x in MODES if x != "ss" or m.streams is not None]
     if mode is None:
         mode = "ss" if m.streams is not None else "ar"
     if mode not in modes:
-        _err(no_streams_message(m.path))
+        fail(no_streams_message(m.path))
     return m, tok, mode, modes
 
 

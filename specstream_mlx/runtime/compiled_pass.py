@@ -20,9 +20,8 @@ capacity step. Early-exit pruning needs a host sync between the lower and the
 top layers (the kept nodes decide the top layers' shape), so pruned passes and
 passes without a filled cache run :func:`ss_forward` as before.
 
-Whether compiling pays depends on the device and the model's size, so
-``--tree auto`` times both kinds and picks (:func:`~.autotune.choose_compiled`);
-fixed trees run op by op unless ``SPECSTREAM_COMPILE=1``.
+Whether compiling pays depends on the device and the model's size; passes run op by op
+unless ``SPECSTREAM_COMPILE=1`` (docs/DESIGN.md, decision 18).
 """
 
 from __future__ import annotations

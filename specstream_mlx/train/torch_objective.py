@@ -29,19 +29,6 @@ from torch import nn
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 
-class TorchLoRA(nn.Module):
-    """``scale * (x @ a) @ b``: the same parameters and names as the MLX LoRA."""
-
-    def __init__(self, a: np.ndarray, b: np.ndarray, scale: float):
-        super().__init__()
-        self.a = nn.Parameter(torch.from_numpy(np.array(a, dtype=np.float32)))
-        self.b = nn.Parameter(torch.from_numpy(np.array(b, dtype=np.float32)))
-        self.scale = float(scale)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * ((x @ self.a) @ self.b)
-
-
 class TorchTrainable(nn.Module):
     """Every trained parameter, keyed like the MLX ``Trainable``'s flattened tree
     (``streams.embeddings``, ``streams.lora.layer4.q_proj.a``, ``base_lora...``),
