@@ -81,7 +81,7 @@ demo-models: install
 # speculative-streaming fine-tune, in one table (needs `demo-models` smollm2-fc's runs/).
 eval-bfcl: install
 	env $(BLAS_ENV) $(VENV)/bin/specstream-mlx eval-bfcl --model runs/smollm2-f16 --model runs/smollm2-fc-lora \
-	  --model smollm2-fc --tree dynamic:8 --limit $(or $(LIMIT),120) --out bench/bfcl-smollm2-fc.json
+	  --model smollm2-fc --tree dynamic:8 --limit $(or $(LIMIT),60) --out bench/bfcl-smollm2-fc.json
 
 bench: install
 	$(VENV)/bin/specstream-mlx bench --model smollm2 --json bench/bench-smollm2.json

@@ -590,6 +590,7 @@ def build_smollm2_fc(scale: float = 1.0, seed: int = 0) -> None:
     for run in ("smollm2-fc-ss", "smollm2-fc-lora"):
         write_tools_file(RUNS / run)
     ship_smollm2_fc(RUNS / "smollm2-fc-ss", data)
+    measure_acceptance("smollm2-fc", data)
 
 
 def ship_smollm2_fc(run: Path, data: Path, n_bench: int = 24) -> Path:
