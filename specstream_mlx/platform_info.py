@@ -361,9 +361,9 @@ def gemv_forwarding() -> bool:
 
 
 def blas_words() -> str:
-    """One phrase for a report header: the BLAS, its version and threads."""
-    return f"BLAS {blas_in_use()} {blas_version() or ''}, {blas_threads()} threads".replace("  ", " ") + (
-        ", one-row GEMV forwarder" if gemv_forwarding() else ""
+    """One phrase for a report: the BLAS, its version and threads, and the one-row forwarder."""
+    return f"{blas_in_use()} {blas_version()}, {blas_threads()} threads" + (
+        ", one-row GEMV" if gemv_forwarding() else ""
     )
 
 

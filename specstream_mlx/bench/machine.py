@@ -179,7 +179,7 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9) -
     and product measurements (each figure is a median of its rounds)."""
     import mlx.core as mx
 
-    from ..platform_info import blas_in_use, blas_threads, blas_version, gemv_forwarding
+    from ..platform_info import blas_words
     from ..runtime.engine import load
     from ..runtime.sampling import SamplingParams
     from ..runtime.steps import ar_steps
@@ -210,7 +210,7 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9) -
         wb / best.best * 1e3,
         steps,
         prods,
-        f"{blas_in_use()} {blas_version()}, {blas_threads()} threads" + (", one-row GEMV" if gemv_forwarding() else ""),
+        blas_words(),
         loads,
     )
 

@@ -938,7 +938,7 @@ def eval_bfcl(
         typer.echo(format_report(report))
         reports.append(report)
         del m
-    typer.echo(f"\nBFCL test split, {len(rows)} items, greedy; {blas_words()}")
+    typer.echo(f"\nBFCL test split, {len(rows)} items, greedy; BLAS {blas_words()}")
     typer.echo(format_table(reports))
     if out:
         import os

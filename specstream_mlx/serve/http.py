@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 
 from ..runtime.bounded import FATAL
 from ..runtime.session import ChatSession, Reply
-from ..tasks.tool_calls import model_tool_format
+from ..tasks.tool_calls import may_be_call, model_tool_format
 from .protocol import (
     GenerationRequest,
     ProtocolError,
@@ -557,7 +557,7 @@ class ApiHandler(BaseHTTPRequestHandler):
         first = True
         # With tools, text that may be a call is held back until the reply ends (then it is
         # sent as delta.tool_calls, or as text if it did not parse); text that cannot be a
-        # call (its first character is not "{", "[" or "`") streams as it comes.
+        # call (:func:`may_be_call`) streams as it comes.
         held = "" if req.tools else None
         try:
             while True:
@@ -565,7 +565,7 @@ class ApiHandler(BaseHTTPRequestHandler):
                 if kind == "delta":
                     if held is not None:
                         held += val
-                        if not held.strip() or held.lstrip()[0] in "{[`":
+                        if may_be_call(held):
                             continue
                         val, held = held, None
                     self._sse(self._chunk(chat, req.id, created, val, None, first))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .ast_check import check_calls
-from .tool_calls import parse_tool_calls
+from .tool_calls import may_be_call, parse_tool_calls
 
 
 @dataclass
@@ -132,13 +132,6 @@ def _account(t: ModeTotals, stats) -> None:
     t.prefill_seconds += stats.prompt_seconds
 
 
-def _cannot_be_a_call(text: str) -> bool:
-    """A reply is a call only if it is JSON (optionally fenced): its first visible character
-    decides (:func:`.tool_calls.parse_tool_calls`)."""
-    s = text.lstrip()
-    return bool(s) and s[0] not in "{[`"
-
-
 def decode_reply(model, tokenizer, messages, mode: str, tree, max_tokens: int):
     """(text, tokens, stats) of one greedy reply, stopped as soon as it cannot be a call."""
     from ..runtime.generation import stream_generate
@@ -150,7 +143,7 @@ def decode_reply(model, tokenizer, messages, mode: str, tree, max_tokens: int):
         text += r.text
         tokens += r.tokens
         stats = r.stats
-        if r.finish_reason is None and _cannot_be_a_call(text):
+        if r.finish_reason is None and not may_be_call(text):
             cut = True
             gen.close()
             break

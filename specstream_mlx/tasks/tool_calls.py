@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 TOOLS_PREAMBLE = "You are a function-calling assistant. These functions are available, one JSON schema per line:\n"
@@ -27,8 +28,6 @@ FORMAT = "specstream-json-v1"
 
 def model_tool_format(model_dir) -> Optional[str]:
     """The tool-call format a model directory declares in ``tools.json``, or None."""
-    from pathlib import Path
-
     if model_dir is None:
         return None
     try:
@@ -39,8 +38,6 @@ def model_tool_format(model_dir) -> Optional[str]:
 
 
 def write_tools_file(model_dir) -> None:
-    from pathlib import Path
-
     note = "replies to tools shown in a system message (tasks/tool_calls.py) with JSON calls only"
     (Path(model_dir) / TOOLS_FILE).write_text(json.dumps({"format": FORMAT, "note": note}, indent=2) + "\n")
 
@@ -124,6 +121,16 @@ def format_calls(calls: Sequence[ToolCall]) -> str:
     if len(calls) == 1:
         return compact(calls[0].to_json())
     return compact([c.to_json() for c in calls])
+
+
+CALL_STARTS = "{[`"  # a call is JSON, optionally in a Markdown code fence
+
+
+def may_be_call(text: str) -> bool:
+    """Whether text that begins a reply can still turn out to be a call: nothing visible
+    yet, or its first visible character starts JSON or a fence."""
+    s = text.lstrip()
+    return not s or s[0] in CALL_STARTS
 
 
 def parse_tool_calls(text: str, names: Optional[Sequence[str]] = None) -> Optional[List[ToolCall]]:
