@@ -574,3 +574,13 @@ def test_generate_and_chat_take_a_tools_file(tool_model, tiny_model_dir, tmp_pat
         timeout=120,
     )
     assert r.returncode == 1 and "has no tool-call format" in r.stderr
+
+
+def test_a_bundle_naming_a_missing_or_foreign_adapter_is_one_line(fake_package):  # noqa: F811
+    from specstream_mlx.io import bundles
+
+    desc = json.loads((fake_package / "bundle.json").read_text())
+    for adapter, needle in (("adapters.safetensors", "missing"), ("../x/adapter_model.bin", "adapters.safetensors")):
+        (fake_package / "bundle.json").write_text(json.dumps(dict(desc, adapter=adapter)))
+        with pytest.raises(bundles.BundleError, match=needle):
+            bundles.materialize(bundles.read_bundle(fake_package), log=lambda s: None)

@@ -32,6 +32,7 @@ from typing import Callable, Iterator, Optional
 from .files import cache_root  # noqa: F401  (where converted bundles and caches live)
 
 BUNDLE_FILE = "bundle.json"
+ADAPTER_FILE = "adapters.safetensors"
 # What the bundle folder ships beside bundle.json, copied into the cached model directory.
 SHIPPED_FILES = ("specstream.json", "streams.safetensors", "bench_prompts.jsonl", "tools.json")
 # Bumped when the converter's output for the same file changes, so caches are rebuilt.
@@ -69,7 +70,7 @@ def read_bundle(folder: Path) -> GGUFBundle:
     path = Path(folder) / BUNDLE_FILE
     try:
         d = json.loads(path.read_text())
-        return GGUFBundle(
+        bundle = GGUFBundle(
             name=Path(folder).name,
             folder=Path(folder),
             package=d["package"],
@@ -80,6 +81,12 @@ def read_bundle(folder: Path) -> GGUFBundle:
         )
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise BundleError(f"{path}: invalid bundle description ({type(e).__name__}: {e})") from e
+    if bundle.adapter is not None:  # the adapter ships beside bundle.json, in mlx-lm's layout
+        if bundle.adapter != ADAPTER_FILE:
+            raise BundleError(f'{path}: "adapter" must be {ADAPTER_FILE!r} (mlx-lm layout), got {bundle.adapter!r}')
+        if not (bundle.folder / ADAPTER_FILE).is_file():
+            raise BundleError(f"{path}: names an adapter, but {bundle.folder / ADAPTER_FILE} is missing")
+    return bundle
 
 
 def package_file(bundle: GGUFBundle) -> Path:
@@ -197,8 +204,6 @@ def _fuse_shipped_adapter(bundle: GGUFBundle, dst: Path, log: Callable[[str], No
             f"{bundle.name}: its adapter was trained on base {want}, but {bundle.file} converts to {have}; "
             f"install the {bundle.package} version the bundle was built with"
         )
-    if (bundle.folder / bundle.adapter).name != "adapters.safetensors":
-        raise BundleError(f"{bundle.folder / BUNDLE_FILE}: adapter must be adapters.safetensors (mlx-lm layout)")
     weights = mx.load(str(dst / "model.safetensors"))
     try:
         weights, fused = fuse_mlx_lm_adapter(weights, bundle.folder)
