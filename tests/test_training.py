@@ -805,3 +805,30 @@ def test_distill_torch_backend_writes_the_same_greedy_replies(tmp_path, base_dir
     assert distill(str(base_dir), str(src), str(tmp_path / "s"), opts, log=lambda s: None, progress=False) == {
         "train": 6
     }
+
+
+def test_fresh_stream_embeddings_are_drawn_at_the_hidden_states_scale(tmp_path, corpus, base_dir):
+    """P is added to the hidden state entering the stream layer; drawn at a fixed 0.02
+    it vanished next to SmolLM2's hidden RMS of ~20 (stream rows were copies of main rows)."""
+    from specstream_mlx.io.loading import load_model_dir
+    from specstream_mlx.train.data import load_dataset
+    from specstream_mlx.train.objective import stream_layer_rms
+
+    data, _ = corpus
+    base = load_model_dir(str(base_dir), warn=False)
+    train_split, _, _ = load_dataset(data, base.tokenizer, 512)
+    h_rms = stream_layer_rms(base.model, train_split.examples[:8], len(base.model.layers) - 2)
+    rms = {}
+    for rel in (0.25, 1.0):
+        cfg = TrainConfig(
+            mode="lossless", num_streams=4, stream_layers=2, lora_rank=4, iters=1, batch_size=4,
+            learning_rate=1e-9, pruning_keep=0, stream_embedding_rms=rel,
+        )  # fmt: skip
+        logs = []
+        train(str(base_dir), str(data), str(tmp_path / str(rel)), cfg, progress=False, log=logs.append)
+        assert any("stream embeddings drawn at RMS" in line for line in logs)
+        P = load(str(tmp_path / str(rel)), warn=False)[0].streams.embeddings
+        rms[rel] = float(mx.sqrt(mx.mean(P * P)))
+        assert 0.85 < rms[rel] / (rel * h_rms) < 1.15, (rel, rms[rel], h_rms)
+    with pytest.raises(ValueError, match="stream_embedding_rms"):
+        TrainConfig(stream_embedding_rms=0)

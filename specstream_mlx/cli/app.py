@@ -982,6 +982,11 @@ def train(
     stream_positions: int = typer.Option(
         64, "--stream-positions", help="Completion positions per sequence hosting streams."
     ),
+    stream_embedding_rms: float = typer.Option(
+        0.25,
+        "--stream-embedding-rms",
+        help="RMS of fresh stream embeddings, relative to the hidden state's at the stream layer.",
+    ),
     save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps."),
     steps_per_eval: int = typer.Option(200, "--steps-per-eval", help="Validate every N steps."),
     seed: int = typer.Option(0, "--seed", help="Seed for initialisation and shuffling."),
@@ -1036,6 +1041,7 @@ def train(
             alpha_stream=alpha_stream,
             distill=not no_distill,
             stream_positions=stream_positions,
+            stream_embedding_rms=stream_embedding_rms,
             save_every=save_every,
             steps_per_eval=steps_per_eval,
             seed=seed,

@@ -24,7 +24,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .streams import LoRAAdapter, StreamParams, stream_row_mask
+from .streams import LoRAAdapter, StreamParams, own_streams_block, stream_row_mask
 from .tree import Tree, TreeBuffers, restrict, subtree_keep, tree_buffers
 
 
@@ -68,8 +68,7 @@ def msa_tree_part(anc: np.ndarray, gamma: int, hosts: Optional[np.ndarray] = Non
     m = np.zeros((R, R), dtype=bool)
     m[:n, :n] = anc
     m[n:, :n] = np.repeat(anc[hosts], gamma, axis=0)
-    # Streams of one host: a lower-triangular γ x γ block on the diagonal.
-    m[n:, n:] = np.kron(np.eye(h, dtype=bool), np.tril(np.ones((gamma, gamma), dtype=bool)))
+    m[n:, n:] = own_streams_block(h, gamma)
     return m
 
 
@@ -218,7 +217,7 @@ def msa_layers(
     if n_hosts:
         # Stream insertion: S[t, j] = M[t] + P[j], host-major.
         M, P = (h[0], positions[0]) if host_idx is None else (h[0][host_idx], positions[0][host_idx])
-        S = (M[:, None, :] + streams.embeddings[None, :gamma]).reshape(1, n_hosts * gamma, -1)
+        S = streams.insert(M)[:, :gamma].reshape(1, n_hosts * gamma, -1)
         x = mx.concatenate([h, S], axis=1)
         stream_pos = (P[:, None] + mx.arange(1, gamma + 1, dtype=mx.int32)[None]).reshape(1, -1)
         pos_all = mx.concatenate([positions, stream_pos], axis=1)

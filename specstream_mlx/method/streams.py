@@ -20,6 +20,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 FORMAT_VERSION = 1
@@ -213,6 +214,13 @@ class LoRAAdapter:
         return y + (delta if self.row_mask is None else delta * self.row_mask)
 
 
+def own_streams_block(n_hosts: int, gamma: int) -> np.ndarray:
+    """(n_hosts·γ, n_hosts·γ) bool, host-major: stream (t, j) sees streams (t, 1..j) of
+    its own host and no other host's. The one definition of the stream-to-stream rule,
+    used by decoding (method/msa.py) and training (train/objective.py)."""
+    return np.kron(np.eye(n_hosts, dtype=bool), np.tril(np.ones((gamma, gamma), dtype=bool)))
+
+
 def stream_row_mask(n_main: int, n_rows: int, dtype=mx.float32) -> mx.array:
     """(1, n_rows, 1): 0 for the first ``n_main`` rows, 1 for the stream rows after them."""
     return (mx.arange(n_rows) >= n_main).astype(dtype)[None, :, None]
@@ -234,7 +242,8 @@ class StreamParams(nn.Module):
         self.config = cfg
         self.first_layer = n_layers - cfg.stream_layers
         hidden = model.args.hidden_size
-        # Small random identifiers: streams start as near-copies of the main row.
+        # Placeholder identifiers; training draws them at the scale of the hidden state
+        # they are added to (scale_embeddings), a loaded file replaces them.
         self.embeddings = mx.random.normal((cfg.num_streams, hidden)) * 0.02
         self.lora: Dict[str, Dict[str, LoRA]] = {}
         if cfg.lora_rank > 0:
@@ -246,6 +255,20 @@ class StreamParams(nn.Module):
     @property
     def num_streams(self) -> int:
         return self.config.num_streams
+
+    def insert(self, M: mx.array) -> mx.array:
+        """Stream insertion ``S[.., j, :] = M[.., :] + P[j]``: (..., h) -> (..., γ, h)."""
+        return M[..., None, :] + self.embeddings
+
+    def scale_embeddings(self, target_rms: float, seed: int = 0) -> None:
+        """Draw P afresh with each entry ~ N(0, target_rms²), so a stream row's identifier
+        has RMS ``target_rms``. The identifier must be comparable to the hidden state it is
+        added to: at a fixed small scale (0.02 against a hidden RMS of ~20 in SmolLM2's
+        upper layers) every stream row enters the MSA layers as a copy of its main row,
+        and an optimizer stepping ~lr per entry cannot grow it in a run's few hundred steps."""
+        key = mx.random.key(seed)
+        self.embeddings = mx.random.normal(self.embeddings.shape, key=key) * float(target_rms)
+        mx.eval(self.embeddings)
 
     def layer_lora(self, layer_index: int) -> Optional[Dict[str, LoRA]]:
         """The stream LoRA of an MSA layer, or None."""

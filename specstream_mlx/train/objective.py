@@ -34,6 +34,7 @@ from ..method.streams import (
     lora_key,
     make_layer_loras,
     new_streams,
+    own_streams_block,
 )
 from .config import TrainConfig
 
@@ -115,9 +116,24 @@ def frozen_head_logits(model, h: mx.array) -> mx.array:
     return h @ mx.stop_gradient(head.weight).T
 
 
-def stream_block_mask(n_pos: int, gamma: int) -> np.ndarray:
-    """(R, R), R = n_pos·γ: stream (t, j) sees streams (t, 1..j) of its own position."""
-    return np.kron(np.eye(n_pos, dtype=bool), np.tril(np.ones((gamma, gamma), dtype=bool)))
+def stream_layer_rms(model, examples, s0: int, max_rows: int = 2048) -> float:
+    """Median RMS of the hidden state entering layer ``s0`` over completion positions
+    (where streams are hosted) of ``examples``: the scale stream embeddings are drawn at.
+    Position 0 is left out: its state is the attention sink, ~50x larger in SmolLM2."""
+    rms = []
+    for ex in examples:
+        n = len(ex.tokens)
+        start = max(ex.completion_start - 1, 1)
+        if start >= n - 1:
+            continue
+        h_s0, _, _ = main_pass(model, mx.array(np.asarray(ex.tokens, dtype=np.int32)[None]), {}, s0)
+        h = h_s0[0, start : n - 1].astype(mx.float32)
+        rms.append(np.array(mx.sqrt(mx.mean(h * h, axis=-1))))
+        if sum(len(r) for r in rms) >= max_rows:
+            break
+    if not rms:
+        raise ValueError("no completion positions to measure the hidden-state scale on")
+    return float(np.median(np.concatenate(rms)))
 
 
 def stream_pass(
@@ -134,12 +150,12 @@ def stream_pass(
     gamma = streams.num_streams
     s0 = streams.first_layer
     M = mx.take_along_axis(h_s0, spos[..., None], axis=1)  # (B, S, h)
-    x = (M[:, :, None, :] + streams.embeddings[None, None]).reshape(B, S * gamma, -1)
+    x = streams.insert(M).reshape(B, S * gamma, -1)
     js = mx.arange(1, gamma + 1, dtype=mx.int32)
     positions = model.rotation((spos[:, :, None] + js).reshape(B, S * gamma))
     host = mx.repeat(spos, gamma, axis=1)  # (B, R): the position each stream row hangs from
     main_part = mx.arange(L)[None, None, :] <= host[:, :, None]  # (B, R, L)
-    own = mx.broadcast_to(mx.array(stream_block_mask(S, gamma))[None], (B, S * gamma, S * gamma))
+    own = mx.broadcast_to(mx.array(own_streams_block(S, gamma))[None], (B, S * gamma, S * gamma))
     mask = mx.concatenate([main_part, own], axis=-1)[:, None]  # (B, 1, R, L + R)
     for i in range(s0, len(model.layers)):
         # Every row here is a stream row: the LoRA applies to all of them.

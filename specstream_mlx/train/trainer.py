@@ -226,6 +226,22 @@ def _adopt_existing_streams(streams, cfg: TrainConfig, log):
     return streams
 
 
+def _draw_stream_embeddings(model, streams, data, cfg: TrainConfig, log) -> None:
+    """Fresh stream embeddings at ``cfg.stream_embedding_rms`` of the stream layer's hidden RMS."""
+    from .objective import stream_layer_rms
+
+    try:
+        h_rms = stream_layer_rms(model, data.train.examples[:8], streams.first_layer)
+    except ValueError as e:
+        raise TrainError(f"stream embeddings: {e}") from None
+    target = cfg.stream_embedding_rms * h_rms
+    streams.scale_embeddings(target, seed=cfg.seed)
+    log(
+        f"[train] stream embeddings drawn at RMS {target:.3g} "
+        f"({cfg.stream_embedding_rms:g} x the hidden state's {h_rms:.3g} entering layer {streams.first_layer})"
+    )
+
+
 def _torch_accelerator():
     from .torch_backend import make_accelerator
 
@@ -292,6 +308,8 @@ def train(
     trainable = Trainable(model, cfg)
     if existing is not None:
         trainable.streams.update(existing.parameters())
+    elif cfg.streams and not resume:
+        _draw_stream_embeddings(model, trainable.streams, data, cfg, log)
     # Lossless streams are tied to the frozen base they learned: record its fingerprint, so
     # they are never attached to another base. (Shared mode writes a new base of its own.)
     from ..io.fingerprint import base_fingerprint
