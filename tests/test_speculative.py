@@ -24,6 +24,9 @@ TREES = [
     # the next draft then often comes from a hosting ancestor's later streams.
     TreeSpec("dynamic", budget=10, depth=3, hosts=2),
     TreeSpec("cartesian", (3, 2, 1), hosts=1),
+    # Hybrid: n-gram continuation branches merged in under the same budget.
+    TreeSpec("dynamic", budget=10, depth=3, lookup=5),
+    TreeSpec("dynamic", budget=6, depth=3, lookup=4, hosts=1),
 ]
 
 
@@ -228,3 +231,47 @@ def test_hosting_fewer_streams_keeps_their_states(hf_models):
     assert part.stream_hidden.shape[1] == 2
     assert mx.allclose(full.main_logits, part.main_logits, atol=1e-5).item()
     assert mx.allclose(full.stream_hidden[:, :2], part.stream_hidden, atol=1e-5).item()
+
+
+def test_ngram_index_drafts_what_the_scan_drafts():
+    from specstream_mlx.runtime.lookup import NgramIndex
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        h = rng.integers(0, 4 if trial % 2 else 12, size=int(rng.integers(1, 60))).tolist()
+        index = NgramIndex(h[:5])
+        index.extend(h[5:])
+        for L in (1, 3, 6):
+            assert index.draft(L) == lookup_draft(h, L), (h, L)
+
+
+def test_lookup_branches_are_accepted_and_exact(hf_models):
+    """Greedy decoding of a small random model falls into loops: a +lookup tree must then
+    accept its n-gram branches (more tokens per pass than streams that draft noise) and
+    still decode exactly the plain tokens."""
+    _, _, dst = hf_models("llama")
+    model, _ = load_model(dst)
+    streams = new_streams(model, StreamConfig(num_streams=3, stream_layers=2, lora_rank=4))
+    streams.embeddings = mx.random.normal(streams.embeddings.shape, key=mx.random.key(0)) * 100.0
+    rng = np.random.RandomState(3)
+    prompts = [mx.array(rng.randint(3, 151, size=12).tolist()) for _ in range(4)]
+    n, passes = 64, {}
+    for spec in ("dynamic:6,3", "dynamic:6,3+lookup"):
+        passes[spec] = 0
+        for prompt in prompts:
+            ref, _ = take(ar_steps(model, prompt, GREEDY), n)
+            got, k = take(ss_steps(model, prompt, GREEDY, streams=streams, tree=spec), n)
+            assert got == ref, spec
+            passes[spec] += k
+    assert passes["dynamic:6,3+lookup"] < 0.75 * passes["dynamic:6,3"], passes
+
+
+def test_tree_spec_lookup_text():
+    spec = TreeSpec.parse("dynamic:8+lookup")
+    assert spec.lookup == 5 and spec.budget == 8 and spec.describe() == "dynamic:8+lookup"
+    spec = TreeSpec.parse("dynamic:8,3+lookup:3@2")
+    assert (spec.lookup, spec.depth, spec.hosts) == (3, 3, 2)
+    assert TreeSpec.parse(spec.describe()) == spec
+    for bad in ("cartesian:2x1+lookup", "dynamic:8+lookup:0", "dynamic:8+lookahead", "dynamic:8+lookup:x"):
+        with pytest.raises(ValueError, match="lookup"):
+            TreeSpec.parse(bad)

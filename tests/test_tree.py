@@ -184,3 +184,31 @@ def test_tree_spec_hosting_suffix():
     assert TreeSpec.parse("cartesian:3x2@1").hosts == 1
     with pytest.raises(ValueError, match="@M"):
         TreeSpec.parse("dynamic:8@0")
+
+
+def test_merge_chain_joins_shared_prefixes_and_keeps_the_best_nodes():
+    from specstream_mlx.method.tree import merge_chain, tree_buffers
+
+    # root 5 -> 7 (0.6) -> 8 (0.3); root -> 9 (0.2)
+    tree = Tree((5, 7, 9, 8), (-1, 0, 0, 1))
+    scores = [1.0, 0.6, 0.2, 0.3]
+    # The chain 7, 4, 4 shares node 7 and adds two nodes below it.
+    merged, s = merge_chain(tree, scores, [7, 4, 4], [0.9, 0.5, 0.25], budget=4)
+    paths = {}
+    for i in range(len(merged)):
+        path, j = [], i
+        while j >= 0:
+            path.append(merged.tokens[j])
+            j = merged.parents[j]
+        paths[tuple(reversed(path))] = s[i]
+    # Kept: the best 4 of {7: 0.9, 7-4: 0.5, 7-8: 0.3, 7-4-4: 0.25, 9: 0.2}; 7's score is the larger.
+    assert paths == {(5,): 1.0, (5, 7): 0.9, (5, 7, 4): 0.5, (5, 7, 8): 0.3, (5, 7, 4, 4): 0.25}
+    b = tree_buffers(merged.parents)
+    assert list(b.depths) == sorted(b.depths)  # breadth-first
+    # A budget too small for the chain's tail keeps every kept node's ancestors.
+    small, _ = merge_chain(tree, scores, [3, 3, 3], [0.4, 0.35, 0.1], budget=3)
+    assert len(small) == 4 and all(p < i for i, p in enumerate(small.parents))
+    assert set(zip(small.tokens, small.parents)) >= {(3, 0)}
+    # No chain: the tree itself.
+    same, s2 = merge_chain(tree, scores, [], [], budget=3)
+    assert same == tree and list(s2) == scores

@@ -136,6 +136,10 @@ def hosting_nodes(parents: Sequence[int], reach: Sequence[float], m: int) -> np.
 # --- drafters --------------------------------------------------------------
 
 
+# Tokens of an n-gram continuation a ``+lookup`` tree merges in (prompt-lookup's usual draft).
+LOOKUP_LEN = 5
+
+
 @dataclass(frozen=True)
 class TreeSpec:
     """Shape of the draft tree.
@@ -150,6 +154,9 @@ class TreeSpec:
         depth: deepest level for "dynamic" (<= streams).
         hosts: host speculative streams only at the root and this many other
             nodes (the most likely last accepted ones); 0 hosts them at every node.
+        lookup: "dynamic" only: merge up to this many tokens of an n-gram continuation
+            (prompt lookup over the prompt and the reply so far) into the tree, under the
+            same budget, scored by the lookup's measured hit rate; 0 for none.
     """
 
     kind: str = "dynamic"
@@ -157,6 +164,7 @@ class TreeSpec:
     budget: int = 12
     depth: int = 4
     hosts: int = 0
+    lookup: int = 0
 
     def __post_init__(self):
         # A spec that would draft nothing is a mistake, not a root-only pass.
@@ -168,6 +176,8 @@ class TreeSpec:
             raise ValueError(f"{self.describe()}: the budget and the depth must be at least 1")
         if self.hosts < 0:
             raise ValueError(f"{self.describe()}: the number of hosting nodes must be at least 0")
+        if self.lookup < 0 or (self.lookup and self.kind != "dynamic"):
+            raise ValueError(f"{self.describe()}: lookup branches need a dynamic tree and a length of at least 1")
 
     @property
     def max_depth(self) -> int:
@@ -178,12 +188,15 @@ class TreeSpec:
         at = f"@{self.hosts}" if self.hosts else ""
         if self.kind == "cartesian":
             return "cartesian:" + "x".join(str(w) for w in self.widths) + at
-        return f"dynamic:{self.budget}{at}"
+        depth = f",{self.depth}" if self.depth != 4 else ""
+        lookup = "" if not self.lookup else "+lookup" if self.lookup == LOOKUP_LEN else f"+lookup:{self.lookup}"
+        return f"dynamic:{self.budget}{depth}{lookup}{at}"
 
     @staticmethod
     def parse(text: str) -> "TreeSpec":
         """``cartesian:3x2x1``, ``topk:3,4`` (k, depth), ``dynamic:12`` or ``chain:4``,
-        each optionally followed by ``@M``: streams hosted at the M likeliest endpoints."""
+        each optionally followed by ``@M``: streams hosted at the M likeliest endpoints;
+        a dynamic tree also by ``+lookup`` or ``+lookup:N``: n-gram continuation branches."""
         from dataclasses import replace
 
         body, at, hosts = text.partition("@")
@@ -195,6 +208,19 @@ class TreeSpec:
             if m < 1:
                 raise ValueError(f"bad tree spec {text!r}: @M needs a positive number of hosting nodes")
             return replace(TreeSpec.parse(body), hosts=m)
+        body, plus, extra = text.partition("+")
+        if plus:
+            name, colon, n = extra.partition(":")
+            try:
+                length = int(n) if colon else LOOKUP_LEN
+            except ValueError:
+                length = -1
+            if name != "lookup" or length < 1:
+                raise ValueError(f"bad tree spec {text!r}: use +lookup or +lookup:N (N >= 1) after a dynamic tree")
+            base = TreeSpec.parse(body)
+            if base.kind != "dynamic":
+                raise ValueError(f"bad tree spec {text!r}: lookup branches need a dynamic tree")
+            return replace(base, lookup=length)
         kind, _, arg = text.partition(":")
         try:
             fields = TreeSpec._fields(kind, arg)
@@ -284,19 +310,61 @@ def dynamic_tree(root: int, tokens: np.ndarray, probs: np.ndarray, budget: int, 
     return _bfs_order([root] + [c[0] for c in cands], [-1] + [c[1] for c in cands])
 
 
-def _bfs_order(tokens: List[int], parents: List[int]) -> Tree:
-    """Re-order a tree so nodes are breadth-first and siblings keep their order."""
-    children = [[] for _ in tokens]
+def merge_chain(tree: Tree, scores: Sequence[float], chain: Sequence[int], chain_scores: Sequence[float], budget: int):
+    """A draft tree with a chain of tokens (an n-gram continuation) merged in from the root,
+    and the ``budget`` best nodes of the union kept: returns ``(tree, scores)``, BFS-ordered.
+
+    ``scores``: per node of ``tree``, its path's probability of acceptance (1 at the root);
+    ``chain_scores[k]``: the chain's for its first k + 1 tokens (non-increasing). A chain
+    token a node already has as a child joins that child (its score the larger of the two);
+    the rest hang below it as new nodes. Both sources score a node no higher than its
+    parent, so the best ``budget`` nodes (ties broken by depth) include every ancestor."""
+    tokens, parents = list(tree.tokens), list(tree.parents)
+    score = [float(x) for x in scores]
+    depth = [0] * len(tokens)
+    child = {}
+    for i in range(1, len(tokens)):
+        depth[i] = depth[parents[i]] + 1
+        child[(parents[i], tokens[i])] = i
+    node = 0
+    for tok, sc in zip(chain, chain_scores):
+        nxt = child.get((node, int(tok)))
+        if nxt is None:
+            tokens.append(int(tok))
+            parents.append(node)
+            score.append(float(sc))
+            depth.append(depth[node] + 1)
+            nxt = len(tokens) - 1
+            child[(node, int(tok))] = nxt
+        else:
+            score[nxt] = max(score[nxt], float(sc))
+        node = nxt
+    best = sorted(range(1, len(tokens)), key=lambda i: (-score[i], depth[i], i))[:budget]
+    keep = sorted([0] + best)
+    remap = {o: k for k, o in enumerate(keep)}
+    kept_parents = [-1 if parents[o] < 0 else remap[parents[o]] for o in keep]
+    order = _bfs_permutation(kept_parents)
+    return _bfs_order([tokens[o] for o in keep], kept_parents), np.array([score[keep[o]] for o in order])
+
+
+def _bfs_permutation(parents: Sequence[int]) -> List[int]:
+    """The old index of each node of the breadth-first order (siblings keep their order)."""
+    children = [[] for _ in parents]
     for i, p in enumerate(parents):
         if p >= 0:
             children[p].append(i)
-    order, new_index = [0], {0: 0}
+    order = [0]
     k = 0
     while k < len(order):
-        for c in children[order[k]]:
-            new_index[c] = len(order)
-            order.append(c)
+        order.extend(children[order[k]])
         k += 1
+    return order
+
+
+def _bfs_order(tokens: List[int], parents: List[int]) -> Tree:
+    """Re-order a tree so nodes are breadth-first and siblings keep their order."""
+    order = _bfs_permutation(parents)
+    new_index = {o: k for k, o in enumerate(order)}
     return Tree(
         tuple(tokens[o] for o in order),
         tuple(-1 if parents[o] < 0 else new_index[parents[o]] for o in order),

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..method.acceptance import draw_rows
-from ..method.tree import Tree, TreeSpec, cartesian_tree, dynamic_candidates, dynamic_tree
+from ..method.tree import Tree, TreeSpec, cartesian_tree, dynamic_candidates, dynamic_tree, merge_chain
 from .sampling import SamplingParams, target_probs
 
 
@@ -121,6 +121,16 @@ def draft_tree(
     # The budget it was drafted with, as for greedy trees: --tree auto books the pass's time to it.
     budget = spec.budget if spec.kind == "dynamic" else 0
     return Draft(tree, q[:depth], float(sum(ranked)), scores, all_depth, node_reach(tree, top, ptop), budget)
+
+
+def with_lookup(draft: Draft, chain: List[int], chain_scores: List[float], budget: int) -> Draft:
+    """``draft`` (greedy, dynamic) with an n-gram continuation merged in under the same
+    node budget (:func:`~specstream_mlx.method.tree.merge_chain`); the node scores become
+    the merged tree's, so hosting and --tree auto's prediction see both sources."""
+    if not chain or draft.reach is None:
+        return draft
+    tree, reach = merge_chain(draft.tree, draft.reach, chain, chain_scores, budget)
+    return Draft(tree, None, float(reach[1:].sum()), draft.scores, draft.candidate_depth, reach, draft.budget)
 
 
 def sample_widths(spec: TreeSpec, depth: int) -> tuple:

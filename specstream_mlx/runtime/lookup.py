@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Generator, List, Sequence
+from typing import Dict, Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -31,6 +31,76 @@ def lookup_draft(history: Sequence[int], max_len: int, ngram_max: int = 3, ngram
     return []
 
 
+class NgramIndex:
+    """:func:`lookup_draft` in O(1) per query: for each n, the latest start of every
+    n-gram of the history that has a continuation, updated as tokens are appended
+    (a scan of a 2,000-token prompt per pass would cost about a millisecond, a GPU pass's
+    whole time)."""
+
+    def __init__(self, history: Sequence[int] = (), ngram_max: int = 3, ngram_min: int = 1):
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self.history: List[int] = []
+        self._starts: Dict[int, Dict[Tuple[int, ...], int]] = {n: {} for n in range(ngram_min, ngram_max + 1)}
+        self.extend(history)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        h = self.history
+        for tok in tokens:
+            h.append(int(tok))
+            t = len(h) - 1  # the n-grams ending just before t now have a continuation
+            for n, starts in self._starts.items():
+                if t - n >= 0:
+                    starts[tuple(h[t - n : t])] = t - n
+
+    def draft(self, max_len: int) -> List[int]:
+        """What :func:`lookup_draft` returns for the history so far."""
+        h = self.history
+        for n in range(self.ngram_max, self.ngram_min - 1, -1):
+            if len(h) <= n:
+                continue
+            start = self._starts[n].get(tuple(h[-n:]))
+            if start is not None:
+                return h[start + n : start + n + max_len]
+        return []
+
+
+class LookupBranch:
+    """The n-gram continuation a ``+lookup`` tree merges in, with its measured hit rates.
+
+    Scores are calibrated on the request itself: ``first`` is the rate at which a
+    continuation's first token is the one decoding decided, ``later`` the rate for each
+    further token given the ones before it matched (a copied span tends to go on). Both
+    start at Beta(1, 1) and count every pass's decided tokens, whether or not the
+    continuation's nodes made it into the tree."""
+
+    def __init__(self, length: int):
+        self.length = length
+        self.index: Optional[NgramIndex] = None
+        self.first = [1, 2]  # [hits, tries]
+        self.later = [1, 2]
+        self.chain: List[int] = []
+
+    def propose(self, decided: Sequence[int]) -> "tuple[List[int], List[float]]":
+        """The continuation of ``decided`` (prompt and reply so far) and its path scores."""
+        if self.index is None:
+            self.index = NgramIndex(decided)
+        else:
+            self.index.extend(decided[len(self.index.history) :])
+        self.chain = self.index.draft(self.length)
+        p1, p2 = self.first[0] / self.first[1], self.later[0] / self.later[1]
+        return self.chain, [p1 * p2**k for k in range(len(self.chain))]
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        """Count the last proposal against the tokens its pass decided."""
+        for k, (want, got) in enumerate(zip(self.chain, tokens)):
+            rate = self.first if k == 0 else self.later
+            rate[1] += 1
+            if want != got:
+                break
+            rate[0] += 1
+        self.chain = []
+
+
 def lookup_steps(
     model,
     prompt: mx.array,
@@ -42,11 +112,11 @@ def lookup_steps(
     """Prompt-lookup decoding verified exactly like ``ss`` (lossless)."""
     cache = cache if cache is not None else make_cache(model)
     keys = KeyStream(sampling.seed)
-    history = prompt.tolist()
+    index = NgramIndex(prompt.tolist())
     prefill(model, prompt[:-1], cache, prefill_chunk)
-    root = history[-1]
+    root = index.history[-1]
     while True:
-        draft = lookup_draft(history, draft_len)
+        draft = index.draft(draft_len)
         tree = Tree.chain([root] + draft)
         buf = tree_buffers(tree.parents)
         offset = cache[0].offset
@@ -62,6 +132,6 @@ def lookup_steps(
         verdict = verify(tree, buf, sampling, np.array(target))
         commit_cache(cache, verdict.path)
         new = [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
-        history.extend(new)
+        index.extend(new)
         root = verdict.bonus
         yield Step(new, StepInfo(accepted=verdict.accepted, nodes=len(draft)))

@@ -26,8 +26,9 @@ from ..method.streams import NoStreamsError, StreamParams
 from ..method.tree import Tree, TreeSpec, hosting_nodes
 from .autotune import FixedPolicy, PassPlan
 from .cache import make_cache
-from .drafting import Draft, draft_tree, max_draws, stream_candidates
+from .drafting import Draft, draft_tree, max_draws, stream_candidates, with_lookup
 from .engine import SpeculativeModel, as_speculative
+from .lookup import LookupBranch
 from .plain_step import plain_step
 from .sampling import KeyStream, SamplingParams, sample_token
 from .steps import Step, StepInfo, ar_steps, prefill
@@ -185,6 +186,17 @@ def plain_probe(
     return tok.item()
 
 
+def _recorded(steps: Generator[Step, None, int], decided: list) -> Generator[Step, None, int]:
+    """``steps``, their tokens appended to ``decided``; returns what ``steps`` returns."""
+    while True:
+        try:
+            step = next(steps)
+        except StopIteration as stop:
+            return stop.value
+        decided.extend(step.tokens)
+        yield step
+
+
 def _hosts(draft: Draft, hosting: int) -> Optional[np.ndarray]:
     """The nodes that host streams under hosting mode ``hosting`` (None: every node)."""
     if hosting and draft.reach is not None and len(draft.tree) > hosting + 1:
@@ -243,7 +255,9 @@ def _ss_loop(sm: SpeculativeModel, policy, prompt, sampling, cache, prefill_chun
     rng, keys = np.random.default_rng(sampling.seed), KeyStream(sampling.seed)
     forward = sm.ss_pass(policy.compiled)
     prefill(sm.base, prompt[:-1], cache, prefill_chunk)
-    draft = Draft(Tree((int(prompt[-1].item()),), (-1,)))
+    decided = prompt.tolist()  # what n-gram lookup branches continue
+    lookup: Optional[LookupBranch] = None
+    draft = Draft(Tree((decided[-1],), (-1,)))
     while True:
         plan = policy.plan_pass()
         if plan.plain is not None:
@@ -251,10 +265,11 @@ def _ss_loop(sm: SpeculativeModel, policy, prompt, sampling, cache, prefill_chun
             return
         if plan.probe:
             seed = int(rng.integers(2**31))
-            root = yield from plain_probe(
-                sm.base, draft.tree.tokens[0], plan.probe, sampling, cache, seed, policy.record_plain
-            )
-            draft = Draft(Tree((root,), (-1,)))  # plain steps leave no streams to draft from
+            probe = plain_probe(sm.base, draft.tree.tokens[0], plan.probe, sampling, cache, seed, policy.record_plain)
+            root = yield from _recorded(probe, decided)
+            draft = Draft(Tree((root,), (-1,)))  # plain steps leave no streams (nor lookup branch) to draft from
+            if lookup is not None:
+                lookup.chain = []
             continue
         t = time.perf_counter()
         hosts = _hosts(draft, plan.hosting)
@@ -267,6 +282,18 @@ def _ss_loop(sm: SpeculativeModel, policy, prompt, sampling, cache, prefill_chun
         bonus = res.verdict.bonus
         nxt = draft_tree(bonus, res.top, res.ptop, res.q, plan.spec, sampling, policy.score_budget, res.drawn)
         nxt.from_hosting = plan.hosting if hosts is not None else 0
-        yield _step(out, res, plan)
+        step = _step(out, res, plan)
+        decided.extend(step.tokens)
+        if lookup is not None:
+            lookup.observe(step.tokens)
+        if plan.spec.lookup and sampling.greedy:
+            # Greedy only: a sampled tree's children must be draws from the streams' proposal.
+            if lookup is None or lookup.length != plan.spec.lookup:
+                lookup = LookupBranch(plan.spec.lookup)
+            chain, chain_scores = lookup.propose(decided)
+            hosting = nxt.from_hosting
+            nxt = with_lookup(nxt, chain, chain_scores, plan.spec.budget)
+            nxt.from_hosting = hosting
+        yield step
         policy.record(plan, draft, res.verdict.accepted, time.perf_counter() - t)
         draft = nxt
