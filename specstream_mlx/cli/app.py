@@ -984,7 +984,7 @@ def train(
         64, "--stream-positions", help="Completion positions per sequence hosting streams."
     ),
     stream_embedding_rms: float = typer.Option(
-        0.25,
+        0.05,
         "--stream-embedding-rms",
         help="RMS of fresh stream embeddings, relative to the hidden state's at the stream layer.",
     ),

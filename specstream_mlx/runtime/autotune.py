@@ -49,7 +49,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..io.bundles import cache_root
-from ..method.tree import TreeSpec
+from ..method.tree import LOOKUP_LEN, TreeSpec
 from ..platform_info import blas_in_use, gemv_forwarding
 from .acceptance_prior import AcceptancePrior
 from .drafting import Draft, num_candidates
@@ -386,7 +386,9 @@ class AutoPolicy:
         )
 
     def spec(self) -> TreeSpec:
-        return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosts=self.hosting)
+        # Lookup branches ride along (greedy; docs/DESIGN.md decision 28): they replace only
+        # stream nodes their measured hit rate outscores, in a pass of the same shape.
+        return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosts=self.hosting, lookup=LOOKUP_LEN)
 
     def arms(self):
         """Every (budget, hosting mode) the policy chooses between."""

@@ -32,7 +32,7 @@ class TrainConfig:
             (several processes under ``accelerate launch``).
         stream_embedding_rms: fresh stream embeddings are drawn with this RMS relative
             to the RMS of the hidden state they are added to (measured on the train split
-            at the stream layer). Default 0.25.
+            at the stream layer). Default 0.05.
         pruning_keep: calibrate the early-exit pruning threshold on the valid split so that
             this share of would-be-accepted children survives (0: keep ``pruning_threshold``).
     """
@@ -54,7 +54,7 @@ class TrainConfig:
     distill: bool = True
     distill_weight: float = 1.0
     stream_positions: int = 64
-    stream_embedding_rms: float = 0.25
+    stream_embedding_rms: float = 0.05
     segment: int = 32
     # "float32", "bfloat16" (torch backend, frozen base: the frozen weights are held in
     # bfloat16 and the matmuls run in it; trained weights and softmaxes stay float32), or
