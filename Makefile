@@ -54,7 +54,7 @@ demo: install-runtime
 	$(PY) -m specstream_mlx.demo.run
 
 test: install
-	env $(BLAS_ENV) $(PY) -m pytest -q
+	env $(BLAS_ENV) $(PY) -m pytest -q --durations=10
 
 # The Swift client (examples/swift): built and tested against the real server when a Swift
 # toolchain is installed (on PATH, or at /opt/swift); skipped with one line otherwise.

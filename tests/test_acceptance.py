@@ -230,12 +230,22 @@ def exact_sequence_distribution(model, prompt, sampling, n_tokens=N_TOKENS):
 
 
 @pytest.mark.parametrize(
-    "top_p,pruning,eager,hosts,probes,n_tokens",
-    [(1.0, 0.0, True, 0, False, 3), (0.8, 0.02, False, 1, False, 4), (0.8, 0.0, True, 0, True, 3)],
+    "top_p,pruning,eager,hosts,probes,n_tokens,n",
+    [
+        (1.0, 0.0, True, 0, False, 3, 2500),
+        (0.8, 0.02, False, 1, False, 4, 10000),
+        (0.8, 0.0, True, 0, True, 3, 2500),
+    ],
     ids=["plain", "top_p-pruning-noneager-hosting", "auto-plain-probes"],
 )
-def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, probes, n_tokens, monkeypatch):
-    """10,000 seeded ss generations of 3 or 4 tokens against the exact ar distribution.
+def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, probes, n_tokens, n, monkeypatch):
+    """Seeded ss generations of 3 or 4 tokens against the exact ar distribution.
+
+    Sample counts: the case with every feature on draws 10,000; the other two 2,500, which
+    resolve a total-variation distance of about 0.07 over their ~50 pooled cells
+    (√(cells / n) / 2). Removing the residual update from rejection sampling moves all
+    three much further than that: checked once, each case then fails at these counts
+    with a p-value below 1e-20.
 
     The second case turns on everything that could break losslessness at once: nucleus
     sampling (top-p 0.8), an early-exit pruning threshold that prunes greedy trees, and
@@ -291,7 +301,6 @@ def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, probe
     prompt = [4]  # one token: no separate prefill pass, so the test stays fast
     sampling = SamplingParams(temperature=0.9, top_p=top_p)
     dist = exact_sequence_distribution(model, prompt, sampling, n_tokens)
-    n = 4000 if probes else 10000
     counts = np.zeros_like(dist)
     accepted = probed = shifted_verified = 0
     for i in range(n):
