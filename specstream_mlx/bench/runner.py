@@ -181,6 +181,23 @@ def load_bench_prompts(model_dir: Path, n: int, prompts_file: Optional[Path] = N
     return read_prompts_file(f, n)
 
 
+def _prompt_set_rows(path: Path, prompt_set: str, n: int, max_tokens: int) -> List[dict]:
+    """A named prompt set's rows; second turns follow the model's own greedy first answer
+    (``max_tokens`` long at most, decoded plainly)."""
+    from .mtbench import prompt_rows
+
+    first_answer = None
+    if prompt_set == "mtbench-2":
+        from ..runtime.generation import generate
+
+        model, tok = load(str(path), warn=False)
+
+        def first_answer(question: str) -> str:
+            return generate(model, tok, question, max_tokens=max_tokens, mode="ar").text
+
+    return prompt_rows(prompt_set, n, first_answer)
+
+
 def _f32(model):
     """mlx-lm's model on the weights and dtype ours runs: quantized layers expanded where our
     loader expands them (the CPU backend), floats in the compute dtype."""
@@ -375,11 +392,17 @@ def run_bench(
     log=print,
     rounds: int = 3,
     prompts_file: Optional[str] = None,
+    prompt_set: Optional[str] = None,
 ) -> dict:
-    """Decode the model's held-out prompts (or ``prompts_file``'s) with every method;
-    returns the JSON-ready result."""
+    """Decode the model's held-out prompts (or ``prompts_file``'s, or a named
+    ``prompt_set``: ``mtbench``, ``mtbench-2``) with every method; returns the JSON-ready result."""
     path = resolve_model_path(model)
-    prompts = load_bench_prompts(path, n_prompts, Path(prompts_file) if prompts_file else None)
+    if prompt_set is not None and prompts_file is not None:
+        raise ValueError("give a prompts file or a prompt set, not both")
+    if prompt_set is not None:
+        prompts = _prompt_set_rows(path, prompt_set, n_prompts, max_tokens)
+    else:
+        prompts = load_bench_prompts(path, n_prompts, Path(prompts_file) if prompts_file else None)
     _, tok = load(str(path), warn=False)
     ids = [encode_prompt(tok, p["prompt"], use_chat_template=True) for p in prompts]
     setup = BenchSetup(prompts, ids, max_tokens, temperature, seed)
@@ -414,6 +437,7 @@ def run_bench(
         "settings": {
             "prompts": len(prompts),
             "prompts_file": Path(prompts_file).name if prompts_file else None,
+            "prompt_set": prompt_set,
             "rounds": rounds,
             "max_tokens": max_tokens,
             "temperature": temperature,

