@@ -278,10 +278,9 @@ def generate(
     tree: str = typer.Option(
         "auto",
         "--tree",
-        help="Draft tree: auto (learns while decoding which tree pays here; may decode plainly), "
-        "dynamic:BUDGET, cartesian:3x2x1, topk:K,DEPTH, chain:N; "
-        "@M hosts streams at the root and M likely endpoints only (e.g. dynamic:8@1); "
-        "dynamic:BUDGET+lookup also merges n-gram continuations of the text so far (greedy only).",
+        help="Draft tree: auto (learns while decoding which tree pays here; may decode plainly), dynamic:BUDGET, "
+        "cartesian:3x2x1, topk:K,DEPTH, chain:N; @M hosts streams at the root and M likely endpoints only "
+        "(e.g. dynamic:8@1); dynamic:BUDGET+lookup also merges n-gram continuations (greedy only).",
     ),
     prune_threshold: Optional[float] = typer.Option(
         None, "--prune-threshold", help="Tree-pruning threshold (default: the model's)."
@@ -991,9 +990,7 @@ def train(
         64, "--stream-positions", help="Completion positions per sequence hosting streams."
     ),
     stream_embedding_rms: float = typer.Option(
-        0.05,
-        "--stream-embedding-rms",
-        help="RMS of fresh stream embeddings, relative to the hidden state's at the stream layer.",
+        0.05, "--stream-embedding-rms", help="RMS of fresh stream embeddings / the stream layer's hidden RMS."
     ),
     save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps."),
     steps_per_eval: int = typer.Option(200, "--steps-per-eval", help="Validate every N steps."),
@@ -1067,13 +1064,18 @@ def train(
     if res.interrupted:
         raise typer.Exit(130)
     if export_hf and res.written:
-        from ..convert import ConvertError
-        from ..convert.export import export_hf as _export
+        _export_trained(out, export_hf, force)
 
-        try:
-            _export(out, export_hf, force=force, log=lambda s: typer.echo(s, err=True))
-        except (ConvertError, ValueError) as e:
-            _err(str(e))
+
+def _export_trained(out: str, export_hf: str, force: bool) -> None:
+    """``train --export-hf``: the trained model in Hugging Face layout too."""
+    from ..convert import ConvertError
+    from ..convert.export import export_hf as _export
+
+    try:
+        _export(out, export_hf, force=force, log=lambda s: typer.echo(s, err=True))
+    except (ConvertError, ValueError) as e:
+        _err(str(e))
 
 
 def main():
