@@ -230,15 +230,16 @@ def exact_sequence_distribution(model, prompt, sampling, n_tokens=N_TOKENS):
 
 
 @pytest.mark.parametrize(
-    "top_p,pruning,eager,hosts,probes,n_tokens,n",
+    "top_p,pruning,eager,hosts,probes,n_tokens,n,lookup",
     [
-        (1.0, 0.0, True, 0, False, 3, 2500),
-        (0.8, 0.02, False, 1, False, 4, 10000),
-        (0.8, 0.0, True, 0, True, 3, 2500),
+        (1.0, 0.0, True, 0, False, 3, 2500, False),
+        (0.8, 0.02, False, 1, False, 4, 10000, False),
+        (0.8, 0.0, True, 0, True, 3, 2500, False),
+        (1.0, 0.0, True, 0, False, 4, 2500, True),
     ],
-    ids=["plain", "top_p-pruning-noneager-hosting", "auto-plain-probes"],
+    ids=["plain", "top_p-pruning-noneager-hosting", "auto-plain-probes", "hybrid-lookup"],
 )
-def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, probes, n_tokens, n, monkeypatch):
+def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, probes, n_tokens, n, lookup, monkeypatch):
     """Seeded ss generations of 3 or 4 tokens against the exact ar distribution.
 
     Sample counts: the case with every feature on draws 10,000; the other two 2,500, which
@@ -253,7 +254,11 @@ def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, probe
     vocabulary), and streams hosted at one node per tree; its 4 tokens reach passes that
     verify drafts from a hosting ancestor's later streams (counted: with 3 tokens no such
     draft is ever verified before the sequence is complete). The third has ``--tree auto`` interleave its
-    timed plain probes with tree passes (a one-token probe after every other pass)."""
+    timed plain probes with tree passes (a one-token probe after every other pass). The
+    fourth drafts hybrid trees: stream draws plus an n-gram lookup branch of point-mass
+    proposals from a prompt that repeats itself (lookup nodes must be accepted, counted;
+    verifying the lookup nodes against the stream proposal instead of their point mass
+    fails it, p < 1e-30, checked once)."""
     from scipy.stats import chisquare
 
     import specstream_mlx.runtime.speculative as spec_mod
@@ -273,6 +278,26 @@ def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, probe
 
     monkeypatch.setattr(spec_mod, "_usable", spy)
     tree = TreeSpec("cartesian", (2, 1), hosts=hosts)
+    # Hybrid trees: where the lookup branch starts in the tree being verified, and how
+    # often a verdict's path went through it.
+    branch = {"tree": None, "start": 0, "accepted": 0}
+    if lookup:
+        tree = TreeSpec("dynamic", budget=4, depth=2, lookup=3)
+        hang, verify = spec_mod.with_lookup_sampled, spec_mod.verify
+
+        def hang_spy(draft, chain, *a):
+            out = hang(draft, chain, *a)
+            branch["tree"], branch["start"] = out.tree, len(draft.tree)
+            return out
+
+        def verify_spy(t, b, s, target):
+            v = verify(t, b, s, target)
+            if t == branch["tree"]:  # a hybrid tree: did the path go through its lookup branch?
+                branch["accepted"] += any(i >= branch["start"] for i in v.path)
+            return v
+
+        monkeypatch.setattr(spec_mod, "with_lookup_sampled", hang_spy)
+        monkeypatch.setattr(spec_mod, "verify", verify_spy)
     if probes:
         import specstream_mlx.runtime.autotune as A
         import specstream_mlx.runtime.engine as engine
@@ -298,7 +323,9 @@ def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, probe
             pruning_threshold=pruning,
         )
         assert sum(next(greedy).info.pruned for _ in range(6)) > 0
-    prompt = [4]  # one token: no separate prefill pass, so the test stays fast
+    # One token: no separate prefill pass, so the test stays fast; the hybrid case's prompt
+    # repeats itself so lookup finds continuations from the first drafted tree on.
+    prompt = [4, 1, 4, 2, 4] if lookup else [4]
     sampling = SamplingParams(temperature=0.9, top_p=top_p)
     dist = exact_sequence_distribution(model, prompt, sampling, n_tokens)
     counts = np.zeros_like(dist)
@@ -327,6 +354,7 @@ def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, probe
     assert accepted > (0.03 if probes else 0.3) * n
     assert probed > 0.5 * n if probes else probed == 0
     assert shifted_verified > 0.02 * n if hosts else shifted_verified == 0
+    assert branch["accepted"] > 0.05 * n if lookup else branch["accepted"] == 0
     expected = dist.ravel() * n
     keep = expected > 5  # pool rare cells so the chi-square approximation holds
     # Sequences outside the nucleus (probability exactly 0) must never appear.

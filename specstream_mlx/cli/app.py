@@ -280,7 +280,7 @@ def generate(
         "--tree",
         help="Draft tree: auto (learns while decoding which tree pays here; may decode plainly), dynamic:BUDGET, "
         "cartesian:3x2x1, topk:K,DEPTH, chain:N; @M hosts streams at the root and M likely endpoints only "
-        "(e.g. dynamic:8@1); dynamic:BUDGET+lookup also merges n-gram continuations (greedy only).",
+        "(e.g. dynamic:8@1); dynamic:BUDGET+lookup also drafts n-gram continuations of the text so far.",
     ),
     prune_threshold: Optional[float] = typer.Option(
         None, "--prune-threshold", help="Tree-pruning threshold (default: the model's)."
@@ -989,8 +989,8 @@ def train(
     stream_positions: int = typer.Option(
         64, "--stream-positions", help="Completion positions per sequence hosting streams."
     ),
-    stream_embedding_rms: float = typer.Option(
-        0.05, "--stream-embedding-rms", help="RMS of fresh stream embeddings / the stream layer's hidden RMS."
+    stream_embedding_rms: Optional[float] = typer.Option(
+        None, "--stream-embedding-rms", help="Draw fresh stream embeddings at this x the stream layer's hidden RMS."
     ),
     save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps."),
     steps_per_eval: int = typer.Option(200, "--steps-per-eval", help="Validate every N steps."),

@@ -62,7 +62,7 @@ def rrs_decisions(
     draft_q: Optional[mx.array],
     kid_tokens: np.ndarray,
     kid_count: np.ndarray,
-    depths: np.ndarray,
+    rows: np.ndarray,
     key: mx.array,
 ) -> "tuple[mx.array, mx.array]":
     """Recursive rejection sampling at every node of a tree at once, on the device.
@@ -84,7 +84,10 @@ def rrs_decisions(
         draft_q: (D, V) the distribution the children at each depth were drawn from
             (None when the tree has no children).
         kid_tokens, kid_count: :func:`child_table` of the tree.
-        depths: (n,) node depths (the children of a node at depth d come from draft_q[d]).
+        rows: which row of ``draft_q`` each child was drawn from: (n,) per node, for
+            children drawn alike (a node's depth d: stream d + 1's proposal), or (n, W) per
+            child (hybrid trees: a lookup child's row is the one-hot of its token, a
+            point-mass proposal, accepted with probability p(x)).
         key: the PRNG key of this verification.
 
     Returns:
@@ -97,7 +100,9 @@ def rrs_decisions(
     p = target.astype(mx.float32)
     first = mx.full((n,), -1, dtype=mx.int32)
     if W and draft_q is not None:
-        rows = np.minimum(np.asarray(depths), draft_q.shape[0] - 1).astype(np.int32)
+        rows = np.asarray(rows)
+        rows = np.repeat(rows[:, None], W, axis=1) if rows.ndim == 1 else rows
+        rows = np.minimum(rows, draft_q.shape[0] - 1).astype(np.int32)
         q = draft_q.astype(mx.float32)
         u = mx.random.uniform(shape=(n, W), key=k_trials)
         for k in range(W):
@@ -107,7 +112,7 @@ def rrs_decisions(
                 break
             idx = mx.array(at.astype(np.int32))
             x = mx.array(kid_tokens[at, k : k + 1])
-            pk, qk = p[idx], q[mx.array(rows[at])]
+            pk, qk = p[idx], q[mx.array(rows[at, k])]
             px, qx = mx.take_along_axis(pk, x, axis=1)[:, 0], mx.take_along_axis(qk, x, axis=1)[:, 0]
             first[idx] = mx.where((first[idx] < 0) & (u[idx, k] * qx < px), k, first[idx])
             r = mx.maximum(pk - qk, 0.0)

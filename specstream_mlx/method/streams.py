@@ -242,8 +242,8 @@ class StreamParams(nn.Module):
         self.config = cfg
         self.first_layer = n_layers - cfg.stream_layers
         hidden = model.args.hidden_size
-        # Placeholder identifiers; training draws them at the scale of the hidden state
-        # they are added to (scale_embeddings), a loaded file replaces them.
+        # Small random identifiers: streams start as near-copies of the main row
+        # (training may redraw them at the hidden state's scale: scale_embeddings).
         self.embeddings = mx.random.normal((cfg.num_streams, hidden)) * 0.02
         self.lora: Dict[str, Dict[str, LoRA]] = {}
         if cfg.lora_rank > 0:
@@ -262,10 +262,7 @@ class StreamParams(nn.Module):
 
     def scale_embeddings(self, target_rms: float, seed: int = 0) -> None:
         """Draw P afresh with each entry ~ N(0, target_rms²), so a stream row's identifier
-        has RMS ``target_rms``. The identifier must be comparable to the hidden state it is
-        added to: at a fixed small scale (0.02 against a hidden RMS of ~20 in SmolLM2's
-        upper layers) every stream row enters the MSA layers as a copy of its main row,
-        and an optimizer stepping ~lr per entry cannot grow it in a run's few hundred steps."""
+        has RMS ``target_rms`` (``train --stream-embedding-rms``; docs/DESIGN.md decision 27)."""
         key = mx.random.key(seed)
         self.embeddings = mx.random.normal(self.embeddings.shape, key=key) * float(target_rms)
         mx.eval(self.embeddings)

@@ -154,8 +154,8 @@ class TreeSpec:
         depth: deepest level for "dynamic" (<= streams).
         hosts: host speculative streams only at the root and this many other
             nodes (the most likely last accepted ones); 0 hosts them at every node.
-        lookup: "dynamic" only: merge up to this many tokens of an n-gram continuation
-            (prompt lookup over the prompt and the reply so far) into the tree, under the
+        lookup: "dynamic" only: draft up to this many tokens of an n-gram continuation
+            (prompt lookup over the prompt and the reply so far) in the tree, under the
             same budget, scored by the lookup's measured hit rate; 0 for none.
     """
 

@@ -386,7 +386,7 @@ class AutoPolicy:
         )
 
     def spec(self) -> TreeSpec:
-        # Lookup branches ride along (greedy; docs/DESIGN.md decision 28): they replace only
+        # Lookup branches ride along (docs/DESIGN.md decision 28): greedy, they replace only
         # stream nodes their measured hit rate outscores, in a pass of the same shape.
         return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosts=self.hosting, lookup=LOOKUP_LEN)
 

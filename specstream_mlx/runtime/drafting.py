@@ -34,6 +34,8 @@ class Draft:
             which picks the nodes that host streams under a hosting policy.
         budget: the dynamic-tree budget it was drafted with (0 otherwise).
         from_hosting: hosting mode of the pass whose streams drafted it.
+        q_rows: sampled hybrid trees: the row of ``draft_q`` each node was drawn from
+            (None: a node at depth d + 1 from row d).
     """
 
     tree: Tree
@@ -44,6 +46,7 @@ class Draft:
     reach: Optional[np.ndarray] = None
     budget: int = 0
     from_hosting: int = 0
+    q_rows: Optional[np.ndarray] = None
 
 
 def stream_candidates(
@@ -131,6 +134,46 @@ def with_lookup(draft: Draft, chain: List[int], chain_scores: List[float], budge
         return draft
     tree, reach = merge_chain(draft.tree, draft.reach, chain, chain_scores, budget)
     return Draft(tree, None, float(reach[1:].sum()), draft.scores, draft.candidate_depth, reach, draft.budget)
+
+
+# Sampled hybrid trees keep the lookup tokens whose measured score is at least this: a
+# sampled tree cannot drop its weakest stream draws after seeing them (they would no
+# longer be draws from the proposal), so the chain's share of the budget is set first.
+SAMPLED_LOOKUP_MIN = 0.25
+
+
+def sampled_lookup_length(chain_scores: List[float], budget: int) -> int:
+    """How many chain tokens a sampled ``budget``-node tree gives to a lookup branch."""
+    return min(sum(1 for s in chain_scores if s >= SAMPLED_LOOKUP_MIN), budget - 1)
+
+
+def with_lookup_sampled(draft: Draft, chain: List[int], chain_scores: List[float], vocab: int) -> Draft:
+    """A sampled ``draft`` with ``chain`` hung from the root as its own branch: each chain
+    token is a point-mass proposal (a one-hot row appended to ``draft_q``), tried after the
+    root's stream draws; the chain depends only on the text decided so far, never on this
+    pass's draws, so rejection sampling stays exact."""
+    if not chain:
+        return draft
+    tree = draft.tree
+    n, D = len(tree), 0 if draft.draft_q is None else draft.draft_q.shape[0]
+    depths = _depths(tree.parents)
+    tokens = tree.tokens + tuple(int(t) for t in chain)
+    parents = tree.parents + tuple([0] + list(range(n, n + len(chain) - 1)))
+    q_rows = np.concatenate([np.maximum(depths - 1, 0), D + np.arange(len(chain))]).astype(np.int32)
+    point = (mx.arange(vocab)[None] == mx.array(chain, dtype=mx.int32)[:, None]).astype(mx.float32)
+    q = point if draft.draft_q is None else mx.concatenate([draft.draft_q.astype(mx.float32), point])
+    reach = None if draft.reach is None else np.concatenate([draft.reach, np.asarray(chain_scores, dtype=float)])
+    return Draft(
+        Tree(tokens, parents), q, draft.predicted, draft.scores, draft.candidate_depth, reach, draft.budget,
+        draft.from_hosting, q_rows,
+    )  # fmt: skip
+
+
+def _depths(parents) -> np.ndarray:
+    d = np.zeros(len(parents), dtype=np.int32)
+    for i in range(1, len(parents)):
+        d[i] = d[parents[i]] + 1
+    return d
 
 
 def sample_widths(spec: TreeSpec, depth: int) -> tuple:

@@ -14,7 +14,7 @@ rejection sampling; small stream logits are computed eagerly for every node).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Generator, Optional, Union
 
 import mlx.core as mx
@@ -26,7 +26,15 @@ from ..method.streams import NoStreamsError, StreamParams
 from ..method.tree import Tree, TreeSpec, hosting_nodes
 from .autotune import FixedPolicy, PassPlan
 from .cache import make_cache
-from .drafting import Draft, draft_tree, max_draws, stream_candidates, with_lookup
+from .drafting import (
+    Draft,
+    draft_tree,
+    max_draws,
+    sampled_lookup_length,
+    stream_candidates,
+    with_lookup,
+    with_lookup_sampled,
+)
 from .engine import SpeculativeModel, as_speculative
 from .lookup import LookupBranch
 from .plain_step import plain_step
@@ -123,7 +131,10 @@ def verify_sampled(
     slot, shift = out.sources()
     n_stream_logits = out.stream_hidden.shape[0] * out.stream_hidden.shape[1] * sm.args.vocab_size
     eager = 0 < n_stream_logits <= EAGER_STREAM_LOGITS
-    decisions = verification_target(out.main_logits, sampling, out.tree, out.buffers, draft.draft_q, keys.next())
+    q_rows = None if draft.q_rows is None else draft.q_rows[out.kept]
+    decisions = verification_target(
+        out.main_logits, sampling, out.tree, out.buffers, draft.draft_q, keys.next(), q_rows
+    )
     cand = stream_candidates(all_stream_logits(sm.base, out), K, sampling, keys.next(), draws) if eager else None
     mx.eval(decisions, *(cand or ()))
     verdict = verify(out.tree, out.buffers, sampling, np.array(decisions))
@@ -184,6 +195,24 @@ def plain_probe(
             on_token_seconds(now - t)
         t = now
     return tok.item()
+
+
+def _next_draft(sm, res: PassResult, plan: PassPlan, sampling, score_budget: int, chain, chain_scores) -> Draft:
+    """The next tree from the accepted node's stream candidates, with the lookup ``chain``
+    merged in (greedy: the best nodes of both under the budget) or hung from the root
+    (sampling: its share of the budget fixed before the draws are seen)."""
+    bonus, spec = res.verdict.bonus, plan.spec
+    if not chain:
+        return draft_tree(bonus, res.top, res.ptop, res.q, spec, sampling, score_budget, res.drawn)
+    if sampling.greedy:
+        nxt = draft_tree(bonus, res.top, res.ptop, res.q, spec, sampling, score_budget, res.drawn)
+        return with_lookup(nxt, chain, chain_scores, spec.budget)
+    k = sampled_lookup_length(chain_scores, spec.budget)
+    small = replace(spec, budget=spec.budget - k) if k else spec
+    nxt = draft_tree(bonus, res.top, res.ptop, res.q, small, sampling, score_budget, res.drawn)
+    nxt = with_lookup_sampled(nxt, chain[:k], chain_scores[:k], sm.args.vocab_size)
+    nxt.budget = spec.budget  # its pass is booked to the arm that planned it
+    return nxt
 
 
 def _recorded(steps: Generator[Step, None, int], decided: list) -> Generator[Step, None, int]:
@@ -279,21 +308,15 @@ def _ss_loop(sm: SpeculativeModel, policy, prompt, sampling, cache, prefill_chun
         else:
             res = verify_sampled(sm, out, policy.candidates, sampling, draft, keys, max_draws(plan.spec))
         commit_ss(cache, sm.streams, out, res.verdict.path)
-        bonus = res.verdict.bonus
-        nxt = draft_tree(bonus, res.top, res.ptop, res.q, plan.spec, sampling, policy.score_budget, res.drawn)
-        nxt.from_hosting = plan.hosting if hosts is not None else 0
         step = _step(out, res, plan)
         decided.extend(step.tokens)
         if lookup is not None:
             lookup.observe(step.tokens)
-        if plan.spec.lookup and sampling.greedy:
-            # Greedy only: a sampled tree's children must be draws from the streams' proposal.
-            if lookup is None or lookup.length != plan.spec.lookup:
-                lookup = LookupBranch(plan.spec.lookup)
-            chain, chain_scores = lookup.propose(decided)
-            hosting = nxt.from_hosting
-            nxt = with_lookup(nxt, chain, chain_scores, plan.spec.budget)
-            nxt.from_hosting = hosting
+        if plan.spec.lookup and (lookup is None or lookup.length != plan.spec.lookup):
+            lookup = LookupBranch(plan.spec.lookup)
+        chain, chain_scores = lookup.propose(decided) if plan.spec.lookup else ([], [])
+        nxt = _next_draft(sm, res, plan, sampling, policy.score_budget, chain, chain_scores)
+        nxt.from_hosting = plan.hosting if hosts is not None else 0
         yield step
         policy.record(plan, draft, res.verdict.accepted, time.perf_counter() - t)
         draft = nxt

@@ -27,14 +27,17 @@ def verification_target(
     buffers: Optional[TreeBuffers] = None,
     draft_q: Optional[mx.array] = None,
     key: Optional[mx.array] = None,
+    q_rows: Optional[np.ndarray] = None,
 ) -> mx.array:
     """Greedy: (n,) argmax per node. Sampling: (2, n) per node the first accepted child
-    (-1: none) and the bonus token, for ``tree`` whose children at depth d+1 were drawn
-    from ``draft_q[d]`` (None: no children), with PRNG ``key``. Lazy."""
+    (-1: none) and the bonus token, for ``tree`` whose node i was drawn from
+    ``draft_q[q_rows[i]]`` (default: a node at depth d + 1 from ``draft_q[d]``; None: no
+    children), with PRNG ``key``. Lazy."""
     if sampling.greedy:
         return mx.argmax(main_logits, axis=-1)
     kids, count = child_table(tree.tokens, buffers.children)
-    first, bonus = rrs_decisions(target_probs(main_logits, sampling), draft_q, kids, count, buffers.depths, key)
+    rows = buffers.depths if q_rows is None else child_table(q_rows, buffers.children)[0]
+    first, bonus = rrs_decisions(target_probs(main_logits, sampling), draft_q, kids, count, rows, key)
     return mx.stack([first, bonus])
 
 

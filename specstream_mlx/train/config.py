@@ -30,9 +30,9 @@ class TrainConfig:
         segment: stream positions per segment of the stream pass. Default 32.
         backend: "mlx", or "torch" to optimise in PyTorch on the transformers model
             (several processes under ``accelerate launch``).
-        stream_embedding_rms: fresh stream embeddings are drawn with this RMS relative
-            to the RMS of the hidden state they are added to (measured on the train split
-            at the stream layer). Default 0.05.
+        stream_embedding_rms: draw fresh stream embeddings with this RMS relative to the
+            RMS of the hidden state they are added to (measured on the train split at the
+            stream layer); None keeps the fixed 0.02 draw (docs/DESIGN.md decision 27).
         pruning_keep: calibrate the early-exit pruning threshold on the valid split so that
             this share of would-be-accepted children survives (0: keep ``pruning_threshold``).
     """
@@ -54,7 +54,7 @@ class TrainConfig:
     distill: bool = True
     distill_weight: float = 1.0
     stream_positions: int = 64
-    stream_embedding_rms: float = 0.05
+    stream_embedding_rms: Optional[float] = None
     segment: int = 32
     # "float32", "bfloat16" (torch backend, frozen base: the frozen weights are held in
     # bfloat16 and the matmuls run in it; trained weights and softmaxes stay float32), or
@@ -92,7 +92,7 @@ class TrainConfig:
             raise ValueError(f"precision must be float32, bfloat16 or auto, got {self.precision!r}")
         if self.precision == "bfloat16" and (self.backend != "torch" or self.full):
             raise ValueError("--precision bfloat16 needs --backend torch and a frozen base (not --full)")
-        if not self.stream_embedding_rms > 0:
+        if self.stream_embedding_rms is not None and not self.stream_embedding_rms > 0:
             raise ValueError(f"stream_embedding_rms must be > 0, got {self.stream_embedding_rms}")
         if self.loss_chunk < 1:
             raise ValueError(f"loss_chunk must be >= 1, got {self.loss_chunk}")

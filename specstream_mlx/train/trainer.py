@@ -308,7 +308,7 @@ def train(
     trainable = Trainable(model, cfg)
     if existing is not None:
         trainable.streams.update(existing.parameters())
-    elif cfg.streams and not resume:
+    elif cfg.streams and cfg.stream_embedding_rms is not None and not resume:
         _draw_stream_embeddings(model, trainable.streams, data, cfg, log)
     # Lossless streams are tied to the frozen base they learned: record its fingerprint, so
     # they are never attached to another base. (Shared mode writes a new base of its own.)
