@@ -37,9 +37,8 @@ from .drafting import (
 )
 from .engine import SpeculativeModel, as_speculative
 from .lookup import LookupBranch
-from .plain_step import plain_step
-from .sampling import KeyStream, SamplingParams, sample_token
-from .steps import Step, StepInfo, ar_steps, prefill
+from .sampling import KeyStream, SamplingParams
+from .steps import Step, StepInfo, ar_steps, pipelined_tokens, prefill
 from .verification import verification_target, verify
 
 # The one default of the library and every front end (CLI, chat, servers, bench): measure
@@ -170,31 +169,20 @@ def _plain_rest(model, root: int, sampling, cache, policy, reason: str) -> Gener
 def plain_probe(
     model, token: int, n: int, sampling: SamplingParams, cache, seed: int, on_token_seconds: Callable[[float], None]
 ) -> Generator[Step, None, int]:
-    """``n`` plain steps from the decided, not yet cached ``token``, pipelined as
-    :func:`~specstream_mlx.runtime.steps.ar_steps`; each token after the first is timed
-    from one resume to the next. Returns the last token, decided and yielded but
-    not cached: the state a speculative pass starts from. Lossless: every token is
-    the target's own choice (sampled with keys of its own ``seed``)."""
-    keys = KeyStream(seed)
-    step = plain_step(model)
-
-    def forward(tok: mx.array) -> mx.array:
-        return sample_token(step(tok, cache), sampling, None if sampling.greedy else keys.next())
-
-    y = forward(mx.array([token]))
-    mx.async_eval(y)
-    t = None
-    for i in range(n):
-        tok = y
-        if i < n - 1:  # the last token is not run: the next speculative pass caches it as its root
-            y = forward(tok)
-            mx.async_eval(y)
-        yield Step([tok.item()], StepInfo(accepted=0))  # a pass that accepted no draft token
+    """``n`` plain steps from the decided, not yet cached ``token``
+    (:func:`~specstream_mlx.runtime.steps.pipelined_tokens`); each token after the first
+    is timed from one resume to the next. Returns the last token, decided and yielded but
+    not cached: the state a speculative pass starts from. Lossless: every token is the
+    target's own choice (sampled with keys of its own ``seed``)."""
+    t, last = None, token
+    for y in pipelined_tokens(model, mx.array([token]), sampling, cache, KeyStream(seed), n):
+        last = y.item()
+        yield Step([last], StepInfo(accepted=0))  # a pass that accepted no draft token
         now = time.perf_counter()
         if t is not None:
             on_token_seconds(now - t)
         t = now
-    return tok.item()
+    return last
 
 
 def _next_draft(sm, res: PassResult, plan: PassPlan, sampling, score_budget: int, chain, chain_scores) -> Draft:

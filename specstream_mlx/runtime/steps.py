@@ -8,7 +8,7 @@ typed :class:`StepInfo` of what happened in it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generator, List, Optional
+from typing import Generator, Iterator, List, Optional
 
 import mlx.core as mx
 
@@ -74,25 +74,35 @@ def ar_steps(
     cache=None,
     prefill_chunk: int = 512,
 ) -> Generator[Step, None, None]:
-    """Plain autoregressive decoding; one token per forward pass.
-
-    The next pass is queued (``mx.async_eval``) before the current token is
-    handed out, so Python work overlaps the model's compute. Each step is one
-    compiled graph (:mod:`.plain_step`).
-    """
+    """Plain autoregressive decoding; one token per forward pass (:func:`pipelined_tokens`)."""
     cache = cache if cache is not None else make_cache(model)
-    keys = KeyStream(sampling.seed)
     prefill(model, prompt[:-1], cache, prefill_chunk)
+    for y in pipelined_tokens(model, prompt[-1:], sampling, cache, KeyStream(sampling.seed)):
+        yield Step([y.item()])
+
+
+def pipelined_tokens(
+    model, first: mx.array, sampling: SamplingParams, cache, keys: KeyStream, n: Optional[int] = None
+) -> Iterator[mx.array]:
+    """Plain decoding from ``first`` (decided, not yet cached): the decided tokens, lazy.
+
+    The next token's pass is queued (``mx.async_eval``) before the current token is
+    handed out, so Python work overlaps the model's compute; each pass is one compiled
+    graph (:mod:`.plain_step`). With ``n``, stop after ``n`` tokens, the last one decided
+    but not run: not in the cache, the state a speculative pass starts from."""
     step = plain_step(model)
 
     def forward(tok: mx.array) -> mx.array:
         with mx.stream(_decode_stream()):
             return sample_token(step(tok, cache), sampling, None if sampling.greedy else keys.next())
 
-    y = forward(prompt[-1:])
+    y = forward(first)
     mx.async_eval(y)
-    while True:
-        next_y = forward(y)
-        mx.async_eval(next_y)
-        yield Step([y.item()])
-        y = next_y
+    i = 0
+    while n is None or i < n:
+        i += 1
+        if n is None or i < n:
+            nxt = forward(y)
+            mx.async_eval(nxt)
+        yield y
+        y = nxt
