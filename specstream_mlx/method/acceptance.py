@@ -12,10 +12,13 @@ only walks its per-node results.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
+
+from .tree import tree_buffers
 
 
 @dataclass(frozen=True)
@@ -155,9 +158,16 @@ def greedy_accepted_node(tokens: Sequence[int], buffers, target_argmax: mx.array
     host remains the authority (the ss engine checks that both agree)."""
     if len(tokens) == 1:
         return mx.array(0, dtype=mx.int32)
-    b = buffers
-    par = mx.array(b.parents[1:].astype(np.int32))
+    par, ancestors, depths = _device_shape(tuple(int(p) for p in buffers.parents))
     toks = mx.array(np.asarray(tokens[1:], dtype=np.int32))
     bad = mx.concatenate([mx.zeros((1,)), (toks != target_argmax[par]).astype(mx.float32)])
-    on_path = (mx.array(b.ancestor_mask.astype(np.float32)) @ bad) == 0
-    return mx.argmax(mx.where(on_path, mx.array(b.depths), -1)).astype(mx.int32)
+    on_path = (ancestors @ bad) == 0
+    return mx.argmax(mx.where(on_path, depths, -1)).astype(mx.int32)
+
+
+@lru_cache(maxsize=1024)
+def _device_shape(parents: tuple) -> "tuple[mx.array, mx.array, mx.array]":
+    """A tree shape's device arrays for :func:`greedy_accepted_node`, built once per shape:
+    the parents of nodes 1.., the ancestor mask as float32, the depths."""
+    b = tree_buffers(parents)
+    return mx.array(b.parents[1:].astype(np.int32)), mx.array(b.ancestor_mask.astype(np.float32)), mx.array(b.depths)

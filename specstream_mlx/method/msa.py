@@ -268,9 +268,18 @@ def all_stream_logits(model, out: SSOutput) -> mx.array:
     return out.stream_logits if out.stream_logits is not None else model.lm_logits(out.stream_hidden)
 
 
+def slot_index(slots: "list[int]") -> Optional[mx.array]:
+    """``slots`` as the int32 array every layer's commit gathers with (None: already in place)."""
+    return None if slots == list(range(len(slots))) else mx.array(slots, dtype=mx.int32)
+
+
 def commit_ss(cache, streams: StreamParams, out: SSOutput, path) -> None:
     """Keep the accepted path: lower layers index the full tree, MSA layers the kept rows."""
     s0 = streams.first_layer
-    lower = [int(out.kept[i]) for i in path]
+    lower, top = [int(out.kept[i]) for i in path], [int(i) for i in path]
+    lower_index, top_index = slot_index(lower), slot_index(top)  # built once, not once per layer
     for i, c in enumerate(cache):
-        c.commit(lower if i < s0 else path)
+        if i < s0:
+            c.commit(lower, lower_index)
+        else:
+            c.commit(top, top_index)

@@ -14,6 +14,8 @@ from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from ..method.msa import slot_index
+
 
 class KVCache:
     """One layer's keys and values, shaped (B, kv_heads, capacity, head_dim)."""
@@ -81,9 +83,10 @@ class KVCache:
         self.offset -= n
         return n
 
-    def commit(self, slots: Union[Sequence[int], mx.array]) -> None:
+    def commit(self, slots: Union[Sequence[int], mx.array], index: Optional[mx.array] = None) -> None:
         """Keep rows ``slots`` (indices into the last step's rows, in path order)
-        at ``start .. start+len(slots)`` and make that the new offset."""
+        at ``start .. start+len(slots)`` and make that the new offset. ``index``: the
+        same slots as an int32 array, built once for every layer by the caller."""
         slots = slots.tolist() if isinstance(slots, mx.array) else [int(i) for i in slots]
         a = len(slots)
         if a > self._last_len:
@@ -91,7 +94,7 @@ class KVCache:
         start = self._last_start
         # A path 0..a-1 is already in place (a chain draft accepted from its root).
         if slots != list(range(a)):
-            src = start + mx.array(slots, dtype=mx.int32)
+            src = start + (index if index is not None else mx.array(slots, dtype=mx.int32))
             self.keys[..., start : start + a, :] = mx.take(self.keys, src, axis=2)
             self.values[..., start : start + a, :] = mx.take(self.values, src, axis=2)
         self.offset = start + a
@@ -125,5 +128,7 @@ def trim_cache(cache: List[KVCache], n: int) -> None:
 
 
 def commit_cache(cache: List[KVCache], slots: Sequence[int]) -> None:
+    slots = [int(i) for i in slots]
+    index = slot_index(slots)
     for c in cache:
-        c.commit(slots)
+        c.commit(slots, index)

@@ -104,9 +104,14 @@ def draft_tree(
     # --tree auto scores every budget on all the hosted streams, which may go
     # deeper than this tree (see autotune.AutoPolicy.plan_pass).
     all_depth = top.shape[0]
-    scores = [c[2] for c in dynamic_candidates(top, ptop, score_budget)] if score_budget else None
+    budget = spec.budget if spec.kind == "dynamic" else 0
+    scored = dynamic_candidates(top, ptop, score_budget) if score_budget else None
+    scores = None if scored is None else [c[2] for c in scored]
     top, ptop = top[:depth], ptop[:depth]
-    cands = dynamic_candidates(top, ptop, spec.budget if spec.kind == "dynamic" else 0)
+    if scored is not None and depth == all_depth and budget <= score_budget:
+        cands = scored[:budget]  # a smaller budget's candidates are the first entries
+    else:
+        cands = dynamic_candidates(top, ptop, budget)
     own = [c[2] for c in cands]
     if sampling.greedy:
         if spec.kind == "cartesian":
@@ -115,14 +120,16 @@ def draft_tree(
             tree = dynamic_tree(root, top, ptop, spec.budget, cands)
         reach = node_reach(tree, top, ptop)
         predicted = float(reach[1:].sum()) if spec.kind == "cartesian" else float(sum(own[: spec.budget]))
-        return Draft(tree, None, predicted, scores, all_depth, reach, spec.budget if spec.kind == "dynamic" else 0)
+        return Draft(tree, None, predicted, scores, all_depth, reach, budget)
     widths = sample_widths(spec, depth)
     if max(widths) > drawn.shape[1]:
         raise ValueError(f"{spec.describe()}: needs {max(widths)} draws per stream, got {drawn.shape[1]}")
     tree = cartesian_tree(root, [drawn[g, :w] for g, w in enumerate(widths)], widths)
-    ranked = [c[2] for c in dynamic_candidates(top, ptop, len(tree) - 1)]
+    n = len(tree) - 1
+    ranked = scores[:n] if scored is not None and depth == all_depth and n <= score_budget else None
+    if ranked is None:
+        ranked = [c[2] for c in dynamic_candidates(top, ptop, n)]
     # The budget it was drafted with, as for greedy trees: --tree auto books the pass's time to it.
-    budget = spec.budget if spec.kind == "dynamic" else 0
     return Draft(tree, q[:depth], float(sum(ranked)), scores, all_depth, node_reach(tree, top, ptop), budget)
 
 
