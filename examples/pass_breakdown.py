@@ -10,30 +10,19 @@ the root only. The differences say what the tree's main rows, the op-by-op pass 
 stream rows each cost.
 """
 
-import statistics
 import sys
-import time
 
 import mlx.core as mx
 import numpy as np
 
 from specstream_mlx import load
+from specstream_mlx.bench.machine import median_ms
 from specstream_mlx.method.msa import ss_forward
 from specstream_mlx.method.tree import Tree
 from specstream_mlx.platform_info import blas_in_use
 from specstream_mlx.runtime.cache import make_cache
 from specstream_mlx.runtime.sampling import SamplingParams
 from specstream_mlx.runtime.steps import ar_steps, prefill
-
-
-def median_ms(f, n: int = 12) -> float:
-    f()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def main() -> int:
@@ -68,7 +57,7 @@ def main() -> int:
         (f"9 nodes, {gamma} streams each", ss(tree9, gamma)),
         ("9 nodes, streams at the root", ss(tree9, gamma, np.array([0]))),
     ]:
-        print(f"{label:32s} {median_ms(f):7.1f} ms")
+        print(f"{label:32s} {median_ms(f, 12):7.1f} ms")
     return 0
 
 

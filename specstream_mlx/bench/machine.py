@@ -56,7 +56,7 @@ def read_bandwidth(buffer_bytes: int = 512 << 20, reps: int = 7, threads: Option
     parts = np.array_split(a, threads)
 
     def best(run: Callable[[], object]) -> float:
-        return a.nbytes / min(_timings(run, reps))
+        return a.nbytes / min(timings(run, reps))
 
     one = best(lambda: a.max())
     with ThreadPoolExecutor(threads) as ex:
@@ -88,7 +88,7 @@ def product_shapes(args) -> List[tuple]:
     return per_layer * args.num_hidden_layers + [(d, args.vocab_size)]
 
 
-def _timings(run: Callable[[], object], reps: int) -> List[float]:
+def timings(run: Callable[[], object], reps: int) -> List[float]:
     """Seconds of ``reps`` runs after one warm-up run."""
     run()
     ts = []
@@ -99,8 +99,9 @@ def _timings(run: Callable[[], object], reps: int) -> List[float]:
     return ts
 
 
-def _median_ms(run: Callable[[], None], reps: int) -> float:
-    return statistics.median(_timings(run, reps)) * 1e3
+def median_ms(run: Callable[[], None], reps: int) -> float:
+    """Milliseconds: the median of ``reps`` runs after one warm-up run."""
+    return statistics.median(timings(run, reps)) * 1e3
 
 
 def time_products(shapes: Sequence[tuple], rows: Sequence[int], reps: int) -> Dict[int, float]:
@@ -113,7 +114,7 @@ def time_products(shapes: Sequence[tuple], rows: Sequence[int], reps: int) -> Di
     for r in rows:
         xs = {i: mx.random.normal((r, i)) for i in {s[0] for s in shapes}}
         mx.eval(list(xs.values()))
-        out[r] = _median_ms(lambda xs=xs: mx.eval([xs[w.shape[1]] @ w.T for w in ws]), reps)
+        out[r] = median_ms(lambda xs=xs: mx.eval([xs[w.shape[1]] @ w.T for w in ws]), reps)
     return out
 
 
@@ -134,7 +135,7 @@ def time_passes(model, rows: Sequence[int], reps: int, context: int = CONTEXT) -
             mx.eval(mx.argmax(model(tokens, cache=cache), axis=-1))
             trim_cache(cache, b)
 
-        out[b] = _median_ms(run, reps)
+        out[b] = median_ms(run, reps)
     return out
 
 
