@@ -10,7 +10,7 @@ from specstream_mlx.io.loading import load_model
 from specstream_mlx.method.streams import StreamConfig, new_streams
 from specstream_mlx.method.tree import TreeSpec
 from specstream_mlx.runtime.cache import make_cache
-from specstream_mlx.runtime.lookup import lookup_draft, lookup_steps
+from specstream_mlx.runtime.lookup import NgramIndex, lookup_steps
 from specstream_mlx.runtime.sampling import SamplingParams
 from specstream_mlx.runtime.speculative import ss_steps
 from specstream_mlx.runtime.steps import ar_steps
@@ -180,11 +180,24 @@ def test_perfect_streams_from_a_hosting_ancestor(hf_models, monkeypatch):
     assert set(hosted_rows[1:]) == {1}  # after the first pass only the root hosts streams
 
 
+def lookup_draft(history, max_len, ngram_max=3, ngram_min=1):
+    """The reference the index must match: scan back for the most recent earlier
+    occurrence of the longest matching suffix n-gram."""
+    h = list(history)
+    for n in range(ngram_max, ngram_min - 1, -1):
+        if len(h) <= n:
+            continue
+        for start in range(len(h) - n - 1, -1, -1):
+            if h[start : start + n] == h[-n:]:
+                cont = h[start + n : start + n + max_len]
+                if cont:
+                    return cont
+    return []
+
+
 def test_lookup_draft():
-    h = [1, 2, 3, 4, 9, 1, 2, 3]
-    assert lookup_draft(h, 3) == [4, 9, 1]
-    assert lookup_draft([7, 8], 3) == []
-    assert lookup_draft([5, 6, 5], 2) == [6, 5]
+    for h, n, want in (([1, 2, 3, 4, 9, 1, 2, 3], 3, [4, 9, 1]), ([7, 8], 3, []), ([5, 6, 5], 2, [6, 5])):
+        assert lookup_draft(h, n) == want and NgramIndex(h).draft(n) == want
 
 
 def test_ss_needs_streams(hf_models):
@@ -234,8 +247,6 @@ def test_hosting_fewer_streams_keeps_their_states(hf_models):
 
 
 def test_ngram_index_drafts_what_the_scan_drafts():
-    from specstream_mlx.runtime.lookup import NgramIndex
-
     rng = np.random.default_rng(0)
     for trial in range(200):
         h = rng.integers(0, 4 if trial % 2 else 12, size=int(rng.integers(1, 60))).tolist()

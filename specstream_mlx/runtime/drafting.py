@@ -16,7 +16,15 @@ import mlx.core as mx
 import numpy as np
 
 from ..method.acceptance import draw_rows
-from ..method.tree import Tree, TreeSpec, cartesian_tree, dynamic_candidates, dynamic_tree, merge_chain
+from ..method.tree import (
+    Tree,
+    TreeSpec,
+    cartesian_tree,
+    dynamic_candidates,
+    dynamic_tree,
+    merge_chain,
+    tree_buffers,
+)
 from .sampling import SamplingParams, target_probs
 
 
@@ -108,10 +116,15 @@ def draft_tree(
     scored = dynamic_candidates(top, ptop, score_budget) if score_budget else None
     scores = None if scored is None else [c[2] for c in scored]
     top, ptop = top[:depth], ptop[:depth]
-    if scored is not None and depth == all_depth and budget <= score_budget:
-        cands = scored[:budget]  # a smaller budget's candidates are the first entries
-    else:
-        cands = dynamic_candidates(top, ptop, budget)
+
+    def best(b: int):
+        """This tree's ``b`` best candidates: a prefix of the scoring expansion when it
+        went no deeper than this tree (a smaller budget's tree is its first entries)."""
+        if scored is not None and depth == all_depth and b <= score_budget:
+            return scored[:b]
+        return dynamic_candidates(top, ptop, b)
+
+    cands = best(budget)
     own = [c[2] for c in cands]
     if sampling.greedy:
         if spec.kind == "cartesian":
@@ -125,10 +138,7 @@ def draft_tree(
     if max(widths) > drawn.shape[1]:
         raise ValueError(f"{spec.describe()}: needs {max(widths)} draws per stream, got {drawn.shape[1]}")
     tree = cartesian_tree(root, [drawn[g, :w] for g, w in enumerate(widths)], widths)
-    n = len(tree) - 1
-    ranked = scores[:n] if scored is not None and depth == all_depth and n <= score_budget else None
-    if ranked is None:
-        ranked = [c[2] for c in dynamic_candidates(top, ptop, n)]
+    ranked = [c[2] for c in best(len(tree) - 1)]
     # The budget it was drafted with, as for greedy trees: --tree auto books the pass's time to it.
     return Draft(tree, q[:depth], float(sum(ranked)), scores, all_depth, node_reach(tree, top, ptop), budget)
 
@@ -163,7 +173,7 @@ def with_lookup_sampled(draft: Draft, chain: List[int], chain_scores: List[float
         return draft
     tree = draft.tree
     n, D = len(tree), 0 if draft.draft_q is None else draft.draft_q.shape[0]
-    depths = _depths(tree.parents)
+    depths = tree_buffers(tree.parents).depths
     tokens = tree.tokens + tuple(int(t) for t in chain)
     parents = tree.parents + tuple([0] + list(range(n, n + len(chain) - 1)))
     q_rows = np.concatenate([np.maximum(depths - 1, 0), D + np.arange(len(chain))]).astype(np.int32)
@@ -174,13 +184,6 @@ def with_lookup_sampled(draft: Draft, chain: List[int], chain_scores: List[float
         Tree(tokens, parents), q, draft.predicted, draft.scores, draft.candidate_depth, reach, draft.budget,
         draft.from_hosting, q_rows,
     )  # fmt: skip
-
-
-def _depths(parents) -> np.ndarray:
-    d = np.zeros(len(parents), dtype=np.int32)
-    for i in range(1, len(parents)):
-        d[i] = d[parents[i]] + 1
-    return d
 
 
 def sample_widths(spec: TreeSpec, depth: int) -> tuple:

@@ -15,27 +15,13 @@ from .steps import Step, StepInfo, prefill
 from .verification import verification_target, verify
 
 
-def lookup_draft(history: Sequence[int], max_len: int, ngram_max: int = 3, ngram_min: int = 1) -> List[int]:
-    """Tokens that followed the most recent earlier occurrence of the longest
-    matching suffix n-gram of ``history`` (prompt-lookup decoding)."""
-    h = list(history)
-    for n in range(ngram_max, ngram_min - 1, -1):
-        if len(h) <= n:
-            continue
-        suffix = h[-n:]
-        for start in range(len(h) - n - 1, -1, -1):
-            if h[start : start + n] == suffix:
-                cont = h[start + n : start + n + max_len]
-                if cont:
-                    return cont
-    return []
-
-
 class NgramIndex:
-    """:func:`lookup_draft` in O(1) per query: for each n, the latest start of every
-    n-gram of the history that has a continuation, updated as tokens are appended
-    (a scan of a 2,000-token prompt per pass would cost about a millisecond, a GPU pass's
-    whole time)."""
+    """Prompt-lookup drafts: the tokens that followed the most recent earlier occurrence
+    of the longest matching suffix n-gram of the history (n from ``ngram_max`` down).
+
+    O(1) per query: for each n, the latest start of every n-gram of the history that has
+    a continuation, updated as tokens are appended (a scan of a 2,000-token prompt per pass
+    would cost about a millisecond, a GPU pass's whole time)."""
 
     def __init__(self, history: Sequence[int] = (), ngram_max: int = 3, ngram_min: int = 1):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
@@ -53,7 +39,7 @@ class NgramIndex:
                     starts[tuple(h[t - n : t])] = t - n
 
     def draft(self, max_len: int) -> List[int]:
-        """What :func:`lookup_draft` returns for the history so far."""
+        """Up to ``max_len`` tokens continuing the history so far (none without a match)."""
         h = self.history
         for n in range(self.ngram_max, self.ngram_min - 1, -1):
             if len(h) <= n:
@@ -98,6 +84,10 @@ class LookupBranch:
             if want != got:
                 break
             rate[0] += 1
+        self.chain = []
+
+    def forget(self) -> None:
+        """Drop the last proposal unjudged (plain steps decided the tokens after it)."""
         self.chain = []
 
 

@@ -286,7 +286,7 @@ def _ss_loop(sm: SpeculativeModel, policy, prompt, sampling, cache, prefill_chun
             root = yield from _recorded(probe, decided)
             draft = Draft(Tree((root,), (-1,)))  # plain steps leave no streams (nor lookup branch) to draft from
             if lookup is not None:
-                lookup.chain = []
+                lookup.forget()
             continue
         t = time.perf_counter()
         hosts = _hosts(draft, plan.hosting)
