@@ -57,6 +57,36 @@ def test_compiled_pass_equals_the_op_by_op_pass_across_capacity_growth(model_str
     assert caches["compiled"][0].capacity == 512
 
 
+def test_compiled_pass_honours_a_sliding_window(hf_models):
+    """gemma3's local layers under the whole-buffer layout: with a window longer than the
+    pass's rows it compiles and agrees with the op-by-op pass long after the window is
+    full; with a shorter one it runs op by op."""
+    _, _, dst = hf_models("gemma3")
+    model, _ = load_model(dst)
+    streams = pretend_trained(new_streams(model, StreamConfig(num_streams=3, stream_layers=2, lora_rank=4)))
+    fwd = SSPass(model, streams, compiled=True)
+    assert not fwd.usable(_prefilled(model, 4), 0.0, len(TREE))  # window 6 <= 5 rows + 3 streams
+    for layer in model.layers:
+        if layer.self_attn.window:
+            layer.self_attn.window = 11
+    assert fwd.usable(_prefilled(model, 4), 0.0, len(TREE))
+    caches = {"eager": _prefilled(model, 40), "compiled": _prefilled(model, 40)}
+    for step in range(4):
+        offset = caches["eager"][0].offset
+        ref = ss_forward(model, streams, TREE, offset, caches["eager"])
+        out = fwd(TREE, offset, caches["compiled"])
+        assert mx.allclose(ref.main_logits, out.main_logits, atol=1e-4).item()
+        assert mx.allclose(ref.stream_hidden, out.stream_hidden, atol=1e-4).item()
+        for c in caches.values():
+            commit_ss(c, streams, ref, [0, 1, 3] if step % 2 else [0, 2])
+    # The window is what the pass sees: without it the same pass gives other logits.
+    windowed = ss_forward(model, streams, TREE, 40, _prefilled(model, 40))
+    for layer in model.layers:
+        layer.self_attn.window = None
+    unwindowed = ss_forward(model, streams, TREE, 40, _prefilled(model, 40))
+    assert not mx.allclose(unwindowed.main_logits, windowed.main_logits, atol=1e-3).item()
+
+
 def test_compiled_pass_after_a_pruned_pass_that_straddles_a_cache_growth(model_streams):
     """A pruned pass writes every tree row in the lower layers but only the kept rows in
     the stream layers: at 250 + 9 rows the lower layers' buffers grow past 256 and the

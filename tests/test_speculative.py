@@ -86,7 +86,7 @@ def test_ss_greedy_equals_ar_untrained(hf_models, arch):
     check_exact(model, streams, 151)
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "qwen3", "gemma3"])
 def test_ss_greedy_equals_ar_trained_like(hf_models, arch):
     _, _, dst = hf_models(arch)
     model, _ = load_model(dst)

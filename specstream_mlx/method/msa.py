@@ -193,7 +193,7 @@ def host_slots(kept: np.ndarray, hosts: Optional[np.ndarray]) -> np.ndarray:
 
 def lower_layers(model, streams: StreamParams, tokens: mx.array, positions: mx.array, mask, cache) -> mx.array:
     """The tree's main rows through layers 0 .. N-Ns-1 (the input of the stream-insertion layer)."""
-    h = model.model.embed_tokens(tokens)
+    h = model.embed(tokens)
     rot = model.rotation(positions)  # once for every layer
     for i in range(streams.first_layer):
         h = model.layers[i](h, mask, cache[i] if cache else None, rot)

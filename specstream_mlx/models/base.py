@@ -101,10 +101,12 @@ class Rotation:
     Attributes:
         cos: (B, L, 1, 1, dims/2) cosines.
         sin: (B, L, 1, 2, dims/2) sines, negated for the first half of each head.
+        positions: (B, L) the rows' positions (what sliding-window layers mask by).
     """
 
     cos: mx.array
     sin: mx.array
+    positions: Optional[mx.array] = None
 
 
 @mx.compile
@@ -150,7 +152,7 @@ class RoPE(nn.Module):
         """The rotation of rows at ``positions`` (B, L)."""
         ang = positions.astype(mx.float32)[..., None] * self._inv_freq  # (B, L, d/2)
         cos, sin = mx.cos(ang)[:, :, None, None, :], mx.sin(ang)[:, :, None, None, :]
-        return Rotation(cos, mx.concatenate([-sin, sin], axis=3))
+        return Rotation(cos, mx.concatenate([-sin, sin], axis=3), positions)
 
     def __call__(self, x: mx.array, positions: Union[mx.array, Rotation]) -> mx.array:
         """Rotate ``x`` of shape (B, L, H, D) at ``positions`` (B, L) or by a precomputed
@@ -210,6 +212,8 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         self.qk_norm = args.qk_norm
         self.rope = RoPE(hd, args)
+        # Keys a query may reach, counting itself (sliding-window layers); None: all.
+        self.window: Optional[int] = None
 
     def project(self, x: mx.array, positions: mx.array, adapter: Optional[Adapter] = None):
         """Queries, keys and values of ``x`` (B, L, dim), rotated; each (B, heads, L, D).
@@ -263,7 +267,36 @@ class Attention(nn.Module):
                 kc, vc = cache.update_and_fetch(k[:, :, :cached_rows], v[:, :, :cached_rows])
                 k = mx.concatenate([kc, k[:, :, cached_rows:]], axis=2)
                 v = mx.concatenate([vc, v[:, :, cached_rows:]], axis=2)
+        if self.window is not None:
+            mask = window_mask(mask, positions, k.shape[2], self.window)
         return self.attend(q, k, v, mask, adapter)
+
+
+def window_mask(mask: Union[None, str, mx.array], rot: Rotation, n_keys: int, window: int):
+    """``mask`` restricted to keys less than ``window`` positions behind each query.
+
+    Keys are laid out as every caller lays them out: a prefix whose index is its
+    position (the cache, a training tape, or a whole KV buffer) followed by the rows
+    themselves at their own positions. When there are at most ``window`` keys no query
+    can reach past the window (no row sits further ahead than the number of keys), so
+    the mask is returned as it is, which keeps short contexts on the fused paths."""
+    if n_keys <= window:
+        return mask
+    if rot.positions is None:
+        raise ValueError("a sliding-window layer needs the rows' positions (Rotation.positions)")
+    q = rot.positions.astype(mx.int32)
+    B, L = q.shape
+    prefix = n_keys - L
+    kpos = mx.concatenate([mx.broadcast_to(mx.arange(prefix, dtype=mx.int32)[None], (B, prefix)), q], axis=1)
+    dist = q[:, None, :, None] - kpos[:, None, None, :]  # (B, 1, L, K)
+    near = dist < window
+    if mask is None:
+        return near
+    if isinstance(mask, str):  # "causal" over contiguous positions: a key at or before its query
+        return near & (dist >= 0)
+    if mask.dtype == mx.bool_:
+        return mask & near
+    return mx.where(near, mask, mx.array(-mx.inf, mask.dtype))
 
 
 @partial(mx.compile, shapeless=True)
@@ -367,6 +400,11 @@ class Model(nn.Module):
     def layers(self):
         return self.model.layers
 
+    def embed(self, tokens: mx.array) -> mx.array:
+        """Input rows of ``tokens`` (B, L): the embedding lookup (scaled where the
+        architecture scales it)."""
+        return self.model.embed_tokens(tokens)
+
     def lm_logits(self, h: mx.array) -> mx.array:
         """Final norm and LM head on hidden states."""
         h = self.model.norm(h)
@@ -394,7 +432,7 @@ class Model(nn.Module):
             positions = default_positions(L, cache, B)
         if mask is None and L > 1:
             mask = "causal"
-        h = self.model.embed_tokens(inputs)
+        h = self.embed(inputs)
         layer_caches = cache if cache is not None else [None] * len(self.layers)
         rot = self.rotation(positions)
         for layer, c in zip(self.layers, layer_caches):

@@ -63,6 +63,12 @@ def capacity_mask(offset: mx.array, part: mx.array, n: int, capacity: int) -> mx
     return mx.concatenate([m, part[:, n:]], axis=1) if part.shape[1] > n else m
 
 
+def smallest_window(model) -> Optional[int]:
+    """The shortest sliding window of any layer, or None when every layer attends globally."""
+    windows = [w for w in (getattr(layer.self_attn, "window", None) for layer in model.layers) if w]
+    return min(windows) if windows else None
+
+
 class SSPass:
     """Runs speculative passes for one model and its streams; compiled where possible.
 
@@ -81,6 +87,12 @@ class SSPass:
         """Whether this pass can run compiled: no pruning, and a cache that already holds
         the prefix (the compiled pass writes into existing buffers)."""
         if not self.compiled or not cache or (pruning_threshold > 0 and n > 1):
+            return False
+        # The whole-buffer layout gives the tree's rows their buffer index as position for a
+        # sliding window's reach (base.window_mask): exact only while no window is shorter
+        # than the rows can reach, so shorter ones run op by op.
+        window = smallest_window(self.model)
+        if window is not None and window <= n + self.streams.num_streams:
             return False
         return all(isinstance(c, KVCache) and c.keys is not None for c in cache)
 

@@ -40,7 +40,7 @@ class PlainStep:
         writers = [OffsetWriter(k, v, offset) for k, v in zip(keys, values)]
         positions = offset.reshape(1, 1)
         mask = (mx.arange(capacity, dtype=mx.int32) <= offset)[None]  # (1, capacity): prefix and this row
-        h = model.model.embed_tokens(token.reshape(1, 1))
+        h = model.embed(token.reshape(1, 1))
         rot = model.rotation(positions)
         for layer, w in zip(model.layers, writers):
             h = layer(h, mask, w, rot)

@@ -93,7 +93,7 @@ def main_pass(model, tokens: mx.array, base_lora: dict, s0: int):
     """All layers over (B, L) tokens causally: (M at layer s0, the MSA layers' KV tapes, final hidden)."""
     B, L = tokens.shape
     positions = model.rotation(mx.broadcast_to(mx.arange(L, dtype=mx.int32)[None], (B, L)))
-    h = model.model.embed_tokens(tokens)
+    h = model.embed(tokens)
     tapes = [KVTape() for _ in range(s0, len(model.layers))]
     h_s0 = None
     for i, layer in enumerate(model.layers):

@@ -47,9 +47,21 @@ VARIANTS: Dict[str, dict] = {
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=False, head_dim=16),
     "phi3": dict(model_type="phi3", tie_word_embeddings=False, num_key_value_heads=6, partial_rotary_factor=0.5),
+    # A window far shorter than the prompts, both layer kinds, distinct RoPE bases and a
+    # score scale that is not head_dim's, so each Gemma-specific rule is exercised.
+    "gemma3": dict(
+        model_type="gemma3_text",
+        tie_word_embeddings=True,
+        head_dim=16,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24,
+        rope_theta=5000.0,
+        rope_local_base_freq=100.0,
+    ),
 }
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 
 
 def make_hf_model(variant: str, out_dir: Path, seed: int = 0):
