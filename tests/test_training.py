@@ -123,23 +123,26 @@ def test_lossless_training_keeps_the_base_bit_identical(tmp_path, corpus, base_d
     assert any(float(mx.abs(l.b).sum()) > 0 for mods in trained.streams.lora.values() for l in mods.values())
 
 
-def test_training_forward_matches_inference_forward(base_dir):
-    """Teacher-forced stream states equal the inference pass's (same masks and positions)."""
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_training_forward_matches_inference_forward(base_dir, hf_models, arch):
+    """Teacher-forced stream states equal the inference pass's (same masks and positions);
+    gemma3's window (6) is shorter than the sequence."""
     from mlx.utils import tree_unflatten
 
+    from specstream_mlx.io.loading import load_model
     from specstream_mlx.method.msa import ss_forward
     from specstream_mlx.method.streams import lora_key
     from specstream_mlx.method.tree import Tree
     from specstream_mlx.runtime.cache import make_cache
     from specstream_mlx.train.objective import Trainable, main_pass, stream_pass
 
-    model = load(str(base_dir), warn=False)[0].base
+    model = load(str(base_dir), warn=False)[0].base if arch == "llama" else load_model(hf_models(arch)[2])[0]
     tr = Trainable(model, TrainConfig(num_streams=3, stream_layers=2, lora_rank=4))
     sp = tr.streams
     mx.random.seed(3)
     sp.update(tree_unflatten([(k, mx.random.normal(v.shape) * 0.05) for k, v in tree_flatten(sp.parameters())]))
     x = mx.array([list(range(5, 25))])
-    h0, kvs, _ = main_pass(model, x, {}, 2)
+    h0, kvs, _ = main_pass(model, x, {}, sp.first_layer)
     for t in (0, 9, 18):
         hs = stream_pass(model, sp, h0, kvs, mx.array([[t]]), lambda i: sp.lora.get(lora_key(i)))
         cache = make_cache(model)

@@ -112,7 +112,8 @@ def frozen_head_logits(model, h: mx.array) -> mx.array:
     head = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
     if isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear)):
         return model.lm_logits(h)  # quantized weights never train
-    h = mx.fast.rms_norm(h, mx.stop_gradient(norm.weight), norm.eps)
+    # Gemma's norm scales by 1 + weight (``offset``); the others by the weight.
+    h = mx.fast.rms_norm(h, getattr(norm, "offset", 0.0) + mx.stop_gradient(norm.weight), norm.eps)
     return h @ mx.stop_gradient(head.weight).T
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 class TorchTrainable(nn.Module):
@@ -90,6 +90,34 @@ class KV:
     values: torch.Tensor
 
 
+def layer_window(hf_model, layer) -> Optional[int]:
+    """A gemma3 local layer's sliding window; None for a global layer or another family
+    (transformers' Mistral keeps a ``sliding_window`` the MLX models do not apply)."""
+    if hf_model.config.model_type != "gemma3_text":
+        return None
+    return getattr(layer.self_attn, "sliding_window", None)
+
+
+def rotations(hf_model, x: torch.Tensor, positions: torch.Tensor) -> List[tuple]:
+    """(cos, sin) of every layer at ``positions`` (B, R): one per RoPE kind, computed once."""
+    layers = hf_model.model.layers
+    if hf_model.config.model_type != "gemma3_text":
+        return [hf_model.model.rotary_emb(x, positions)] * len(layers)
+    kinds = hf_model.config.layer_types
+    by_kind = {k: hf_model.model.rotary_emb(x, positions, k) for k in set(kinds)}
+    return [by_kind[k] for k in kinds]
+
+
+def windowed(mask: Optional[torch.Tensor], qpos: torch.Tensor, kpos: torch.Tensor, window: Optional[int]):
+    """``mask`` (None: causal) limited to keys less than ``window`` positions behind each
+    query; ``qpos`` (B, R), ``kpos`` (B, K). The rule of the MLX models' ``window_mask``."""
+    if window is None:
+        return mask
+    dist = qpos[:, None, :, None] - kpos[:, None, None, :]
+    near = dist < window
+    return near & (dist >= 0) if mask is None else mask & near
+
+
 def block(layer, x, mask, cos_sin, prefix: Optional[KV], loras: Dict[str, tuple], scale: float):
     """One decoder layer over rows ``x`` (B, R, h); keys are ``[prefix | own rows]``.
 
@@ -115,12 +143,19 @@ def block(layer, x, mask, cos_sin, prefix: Optional[KV], loras: Dict[str, tuple]
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=attn.scaling, enable_gqa=gqa
     )
     o = o.transpose(1, 2).reshape(B, R, -1)
-    x = x + _proj(attn.o_proj, "o_proj", o, loras, scale)
-    h = layer.post_attention_layernorm(x)
+    a = _proj(attn.o_proj, "o_proj", o, loras, scale)
+    gemma = hasattr(layer, "pre_feedforward_layernorm")  # gemma3: outputs normed before each residual
+    if gemma:
+        x = x + layer.post_attention_layernorm(a)
+        h = layer.pre_feedforward_layernorm(x)
+    else:
+        x = x + a
+        h = layer.post_attention_layernorm(x)
     mlp = layer.mlp
     g = _proj(mlp.gate_proj, "gate_proj", h, loras, scale)
     u = _proj(mlp.up_proj, "up_proj", h, loras, scale)
-    x = x + _proj(mlp.down_proj, "down_proj", mlp.act_fn(g) * u, loras, scale)
+    m = _proj(mlp.down_proj, "down_proj", mlp.act_fn(g) * u, loras, scale)
+    x = x + (layer.post_feedforward_layernorm(m) if gemma else m)
     return x, own
 
 
@@ -132,6 +167,10 @@ def frozen_norm(hf_model, h: torch.Tensor) -> torch.Tensor:
     """The final norm with its weight detached (the pruning loss must not move it)."""
     norm = hf_model.model.norm
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    if hf_model.config.model_type == "gemma3_text":  # zero-centred weight, in float32
+        hf = h.float()
+        scale = 1.0 + norm.weight.detach().float()
+        return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(h.dtype)
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm.weight.detach()
 
 
@@ -238,12 +277,13 @@ def main_pass(hf_model, trainable: TorchTrainable, tokens: torch.Tensor, s0: int
     dev = tokens.device
     pos = torch.arange(L, device=dev).unsqueeze(0).expand(B, L)
     h = hf_model.model.embed_tokens(tokens)
-    cos_sin = hf_model.model.rotary_emb(h, pos)
+    cos_sin = rotations(hf_model, h, pos)
     kvs, h_s0 = [], None
     for i, layer in enumerate(hf_model.model.layers):
         if i == s0:
             h_s0 = h
-        h, kv = block(layer, h, None, cos_sin, None, trainable.loras("base_lora", i), trainable.lora_scale)
+        mask = windowed(None, pos, pos, layer_window(hf_model, layer))
+        h, kv = block(layer, h, mask, cos_sin[i], None, trainable.loras("base_lora", i), trainable.lora_scale)
         if i >= s0:
             kvs.append(kv)
     return MainPass(h_s0, kvs, h)
@@ -268,11 +308,13 @@ def stream_pass(hf_model, trainable: TorchTrainable, main: MainPass, spos: torch
     main_part = torch.arange(L, device=dev)[None, None, :] <= host[:, :, None]
     own = stream_block_mask(S, gamma, dev)[None].expand(B, -1, -1)
     mask = torch.cat([main_part, own], dim=-1)[:, None]
-    cos_sin = hf_model.model.rotary_emb(x, positions)
+    cos_sin = rotations(hf_model, x, positions)
+    kpos = torch.cat([torch.arange(L, device=dev)[None].expand(B, L), positions], dim=1)
     prefix = "streams.lora" if lossless else "base_lora"
     for i in range(s0, len(hf_model.model.layers)):
         layer = hf_model.model.layers[i]
-        x, _ = block(layer, x, mask, cos_sin, main.kv[i - s0], trainable.loras(prefix, i), trainable.lora_scale)
+        m = windowed(mask, positions, kpos, layer_window(hf_model, layer))
+        x, _ = block(layer, x, m, cos_sin[i], main.kv[i - s0], trainable.loras(prefix, i), trainable.lora_scale)
     return x.reshape(B, S, gamma, -1)
 
 
