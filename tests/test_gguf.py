@@ -1,5 +1,6 @@
 """GGUF import against transformers' GGUF loader, on tiny files written in llama.cpp's layout."""
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -32,6 +33,10 @@ VARIANTS = {
     "qwen3": TinySpec(arch="qwen3", hidden=512, heads=4, kv_heads=2, pre="qwen2"),
     # phi3: fused qkv and gate_up projections (llama.cpp's attn_qkv / ffn_up)
     "phi3": TinySpec(arch="phi3", heads=4, kv_heads=4, tied=False),
+    # gemma3: five local layers (window 5, shorter than the test's prompt) and a global one,
+    # norms stored as 1 + weight, four norms per block; head_dim 256 so that transformers'
+    # default score scale (query_pre_attn_scalar 256) is llama.cpp's 1/sqrt(head_dim)
+    "gemma3": TinySpec(arch="gemma3", layers=6, heads=2, kv_heads=1, head_dim=256, window=5, intermediate=96),
 }
 
 
@@ -169,9 +174,12 @@ def _set_metadata(src: Path, dst: Path, **changes):
     dst.write_bytes(data)
 
 
-def test_bad_files_fail_in_one_line_naming_file_and_key(tmp_path, files):
+def test_bad_files_fail_in_one_line_naming_file_and_key(tmp_path, files, vocab):
     gguf_path, _ = files("llama-tied-q")
     cases = {}
+    no_window = tmp_path / "no-window.gguf"
+    write_tiny_gguf(no_window, dataclasses.replace(VARIANTS["gemma3"], window=None), *vocab)
+    cases[no_window] = "missing metadata key 'gemma3.attention.sliding_window'"
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(gguf_path.read_bytes()[: gguf_path.stat().st_size // 2])
     cases[truncated] = "cannot read GGUF"

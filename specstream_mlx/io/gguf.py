@@ -63,7 +63,14 @@ REQUANT_GROUP_SIZES = (32, 64, 128)
 REQUANT_ERROR_SLACK = 1.10
 
 # general.architecture -> our model_type. Mistral models are stored as 'llama'.
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3": "gemma3_text",
+}
 PERMUTED_QK = {"llama", "mistral"}
 
 _LAYER_NAMES = {
@@ -80,6 +87,17 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms every sub-layer's input and output: llama.cpp's ffn_norm is its pre-MLP norm.
+_GEMMA3_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's Gemma 3 defaults where the file is silent (llama-model.cpp): every sixth
+# layer global, the local layers' RoPE base.
+GEMMA3_PATTERN = 6
+GEMMA3_LOCAL_BASE = 10000.0
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors llama.cpp stores that a Hugging Face checkpoint computes instead.
 _DERIVED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
@@ -221,7 +239,7 @@ def unpermute_rows(w: mx.array, n_head: int) -> mx.array:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str) -> Optional[str]:
+def _hf_name(name: str, model_type: str = "llama") -> Optional[str]:
     """The Hugging Face name of a GGUF tensor (``.scales``/``.biases`` kept); None if the
     name is not one of the layout's."""
     stem, _, suffix = name.rpartition(".")
@@ -229,7 +247,7 @@ def _hf_name(name: str) -> Optional[str]:
         return None
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
     if m:
-        mapped = _LAYER_NAMES.get(m.group(2))
+        mapped = (_GEMMA3_NAMES if model_type == "gemma3_text" else _LAYER_NAMES).get(m.group(2))
         return None if mapped is None else f"model.layers.{m.group(1)}.{mapped}.{suffix}"
     mapped = _GLOBAL_NAMES.get(stem)
     return None if mapped is None else f"{mapped}.{suffix}"
@@ -284,6 +302,7 @@ def hf_config(metadata: Dict[str, Any], tensors: Dict[str, mx.array], path: Path
                 "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM",
                 "phi3": "Phi3ForCausalLM",
+                "gemma3": "Gemma3ForCausalLM",
             }[arch]
         ],
         "hidden_size": hidden,
@@ -313,6 +332,8 @@ def hf_config(metadata: Dict[str, Any], tensors: Dict[str, mx.array], path: Path
         cfg["attention_bias"] = False  # q/k/v biases are implied by the architecture
     if arch == "phi3" and metadata.get(p + "attention.sliding_window"):
         cfg["sliding_window"] = int(metadata[p + "attention.sliding_window"])
+    if arch == "gemma3":
+        cfg.update(_gemma3_config(metadata, path, cfg, head_dim))
     kind = metadata.get(p + "rope.scaling.type")
     if kind == "linear":
         cfg["rope_scaling"] = {
@@ -336,6 +357,30 @@ def hf_config(metadata: Dict[str, Any], tensors: Dict[str, mx.array], path: Path
         if v is not None:
             cfg[name] = int(v)
     return cfg
+
+
+def _gemma3_config(metadata: Dict[str, Any], path: Path, cfg: Dict[str, Any], head_dim: int) -> Dict[str, Any]:
+    """What a Gemma 3 config adds, as llama.cpp reads the same file: the window (required),
+    which layers are local, the local RoPE base, and the score scale (1/sqrt(head_dim),
+    except the 62-layer 27B's 1/sqrt(hidden/heads))."""
+    p = "gemma3."
+    layers = cfg["num_hidden_layers"]
+    pattern = metadata.get(p + "attention.sliding_window_pattern", GEMMA3_PATTERN)
+    if isinstance(pattern, list):  # per layer: true where the layer is local
+        if len(pattern) != layers:
+            raise GGUFError(f"{path}: '{p}attention.sliding_window_pattern' has {len(pattern)} entries for {layers}")
+        kinds = ["sliding_attention" if bool(x) else "full_attention" for x in pattern]
+    else:
+        n = _count(metadata, p + "attention.sliding_window_pattern", path, GEMMA3_PATTERN)
+        kinds = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
+    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if layers == 62 else head_dim
+    return {
+        "head_dim": head_dim,  # always written: the architecture's default (256) is not the file's
+        "sliding_window": _count(metadata, p + "attention.sliding_window", path, bound="max_position_embeddings"),
+        "layer_types": kinds,
+        "rope_local_base_freq": _f32(metadata.get(p + "rope.freq_base_swa", GEMMA3_LOCAL_BASE)),
+        "query_pre_attn_scalar": scalar,
+    }
 
 
 def _llama3_scaling(freqs: mx.array, cfg: dict, head_dim: int, path: Path) -> dict:
@@ -372,9 +417,11 @@ def convert_tensors(tensors: Dict[str, mx.array], cfg: Dict[str, Any], path: Pat
     for name, v in tensors.items():
         if name.rpartition(".")[0] in _DERIVED:
             continue  # read into the config (RoPE factors), not a parameter
-        hf = _hf_name(name)
+        hf = _hf_name(name, cfg["model_type"])
         if hf is None:
             raise GGUFError(f"{path}: unexpected tensor '{name}' for architecture {cfg['model_type']}")
+        if cfg["model_type"] == "gemma3_text" and hf.endswith("norm.weight"):
+            v = v - 1.0  # llama.cpp stores Gemma's 1 + weight; HF (and the model) the weight
         out[hf] = v
     if cfg["model_type"] in PERMUTED_QK:
         for i in range(cfg["num_hidden_layers"]):
@@ -423,7 +470,7 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     dequantized = {}
     if any(t not in NATIVE_TYPES for t in types.values()):  # every tensor was read as float
         for name, kind in types.items():
-            hf = _hf_name(name)
+            hf = _hf_name(name, cfg["model_type"])
             if kind in REQUANT_BITS and hf is not None and hf.endswith(".weight"):
                 module = hf[: -len(".weight")]
                 if cfg["model_type"] == "phi3":

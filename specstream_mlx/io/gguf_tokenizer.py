@@ -150,11 +150,21 @@ def spm_merges(tokens: List[str], scores: List[float]) -> List[List[str]]:
     return [[f[4], f[5]] for f in found]
 
 
+# Families whose SentencePiece vocabulary llama.cpp stores with two quirks: a token of
+# only spaces is spelled with real spaces (SentencePiece spells them U+2581), and the
+# scores do not follow the merge order, the order of the tokens does (as transformers'
+# GGUF loader reads Gemma files).
+GEMMA_FAMILY = ("gemma", "gemma2", "gemma3")
+
+
 def llama_spm_tokenizer(md: Dict[str, Any], path: Path, notes: List[str]) -> dict:
     tokens = md["tokenizer.ggml.tokens"]
     scores = md.get("tokenizer.ggml.scores")
     if scores is None:
         raise GGUFTokenizerError(f"{path}: missing metadata key 'tokenizer.ggml.scores' (llama tokenizer)")
+    if md.get("general.architecture") in GEMMA_FAMILY:
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
     merges = md.get("tokenizer.ggml.merges")
     merges = [m.split(" ", 1) for m in merges] if merges else spm_merges(tokens, scores)
     unk = md.get("tokenizer.ggml.unknown_token_id")

@@ -106,6 +106,10 @@ class TinySpec:
         default_factory=lambda: {"embd": "Q8_0", "attn": "Q4_0", "ffn": "Q4_1", "output": "F16"}
     )
     seed: int = 0
+    # Per-head width when not hidden / heads (attention.key_length); gemma3 writes it always.
+    head_dim: Optional[int] = None
+    # gemma3's attention.sliding_window (None: not written).
+    window: Optional[int] = None
     # Metadata values written instead of the consistent ones (hostile files), by key without the arch prefix.
     overrides: Dict[str, int] = field(default_factory=dict)
 
@@ -119,7 +123,8 @@ def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, me
     if tokens is None:
         tokens, merges = bpe_vocabulary()
     rng = np.random.default_rng(spec.seed)
-    h, hd = spec.hidden, spec.hidden // spec.heads
+    h, hd = spec.hidden, spec.head_dim or spec.hidden // spec.heads
+    gemma = spec.arch == "gemma3"
     w = gguf.GGUFWriter(str(path), spec.arch)
     a = spec.arch
     w.add_name("tiny")
@@ -137,9 +142,11 @@ def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, me
     w.add_float32(f"{a}.rope.freq_base", 10000.0)
     w.add_uint32(f"{a}.rope.dimension_count", hd)
     w.add_uint32(f"{a}.vocab_size", len(tokens))
-    if spec.arch == "qwen3":
+    if spec.arch in ("qwen3", "gemma3") or spec.head_dim:
         w.add_uint32(f"{a}.attention.key_length", hd)
         w.add_uint32(f"{a}.attention.value_length", hd)
+    if spec.window is not None:
+        w.add_uint32(f"{a}.attention.sliding_window", spec.window)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(spec.pre)
     w.add_token_list(tokens)
@@ -159,6 +166,8 @@ def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, me
             x = value
         t = "F32" if norm else spec.types[kind]
         stored = llama_cpp_permute(x, permute_heads) if permute_heads else x
+        if norm and gemma:  # llama.cpp stores Gemma's norms as 1 + weight
+            x = x - 1.0
         if t in K_FLOAT_FIELDS:  # blocks first; the reference weights are what they hold
             from gguf.quants import dequantize
 
@@ -195,7 +204,7 @@ def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, me
                     permute_heads=heads if perm else None,
                 )
             tensor(p + "attn_v.weight", q + "self_attn.v_proj.weight", (spec.kv_heads * hd, h), "attn")
-        if spec.arch == "qwen3":  # per-head RMSNorm of q and k
+        if spec.arch in ("qwen3", "gemma3"):  # per-head RMSNorm of q and k
             tensor(p + "attn_q_norm.weight", q + "self_attn.q_norm.weight", (hd,), "attn", norm=True)
             tensor(p + "attn_k_norm.weight", q + "self_attn.k_norm.weight", (hd,), "attn", norm=True)
         if spec.arch == "qwen2":
@@ -204,7 +213,12 @@ def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, me
                 w.add_tensor(p + f"attn_{n}.bias", x)
                 hf[q + f"self_attn.{n}_proj.bias"] = x
         tensor(p + "attn_output.weight", q + "self_attn.o_proj.weight", (h, spec.heads * hd), "attn")
-        tensor(p + "ffn_norm.weight", q + "post_attention_layernorm.weight", (h,), "ffn", norm=True)
+        if gemma:  # the attention output and the MLP input and output are normed too
+            tensor(p + "post_attention_norm.weight", q + "post_attention_layernorm.weight", (h,), "attn", norm=True)
+            tensor(p + "ffn_norm.weight", q + "pre_feedforward_layernorm.weight", (h,), "ffn", norm=True)
+            tensor(p + "post_ffw_norm.weight", q + "post_feedforward_layernorm.weight", (h,), "ffn", norm=True)
+        else:
+            tensor(p + "ffn_norm.weight", q + "post_attention_layernorm.weight", (h,), "ffn", norm=True)
         if spec.arch == "phi3":  # gate and up in one matrix, gate first
             gate_up = 0.08 * rng.standard_normal((2 * spec.intermediate, h)).astype(np.float32)
             tensor(p + "ffn_up.weight", q + "mlp.gate_up_proj.weight", gate_up.shape, "ffn", value=gate_up)
