@@ -272,6 +272,29 @@ def test_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path):
         assert tok.decode(ids) == sp.decode(ids)
 
 
+def test_gemma_sentencepiece_vocabulary_reads_as_transformers_reads_it(tmp_path):
+    """llama.cpp stores a Gemma vocabulary's all-space pieces with real spaces; read back,
+    they must still be the vocabulary's own ids (never new ones past the vocabulary), as
+    transformers' GGUF tokenizer gives them."""
+    from transformers import AutoTokenizer
+
+    from specstream_mlx.io.loading import load_tokenizer
+    from tests.helpers.gguf_files import spm_vocabulary
+
+    tokens, scores, types, _ = spm_vocabulary(tmp_path)
+    # Runs of spaces as pieces of their own, as Gemma's vocabulary has them.
+    tokens, scores, types = tokens + ["\u2581\u2581", "\u2581\u2581\u2581\u2581"], scores + [-1e3, -1e3], types + [1, 1]
+    spaced = [" " * len(t) if len(t) > 1 and set(t) == {"\u2581"} else t for t in tokens]
+    spec = dataclasses.replace(VARIANTS["gemma3"], spm=(spaced, scores, types))
+    write_tiny_gguf(tmp_path / "g.gguf", spec, spaced)
+    tok = load_tokenizer(convert_gguf(str(tmp_path / "g.gguf"), str(tmp_path / "mlx")))
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="g.gguf")
+    for text in texts()[:-1] + ["a  b   c    d", "    indented"]:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text), text
+        assert max(ids) < len(tokens)
+
+
 K_VARIANTS = {
     # K-quants as llama.cpp's Q4_K_M mixes them: Q4_K and Q6_K, Q5_K in the MLP
     "llama-k": TinySpec(

@@ -162,8 +162,7 @@ def llama_spm_tokenizer(md: Dict[str, Any], path: Path, notes: List[str]) -> dic
     scores = md.get("tokenizer.ggml.scores")
     if scores is None:
         raise GGUFTokenizerError(f"{path}: missing metadata key 'tokenizer.ggml.scores' (llama tokenizer)")
-    if md.get("general.architecture") in GEMMA_FAMILY:
-        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    if md.get("general.architecture") in GEMMA_FAMILY:  # tokens respelled by tokenizer_files
         scores = [-float(i) for i in range(len(tokens))]
     merges = md.get("tokenizer.ggml.merges")
     merges = [m.split(" ", 1) for m in merges] if merges else spm_merges(tokens, scores)
@@ -207,6 +206,9 @@ def tokenizer_files(md: Dict[str, Any], path: Path) -> Tuple[Dict[str, Any], Opt
     tokens = md.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise GGUFTokenizerError(f"{path}: missing metadata key 'tokenizer.ggml.tokens'")
+    if kind == "llama" and md.get("general.architecture") in GEMMA_FAMILY:
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        md = {**md, "tokenizer.ggml.tokens": tokens}
     types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     notes: List[str] = []
     tok = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": _added_tokens(tokens, types)}

@@ -110,6 +110,8 @@ class TinySpec:
     head_dim: Optional[int] = None
     # gemma3's attention.sliding_window (None: not written).
     window: Optional[int] = None
+    # A SentencePiece ('llama') vocabulary (tokens, scores, types) instead of byte-level BPE.
+    spm: Optional[tuple] = None
     # Metadata values written instead of the consistent ones (hostile files), by key without the arch prefix.
     overrides: Dict[str, int] = field(default_factory=dict)
 
@@ -147,11 +149,20 @@ def write_tiny_gguf(path: Path, spec: Optional[TinySpec] = None, tokens=None, me
         w.add_uint32(f"{a}.attention.value_length", hd)
     if spec.window is not None:
         w.add_uint32(f"{a}.attention.sliding_window", spec.window)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(spec.pre)
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges(merges)
+    if spec.spm is not None:
+        tokens, scores, types = spec.spm
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_add_space_prefix(not gemma)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(spec.pre)
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+        w.add_token_merges(merges)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_pad_token_id(0)
