@@ -185,6 +185,8 @@ def legacy_rope_keys(config: dict) -> dict:
     rp = config.get("rope_parameters")
     if not isinstance(rp, dict):
         return {}
+    if "full_attention" in rp or "sliding_attention" in rp:
+        return _layered_rope_keys(config, rp)
     out = {}
     if "rope_theta" in rp and "rope_theta" not in config:
         out["rope_theta"] = rp["rope_theta"]
@@ -194,6 +196,28 @@ def legacy_rope_keys(config: dict) -> dict:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind != "default" and config.get("rope_scaling") is None:
         out["rope_scaling"] = {**scaling, "rope_type": kind, "type": kind}
+    return out
+
+
+def _layered_rope_keys(config: dict, rp: dict) -> dict:
+    """The same for a config with RoPE parameters per layer kind (gemma3): the global
+    layers' base and scaling, the local layers' base, and the layer pattern as the one
+    integer older readers take, when the layer kinds follow one."""
+    full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+    out = {}
+    if "rope_theta" in full and "rope_theta" not in config:
+        out["rope_theta"] = full["rope_theta"]
+    if "rope_theta" in local and "rope_local_base_freq" not in config:
+        out["rope_local_base_freq"] = local["rope_theta"]
+    scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind != "default" and config.get("rope_scaling") is None:
+        out["rope_scaling"] = {**scaling, "rope_type": kind, "type": kind}
+    kinds = config.get("layer_types")
+    if isinstance(kinds, list) and "full_attention" in kinds and "sliding_window_pattern" not in config:
+        p = kinds.index("full_attention") + 1
+        if kinds == ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(len(kinds))]:
+            out["sliding_window_pattern"] = p
     return out
 
 
