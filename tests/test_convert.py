@@ -235,7 +235,9 @@ def test_bad_adapter_is_a_clean_error(tmp_path, hf_models):
     assert r.returncode == 1 and "adapter_config.json" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3-scaled", "llama-linear", "mistral", "qwen2", "qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "llama3-scaled", "llama-linear", "mistral", "qwen2", "qwen3", "phi3", "gemma3"]
+)
 def test_converted_directory_decodes_the_same_in_mlx_lm(hf_models, arch):
     """transformers 5 keeps RoPE settings under rope_parameters; the converted config
     also carries the top-level keys mlx-lm reads, so mlx-lm decodes the same tokens."""
