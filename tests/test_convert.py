@@ -252,10 +252,13 @@ def test_converted_directory_decodes_the_same_in_mlx_lm(hf_models, arch):
     ours, _ = load_model(dst)
     theirs, _ = mlx_lm_load_model(dst)
     prompt = [5, 17, 33, 2, 90]
+    # mlx-lm applies no sliding window to phi3 or mistral (transformers and we do: test_parity),
+    # so there the two are compared within the window only.
+    n = 16 if arch not in ("phi3", "mistral") or not cfg.get("sliding_window") else cfg["sliding_window"] - len(prompt)
     steps = ar_steps(ours, mx.array(prompt), SamplingParams())
-    want = [next(steps).tokens[0] for _ in range(16)]
+    want = [next(steps).tokens[0] for _ in range(n)]
     ids = list(prompt)
-    for _ in range(16):
+    for _ in range(n):
         ids.append(int(mx.argmax(theirs(mx.array([ids]))[0, -1]).item()))
     assert ids[len(prompt) :] == want
 

@@ -61,6 +61,9 @@ class ModelArgs:
     o_bias: bool = False
     qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (qwen3)
     fused_qkv: bool = False  # one qkv_proj and one gate_up_proj (phi3)
+    # Every layer attends to the last ``sliding_window`` positions only (mistral, phi3).
+    window_every_layer: bool = False
+    sliding_window: Optional[int] = None
 
     @classmethod
     def from_dict(cls, params: Dict[str, Any]) -> "ModelArgs":
@@ -213,7 +216,7 @@ class Attention(nn.Module):
         self.qk_norm = args.qk_norm
         self.rope = RoPE(hd, args)
         # Keys a query may reach, counting itself (sliding-window layers); None: all.
-        self.window: Optional[int] = None
+        self.window: Optional[int] = args.sliding_window if args.window_every_layer else None
 
     def project(self, x: mx.array, positions: mx.array, adapter: Optional[Adapter] = None):
         """Queries, keys and values of ``x`` (B, L, dim), rotated; each (B, heads, L, D).

@@ -1,6 +1,5 @@
-"""Mistral: the Llama layout (q/k/v/o projections, SwiGLU MLP, RMSNorm, RoPE).
-
-``sliding_window`` is not applied (README, "Known limitations")."""
+"""Mistral: the Llama layout (q/k/v/o projections, SwiGLU MLP, RMSNorm, RoPE), every
+layer limited to ``sliding_window`` positions when the config sets one."""
 
 from dataclasses import dataclass
 
@@ -10,7 +9,7 @@ from .base import ModelArgs as _BaseArgs
 
 @dataclass
 class ModelArgs(_BaseArgs):
-    pass
+    window_every_layer: bool = True
 
 
 __all__ = ["Model", "ModelArgs"]

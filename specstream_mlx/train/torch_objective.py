@@ -91,8 +91,10 @@ class KV:
 
 
 def layer_window(hf_model, layer) -> Optional[int]:
-    """A gemma3 local layer's sliding window; None for a global layer or another family
-    (transformers' Mistral keeps a ``sliding_window`` the MLX models do not apply)."""
+    """The sliding window a layer attends within (gemma3's local layers, every mistral
+    layer when its config sets one); None for global attention."""
+    if hf_model.config.model_type == "mistral":
+        return getattr(hf_model.config, "sliding_window", None)
     if hf_model.config.model_type != "gemma3_text":
         return None
     return getattr(layer.self_attn, "sliding_window", None)

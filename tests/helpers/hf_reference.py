@@ -46,7 +46,11 @@ VARIANTS: Dict[str, dict] = {
     "mistral": dict(model_type="mistral", tie_word_embeddings=False, head_dim=16, sliding_window=None),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=False, head_dim=16),
-    "phi3": dict(model_type="phi3", tie_word_embeddings=False, num_key_value_heads=6, partial_rotary_factor=0.5),
+    # A window shorter than the test prompts: every layer of phi3 and mistral-window limited to it.
+    "phi3": dict(
+        model_type="phi3", tie_word_embeddings=False, num_key_value_heads=6, partial_rotary_factor=0.5, sliding_window=10
+    ),
+    "mistral-window": dict(model_type="mistral", tie_word_embeddings=False, head_dim=16, sliding_window=8),
     # A window far shorter than the prompts, both layer kinds, distinct RoPE bases and a
     # score scale that is not head_dim's, so each Gemma-specific rule is exercised.
     "gemma3": dict(
