@@ -48,7 +48,11 @@ VARIANTS: Dict[str, dict] = {
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=False, head_dim=16),
     # A window shorter than the test prompts: every layer of phi3 and mistral-window limited to it.
     "phi3": dict(
-        model_type="phi3", tie_word_embeddings=False, num_key_value_heads=6, partial_rotary_factor=0.5, sliding_window=10
+        model_type="phi3",
+        tie_word_embeddings=False,
+        num_key_value_heads=6,
+        partial_rotary_factor=0.5,
+        sliding_window=10,
     ),
     "mistral-window": dict(model_type="mistral", tie_word_embeddings=False, head_dim=16, sliding_window=8),
     # A window far shorter than the prompts, both layer kinds, distinct RoPE bases and a
