@@ -1,27 +1,24 @@
-"""Checkpoint conversion: load -> sanitize -> check shapes -> cast/quantize -> save.
-
-The output is written into a temporary sibling directory and renamed into place
-at the end, so a failure or Ctrl-C never leaves a half-written model.
+"""Checkpoint conversion: Hugging Face directories and GGUF files, read here (or by
+:mod:`specstream_mlx.io.gguf`) and written by the one pipeline every model directory
+goes through (:func:`specstream_mlx.io.conversion.write_model_directory`: build ->
+sanitize -> check shapes -> cast/quantize -> streams -> an atomic write, so a failure or
+Ctrl-C never leaves a half-written model).
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
 
-from ..io.files import atomic_directory, check_replaceable, copy_tokenizer_files
-from ..method.streams import StreamConfig, new_streams, save_streams
-from ..models import UnsupportedModelError, build_model
+from specstream_mlx.io.conversion import DTYPES, Source, Target, legacy_rope_keys, write_model_directory
+from specstream_mlx.io.files import check_replaceable, copy_tokenizer_files
 
-DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+__all__ = ["ConvertError", "ConvertOptions", "convert", "convert_gguf", "legacy_rope_keys"]
 
 
 class ConvertError(RuntimeError):
@@ -82,8 +79,8 @@ def _resolve_source(hf_path: str) -> Path:
 def read_config(src: Path) -> dict:
     """``src/config.json``, checked, after every file of ``src`` a conversion reads is
     (regular files inside the directory, text files under their size limits)."""
-    from ..io.limits import UnsafeFileError, check_directory_files
-    from ..io.loading import ModelLoadError, load_config
+    from specstream_mlx.io.limits import UnsafeFileError, check_directory_files
+    from specstream_mlx.io.loading import ModelLoadError, load_config
 
     try:
         check_directory_files(src)
@@ -104,7 +101,7 @@ def read_weights(src: Path) -> Dict[str, mx.array]:
     index = src / "model.safetensors.index.json"
     weights: Dict[str, mx.array] = {}
     if index.exists():
-        from ..io.limits import UnsafeFileError, read_json
+        from specstream_mlx.io.limits import UnsafeFileError, read_json
 
         try:
             weight_map = read_json(index)["weight_map"]
@@ -161,66 +158,6 @@ def _read_torch_bins(paths) -> Dict[str, mx.array]:
     return weights
 
 
-def check_shapes(model: nn.Module, weights: Dict[str, mx.array], src: Path) -> None:
-    expected = dict(tree_flatten(model.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    if missing:
-        raise ConvertError(f"{src}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-    if extra:
-        raise ConvertError(f"{src}: checkpoint has {len(extra)} unexpected weights, e.g. {extra[:3]}")
-    for k, v in weights.items():
-        if tuple(v.shape) != tuple(expected[k].shape):
-            raise ConvertError(
-                f"{src}: shape mismatch for {k}: checkpoint {tuple(v.shape)}, "
-                f"config.json implies {tuple(expected[k].shape)}"
-            )
-
-
-def legacy_rope_keys(config: dict) -> dict:
-    """Top-level ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor`` for a
-    config that keeps them under ``rope_parameters`` (transformers >= 5): readers
-    that predate that key (mlx-lm among them) would otherwise silently fall back
-    to a default RoPE base and produce garbage."""
-    rp = config.get("rope_parameters")
-    if not isinstance(rp, dict):
-        return {}
-    if "full_attention" in rp or "sliding_attention" in rp:
-        return _layered_rope_keys(config, rp)
-    out = {}
-    if "rope_theta" in rp and "rope_theta" not in config:
-        out["rope_theta"] = rp["rope_theta"]
-    if rp.get("partial_rotary_factor") is not None and "partial_rotary_factor" not in config:
-        out["partial_rotary_factor"] = rp["partial_rotary_factor"]
-    scaling = {k: v for k, v in rp.items() if k not in ("rope_theta", "partial_rotary_factor")}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind != "default" and config.get("rope_scaling") is None:
-        out["rope_scaling"] = {**scaling, "rope_type": kind, "type": kind}
-    return out
-
-
-def _layered_rope_keys(config: dict, rp: dict) -> dict:
-    """The same for a config with RoPE parameters per layer kind (gemma3): the global
-    layers' base and scaling, the local layers' base, and the layer pattern as the one
-    integer older readers take, when the layer kinds follow one."""
-    full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
-    out = {}
-    if "rope_theta" in full and "rope_theta" not in config:
-        out["rope_theta"] = full["rope_theta"]
-    if "rope_theta" in local and "rope_local_base_freq" not in config:
-        out["rope_local_base_freq"] = local["rope_theta"]
-    scaling = {k: v for k, v in full.items() if k != "rope_theta"}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind != "default" and config.get("rope_scaling") is None:
-        out["rope_scaling"] = {**scaling, "rope_type": kind, "type": kind}
-    kinds = config.get("layer_types")
-    if isinstance(kinds, list) and "full_attention" in kinds and "sliding_window_pattern" not in config:
-        p = kinds.index("full_attention") + 1
-        if kinds == ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(len(kinds))]:
-            out["sliding_window_pattern"] = p
-    return out
-
-
 def _target_dtype(config: dict, opts: ConvertOptions):
     if opts.dtype is not None:
         if opts.dtype not in DTYPES:
@@ -243,8 +180,9 @@ def convert(
     _check_quantize_args(opts)
     src = _resolve_source(hf_path)
     config = read_config(src)
-    from ..io.adapters import fuse_peft_adapter
-    from ..io.limits import UnsafeFileError, check_against_shapes
+    from specstream_mlx.io.adapters import fuse_peft_adapter
+    from specstream_mlx.io.limits import UnsafeFileError, check_against_shapes
+
     from .hf_layout import CONFIG_KEY, split_stream_weights, streams_from_hf
 
     all_weights = read_weights(src)
@@ -252,62 +190,47 @@ def convert(
         check_against_shapes(config, {k: tuple(v.shape) for k, v in all_weights.items()}, src / "config.json")
     except UnsafeFileError as e:
         raise ConvertError(str(e)) from None
-    try:
-        model = build_model(config)
-    except UnsupportedModelError as e:
-        raise ConvertError(f"{src / 'config.json'}: {e}") from e
-    except (TypeError, KeyError) as e:
-        raise ConvertError(f"{src / 'config.json'}: incomplete config ({e})") from e
-    log(f"[convert] {src} ({config['model_type']})")
+    log(f"[convert] {src} ({config.get('model_type')})")
     sfile = (config.get(CONFIG_KEY) or {}).get("weights_file") if isinstance(config.get(CONFIG_KEY), dict) else None
     if sfile and not any(k.startswith("speculative_streaming.") for k in all_weights):
         if not (src / sfile).exists():
             raise ConvertError(f"{src / sfile}: missing (named by config.json's {CONFIG_KEY}.weights_file)")
         all_weights.update(_load_safetensors(str(src / sfile)))
     weights, stream_tensors = split_stream_weights(all_weights)
-    weights = model.sanitize(weights)
-    check_shapes(model, weights, src)
+    if stream_tensors and CONFIG_KEY not in config:
+        raise ConvertError(f"{src}: has speculative_streaming tensors but config.json lacks '{CONFIG_KEY}'")
     if opts.adapter:
         try:
             weights, n = fuse_peft_adapter(weights, Path(opts.adapter))
         except (ValueError, KeyError) as e:
             raise ConvertError(str(e)) from e
         log(f"[convert] fused {n} LoRA matrices from {opts.adapter}")
-    dtype_name = _target_dtype(config, opts)
-    dtype = DTYPES[dtype_name]
-    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-    model.load_weights(list(weights.items()), strict=True)
-    out_config = {k: v for k, v in config.items() if k not in ("quantization_config", CONFIG_KEY)}
-    out_config["torch_dtype"] = dtype_name
-    out_config.update(legacy_rope_keys(config))
-    if opts.quantize:
-        quantize_or_refuse(model, opts.q_bits, opts.q_group_size, log, ConvertError)
-        out_config["quantization"] = {"group_size": opts.q_group_size, "bits": opts.q_bits}
-    streams = None
-    if CONFIG_KEY in config:
+
+    def imported_streams(model):
         try:
-            streams = streams_from_hf(model, config[CONFIG_KEY], stream_tensors, str(src))
+            return streams_from_hf(model, config[CONFIG_KEY], stream_tensors, str(src))
         except (ValueError, TypeError, KeyError) as e:
             raise ConvertError(str(e)) from e
-        log(
-            f"[convert] imported {streams.num_streams} speculative streams "
-            f"({'trained' if streams.config.trained else 'untrained'})"
-        )
-        if opts.num_streams:
-            log("[convert] --num-streams ignored: the checkpoint has its own streams")
-    elif stream_tensors:
-        raise ConvertError(f"{src}: has speculative_streaming tensors but config.json lacks '{CONFIG_KEY}'")
-    elif opts.num_streams > 0:
-        if not 1 <= opts.stream_layers <= len(model.layers):
-            raise ConvertError(f"--stream-layers must be in 1..{len(model.layers)}, got {opts.stream_layers}")
-        streams = new_streams(model, StreamConfig(num_streams=opts.num_streams, stream_layers=opts.stream_layers))
-        log(
-            f"[convert] attached {opts.num_streams} untrained streams in the top {opts.stream_layers} layers "
-            f"({streams.extra_parameters():,} extra parameters); train them with `specstream-mlx train`"
-        )
-    _write_atomically(dst, model, out_config, src, opts.force, streams)
-    log(f"[convert] wrote {dst}")
-    return dst
+
+    source = Source(
+        config,
+        weights,
+        src,
+        lambda tmp: copy_tokenizer_files(src, tmp),
+        streams=imported_streams if CONFIG_KEY in config else None,
+    )
+    return write_model_directory(source, dst, _target(opts, _target_dtype(config, opts)), ConvertError, log)
+
+
+def _target(opts: ConvertOptions, dtype: Optional[str]) -> Target:
+    return Target(
+        dtype=dtype,
+        quantize=(opts.q_bits, opts.q_group_size) if opts.quantize else None,
+        dequantize=opts.dequantize,
+        num_streams=opts.num_streams,
+        stream_layers=opts.stream_layers,
+        force=opts.force,
+    )
 
 
 def convert_gguf(
@@ -317,8 +240,9 @@ def convert_gguf(
     log: Callable[[str], None] = lambda s: None,
 ) -> Path:
     """Import a llama.cpp GGUF file into an MLX model directory at ``mlx_path``; returns it
-    (:func:`specstream_mlx.io.gguf.import_gguf` with this converter's options and errors)."""
-    from ..io.gguf import GGUFError, GGUFImport, import_gguf
+    (the file read by :func:`specstream_mlx.io.gguf.gguf_source`, written by the same
+    pipeline as :func:`convert`)."""
+    from specstream_mlx.io.gguf import GGUFError, gguf_source
 
     opts = opts or ConvertOptions()
     if opts.adapter:
@@ -326,55 +250,18 @@ def convert_gguf(
     if opts.dtype is not None and opts.dtype not in DTYPES:
         raise ConvertError(f"unsupported dtype {opts.dtype!r}; choose one of {', '.join(DTYPES)}")
     _check_quantize_args(opts)
-    how = GGUFImport(
-        dtype=opts.dtype,
-        quantize=(opts.q_bits, opts.q_group_size) if opts.quantize else None,
-        num_streams=opts.num_streams,
-        stream_layers=opts.stream_layers,
-        force=opts.force,
-        dequantize=opts.dequantize,
-    )
+    dst = Path(mlx_path).expanduser()
+    check_replaceable(dst, opts.force, ConvertError)
     try:
-        return import_gguf(Path(gguf_path).expanduser(), Path(mlx_path).expanduser(), how, log)
+        source = gguf_source(Path(gguf_path).expanduser(), log)
     except GGUFError as e:
         raise ConvertError(str(e)) from e
+    return write_model_directory(source, dst, _target(opts, opts.dtype), ConvertError, log)
 
 
 def _check_quantize_args(opts: ConvertOptions) -> None:
-    from ..io.quantization import quantize_args_error
+    from specstream_mlx.io.quantization import quantize_args_error
 
     problem = quantize_args_error(opts.q_bits, opts.q_group_size) if opts.quantize else None
     if problem:
         raise ConvertError(problem)
-
-
-def quantize_or_refuse(model: nn.Module, bits: int, group_size: int, log, error) -> None:
-    """Quantize what ``group_size`` divides and say what was left float; refuse (``error``)
-    when it divides no layer's width, rather than write a quantization entry for nothing."""
-    from ..io.quantization import quantize_float_layers
-
-    log(f"[convert] quantizing to {bits} bits, group size {group_size}")
-    n, left = quantize_float_layers(model, bits, group_size)
-    if n == 0 and left:
-        widths = sorted({int(m.weight.shape[-1]) for p, m in model.named_modules() if p in set(left)})
-        raise error(
-            f"--q-group-size {group_size} divides none of this model's input widths "
-            f"({', '.join(map(str, widths[:6]))}): nothing would be quantized; choose a group size that divides them"
-        )
-    if left:
-        log(f"[convert] left {len(left)} layers float: their widths are not multiples of {group_size} (e.g. {left[0]})")
-
-
-def _write_model(tmp: Path, model: nn.Module, config: dict, streams=None) -> None:
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-    with open(tmp / "config.json", "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    if streams is not None:
-        save_streams(streams, tmp)
-
-
-def _write_atomically(dst: Path, model: nn.Module, config: dict, src: Path, force: bool, streams=None) -> None:
-    with atomic_directory(dst, force, ConvertError) as tmp:
-        _write_model(tmp, model, config, streams)
-        copy_tokenizer_files(src, tmp)

@@ -15,9 +15,10 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..io.files import atomic_directory, check_replaceable, copy_tokenizer_files
-from ..io.loading import ModelLoadError, load_config, load_model, resolve_model_path
-from ..method.streams import load_streams
+from specstream_mlx.io.files import atomic_directory, check_replaceable, copy_tokenizer_files
+from specstream_mlx.io.loading import ModelLoadError, load_config, load_model, resolve_model_path
+from specstream_mlx.method.streams import load_streams
+
 from .converter import ConvertError
 from .hf_layout import CONFIG_KEY, STREAMS_FILE, streams_to_hf
 

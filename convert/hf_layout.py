@@ -28,7 +28,7 @@ from typing import Dict, Tuple
 
 import mlx.core as mx
 
-from ..method.streams import StreamConfig, StreamParams, lora_key
+from specstream_mlx.method.streams import StreamConfig, StreamParams, lora_key
 
 PREFIX = "speculative_streaming."
 CONFIG_KEY = "speculative_streaming"

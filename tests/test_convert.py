@@ -284,3 +284,16 @@ def test_quantize_flags_are_what_mlx_supports_and_never_quantize_nothing(tmp_pat
     wide = {**os.environ, "COLUMNS": "400"}  # the help on one line per option
     help_text = subprocess.run([*CLI, "convert", "--help"], capture_output=True, text=True, env=wide).stdout
     assert "2, 3, 4, 5, 6" in help_text and "32, 64" in help_text
+
+
+def test_the_convert_package_imports_from_a_checkout():
+    """The top-level convert/ folder (installed as specstream_mlx.convert) also imports by
+    its own name from a checkout, with no install hook: its imports are absolute."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = "import convert; from convert.converter import write_model_directory; print(convert.convert.__name__)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "convert", r.stderr

@@ -168,14 +168,16 @@ def materialize(bundle: GGUFBundle, log: Optional[Callable[[str], None]] = None)
         return dst  # the common case: no lock, nothing written
     with _exclusive(cache_root() / f".{bundle.name}.lock", log, f"converting {bundle.name}"):
         if not _is_current(dst, stamp):  # another process may have converted it meanwhile
-            from .gguf import GGUFError, GGUFImport, import_gguf
+            from .conversion import Target, write_model_directory
+            from .gguf import GGUFError, gguf_source
 
             log(f"specstream-mlx: converting {src.name} ({bundle.package}, {bundle.license}) into {dst} (once)")
             try:
                 # As stored: 4/8-bit blocks stay quantized, norms stay float32. The directory is
                 # replaced in one rename; the stamp is written last, so a run killed in between
                 # converts again next time.
-                import_gguf(src, dst, GGUFImport(force=True, dequantize=bundle.adapter is not None))
+                target = Target(force=True, dequantize=bundle.adapter is not None)
+                write_model_directory(gguf_source(src), dst, target, BundleError)
             except GGUFError as e:
                 raise BundleError(str(e)) from e
             if bundle.adapter:

@@ -21,46 +21,18 @@ from __future__ import annotations
 
 import json
 import re
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+
+from .quantization import REQUANT_BITS, quantization_entry
 
 GROUP_SIZE = 32  # every GGUF block format MLX reads has 32-element blocks
 NATIVE_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
 FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
-# Block types dequantized on import -> the MLX width they are requantized to (4-bit up to
-# 5.5 bits per weight as stored, 8-bit above).
-REQUANT_BITS = {
-    "Q2_K": 4,
-    "Q3_K": 4,
-    "Q4_K": 4,
-    "Q5_K": 4,
-    "Q4_0": 4,
-    "Q4_1": 4,
-    "Q5_0": 4,
-    "Q5_1": 4,
-    "IQ2_XXS": 4,
-    "IQ2_XS": 4,
-    "IQ2_S": 4,
-    "IQ3_XXS": 4,
-    "IQ3_S": 4,
-    "IQ1_S": 4,
-    "IQ1_M": 4,
-    "IQ4_NL": 4,
-    "IQ4_XS": 4,
-    "Q6_K": 8,
-    "Q8_0": 8,
-    "Q8_1": 8,
-    "Q8_K": 8,
-}
-REQUANT_GROUP_SIZES = (32, 64, 128)
-# The largest group size whose error is within this factor of the smallest's is chosen.
-REQUANT_ERROR_SLACK = 1.10
 
 # general.architecture -> our model_type. Mistral models are stored as 'llama'.
 ARCHITECTURES = {
@@ -437,19 +409,6 @@ def convert_tensors(tensors: Dict[str, mx.array], cfg: Dict[str, Any], path: Pat
     return out
 
 
-def quantization_entry(settings: Dict[str, Tuple[int, int]]) -> Optional[Dict[str, Any]]:
-    """mlx-lm's ``quantization`` entry for module path -> (group size, bits): the commonest
-    pair as the default, every module that differs named with its own."""
-    if not settings:
-        return None
-    gs, bits = Counter(settings.values()).most_common(1)[0][0]
-    q: Dict[str, Any] = {"group_size": gs, "bits": bits}
-    for path, (g, b) in sorted(settings.items()):
-        if (g, b) != (gs, bits):
-            q[path] = {"group_size": g, "bits": b}
-    return q
-
-
 def stored_quantization(weights: Dict[str, mx.array]) -> Optional[Dict[str, Any]]:
     """The entry for weights as stored (GGUF blocks: group size 32, bits from the packing)."""
     names = [k[: -len(".scales")] for k in weights if k.endswith(".scales")]
@@ -500,155 +459,21 @@ def write_tokenizer(ckpt: GGUFCheckpoint, dst: Path) -> None:
         (Path(dst) / "chat_template.jinja").write_text(ckpt.chat_template, encoding="utf-8")
 
 
-@dataclass
-class GGUFImport:
-    """How to write a GGUF file as a model directory.
+def gguf_source(path: Path, log=lambda s: None):
+    """The file as a :class:`~.conversion.Source` (what the one conversion pipeline writes)."""
+    from .conversion import Source
 
-    Args:
-        dtype: float16, bfloat16 or float32 for every floating tensor (scales included);
-            None keeps each as stored (norms float32, block scales float16).
-        quantize: (bits, group size) to quantize the float Linear/Embedding weights
-            that remain; None leaves them float.
-        num_streams: attach this many untrained streams (0: none).
-        stream_layers: top layers with multi-stream attention.
-        force: replace an existing destination.
-        dequantize: store quantized blocks as float weights (``dtype``, float16 unless
-            given): the float base that shared-mode fine-tuning fuses its LoRA into.
-    """
-
-    dtype: Optional[str] = None
-    quantize: Optional[Tuple[int, int]] = None
-    dequantize: bool = False
-    num_streams: int = 0
-    stream_layers: int = 4
-    force: bool = False
-
-
-@dataclass
-class Requantized:
-    """What :func:`requantize` did: modules per (GGUF type, MLX bits), the group size and
-    the relative RMS error against the dequantized weights at each candidate size."""
-
-    counts: Dict[Tuple[str, int], int]
-    group_size: int
-    errors: Dict[int, float]
-
-    def line(self) -> str:
-        kinds = ", ".join(f"{k} x{n} -> {b}-bit" for (k, b), n in sorted(self.counts.items()))
-        tried = ", ".join(f"{g}: {e:.4f}" for g, e in sorted(self.errors.items()))
-        return (
-            f"requantized {sum(self.counts.values())} dequantized weights to MLX affine quantization ({kinds}), "
-            f"group size {self.group_size}: relative RMS error {self.errors[self.group_size]:.4f} against the "
-            f"dequantized weights (group size {tried})"
-        )
-
-
-def requantize(model: nn.Module, dequantized: Dict[str, str]) -> Optional[Requantized]:
-    """Quantize the Linear/Embedding layers whose weights were dequantized from GGUF blocks
-    at the nearest MLX width (:data:`REQUANT_BITS`). The group size is measured: the largest
-    of 32/64/128 whose relative RMS error over all of them is within
-    :data:`REQUANT_ERROR_SLACK` of the best (larger groups store fewer scales)."""
-    mods = {
-        p: m
-        for p, m in model.named_modules()
-        if p in dequantized and hasattr(m, "to_quantized") and m.weight.shape[-1] % REQUANT_GROUP_SIZES[0] == 0
-    }
-    if not mods:
-        return None
-    bits = {p: REQUANT_BITS[dequantized[p]] for p in mods}
-    errors = {}
-    for g in REQUANT_GROUP_SIZES:
-        if any(m.weight.shape[-1] % g for m in mods.values()):
-            continue
-        num = den = 0.0
-        for p, m in mods.items():
-            w = m.weight.astype(mx.float32)
-            back = mx.dequantize(*mx.quantize(w, g, bits[p]), group_size=g, bits=bits[p])
-            num += mx.sum(mx.square(back - w)).item()
-            den += mx.sum(mx.square(w)).item()
-        errors[g] = (num / max(den, 1e-30)) ** 0.5
-    best = min(errors.values())
-    g = max(k for k, e in errors.items() if e <= best * REQUANT_ERROR_SLACK)
-    nn.quantize(model, class_predicate=lambda p, m: {"group_size": g, "bits": bits[p]} if p in mods else False)
-    counts = Counter((dequantized[p], bits[p]) for p in mods)
-    return Requantized(dict(counts), g, errors)
-
-
-def model_quantization(model: nn.Module) -> Optional[dict]:
-    """The entry for a model as it is (after any further ``-q``)."""
-    quantized = (nn.QuantizedLinear, nn.QuantizedEmbedding)
-    return quantization_entry({p: (m.group_size, m.bits) for p, m in model.named_modules() if isinstance(m, quantized)})
-
-
-def import_gguf(src: Path, dst: Path, how: GGUFImport, log: Callable[[str], None] = lambda s: None) -> Path:
-    """Write the GGUF file ``src`` as an MLX model directory at ``dst`` (atomically); returns it."""
-    from mlx.utils import tree_flatten
-
-    from ..method.streams import StreamConfig, new_streams, save_streams
-    from ..models import build_model
-    from .files import atomic_directory, check_replaceable
-    from .quantization import QuantizationConfigError, apply_quantization
-
-    check_replaceable(dst, how.force, GGUFError)
-    ckpt = read_gguf(src)
+    ckpt = read_gguf(Path(path))
     config = ckpt.config
     shape = f"{config['model_type']}, {config['num_hidden_layers']} layers, vocab {config['vocab_size']:,}"
-    log(f"[convert] {src} ({shape})")
+    log(f"[convert] {path} ({shape})")
     for note in ckpt.notes:
         log(f"[convert] note: {note}")
-    try:
-        model = build_model(config)
-        weights = model.sanitize(ckpt.weights)
-        apply_quantization(model, config, weights, src)
-    except (QuantizationConfigError, TypeError, KeyError, ValueError) as e:
-        raise GGUFError(f"{src}: cannot build the model its metadata describes ({e})") from e
-    floats = {v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)}
-    dtype_name = how.dtype or ("float32" if floats <= {mx.float32} else "float16")
-    if how.dtype is not None:
-        dt = getattr(mx, how.dtype)
-        weights = {k: v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:  # missing, extra or mis-shaped tensors
-        raise GGUFError(f"{src}: tensors do not match the metadata's shapes ({e})") from e
-    if how.dequantize:
-        from .quantization import cast_floating, dequantize_model
-
-        dequantize_model(model)
-        dtype_name = how.dtype or "float16"
-        cast_floating(model, getattr(mx, dtype_name))
-        log(f"[convert] quantized blocks dequantized to {dtype_name}")
-    elif ckpt.dequantized and how.dtype != "float32":  # --dtype float32: the float (parity) path
-        done = requantize(model, ckpt.dequantized)
-        if done is not None:
-            log(f"[convert] {done.line()}")
-    if how.quantize is not None:
-        from .quantization import quantize_float_layers
-
-        bits, group = how.quantize
-        log(f"[convert] quantizing float weights to {bits} bits, group size {group}")
-        _, left = quantize_float_layers(model, bits, group)
-        if left:
-            log(f"[convert] left {len(left)} float layers as they are: widths not multiples of {group}")
-    config = {k: v for k, v in config.items() if k != "quantization"}
-    config["torch_dtype"] = dtype_name
-    q = model_quantization(model)
-    if q is not None:
-        config["quantization"] = q
-        from .quantization import stored_widths
-
-        log(f"[convert] stored weights: {stored_widths(model)}")
-    streams = None
-    if how.num_streams > 0:
-        if not 1 <= how.stream_layers <= len(model.layers):
-            raise GGUFError(f"--stream-layers must be in 1..{len(model.layers)}, got {how.stream_layers}")
-        streams = new_streams(model, StreamConfig(num_streams=how.num_streams, stream_layers=how.stream_layers))
-    with atomic_directory(dst, how.force, GGUFError) as tmp:
-        out = dict(tree_flatten(model.parameters()))
-        mx.save_safetensors(str(tmp / "model.safetensors"), out, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        if streams is not None:
-            save_streams(streams, tmp)
-        write_tokenizer(ckpt, tmp)
-    log(f"[convert] wrote {dst}")
-    return dst
+    return Source(
+        config,
+        ckpt.weights,
+        Path(path),
+        lambda dst: write_tokenizer(ckpt, dst),
+        shapes_from="the metadata",
+        dequantized=ckpt.dequantized,
+    )
