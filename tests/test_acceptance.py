@@ -300,7 +300,7 @@ def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, probe
         monkeypatch.setattr(spec_mod, "verify", verify_spy)
     if probes:
         import specstream_mlx.runtime.autotune as A
-        import specstream_mlx.runtime.engine as engine
+        import specstream_mlx.runtime.loaded_model as engine
 
         # A one-token probe after every tree pass (timed plain tokens are always "needed").
         monkeypatch.setattr(A, "PLAIN_PROBE", 1)

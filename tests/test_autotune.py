@@ -122,13 +122,13 @@ def test_deeper_budgets_are_judged_on_deep_candidates():
 def test_every_few_passes_host_all_streams_at_every_node():
     auto = AutoPolicy(PassCosts(), depth=4, budget=2, hosting=A.HOSTING)
     plans = [auto.plan_pass() for _ in range(3 * A.EXPLORE_EVERY)]
-    assert [(p.hosted, p.hosting) for p in plans].count((4, 0)) == 3
-    assert {(p.hosted, p.hosting) for p in plans} == {(2, A.HOSTING), (4, 0)}
-    assert all(p.spec.budget == 2 and p.spec.hosts == A.HOSTING for p in plans)  # the arm's own tree
+    assert [(p.streams_per_host, p.hosting) for p in plans].count((4, 0)) == 3
+    assert {(p.streams_per_host, p.hosting) for p in plans} == {(2, A.HOSTING), (4, 0)}
+    assert all(p.next_tree.budget == 2 and p.next_tree.hosting == A.HOSTING for p in plans)  # the arm's own tree
 
 
 def test_greedy_and_sampled_decoding_keep_separate_policies(monkeypatch):
-    import specstream_mlx.runtime.engine as engine
+    import specstream_mlx.runtime.loaded_model as engine
     from specstream_mlx.runtime.sampling import SamplingParams
 
     made = []
@@ -146,7 +146,7 @@ def test_greedy_and_sampled_decoding_keep_separate_policies(monkeypatch):
 
 def test_one_clients_fallback_does_not_switch_another_to_plain_decoding(monkeypatch):
     """Back-off and acceptance evidence are per client; pass costs are a machine fact, shared."""
-    import specstream_mlx.runtime.engine as engine
+    import specstream_mlx.runtime.loaded_model as engine
     from specstream_mlx.runtime.sampling import SamplingParams
 
     made = []
@@ -185,7 +185,7 @@ def test_hosting_policy_is_an_arm_judged_by_its_own_acceptance():
     for _ in range(WARMUP_STEPS):  # drafts from the cheaper mode are accepted far less
         auto.evidence.observe(draft(scores, 4, hosting=A.HOSTING), 0.5)
     assert choose(auto) == 4 and auto.hosting == 0
-    assert auto.spec().hosts == 0
+    assert auto.spec().hosting == 0
 
 
 def test_costs_come_from_timed_passes_and_estimate_untimed_arms():
@@ -318,7 +318,7 @@ def test_learned_costs_are_stored_when_a_generation_ends_and_read_by_the_next_pr
     import json
 
     from specstream_mlx import generate
-    from specstream_mlx.runtime.engine import SpeculativeModel
+    from specstream_mlx.runtime.loaded_model import SpeculativeModel
     from specstream_mlx.runtime.sampling import SamplingParams
 
     monkeypatch.setattr(A, "CACHE_FILE", tmp_path / "costs.json")

@@ -10,7 +10,7 @@ from specstream_mlx.method.streams import StreamConfig, new_streams
 from specstream_mlx.method.tree import Tree, TreeSpec
 from specstream_mlx.runtime.cache import make_cache
 from specstream_mlx.runtime.compiled_pass import SSPass
-from specstream_mlx.runtime.engine import SpeculativeModel
+from specstream_mlx.runtime.loaded_model import SpeculativeModel
 from specstream_mlx.runtime.sampling import SamplingParams
 from specstream_mlx.runtime.speculative import ss_steps
 from specstream_mlx.runtime.steps import ar_steps
@@ -162,7 +162,7 @@ def test_compiled_sampling_draws_what_the_op_by_op_pass_draws(model_streams):
 def test_auto_runs_the_pass_kind_the_model_is_set_to(model_streams, monkeypatch):
     """Compiled passes are a setting (``SPECSTREAM_COMPILE=1``), not a measurement:
     --tree auto runs the kind the model says, and op by op by default."""
-    from specstream_mlx.runtime.engine import SpeculativeModel as SM
+    from specstream_mlx.runtime.loaded_model import SpeculativeModel as SM
 
     model, streams = model_streams
     for env, want in (("1", True), ("", False), ("0", False)):
@@ -180,7 +180,7 @@ def test_auto_times_passes_and_plain_probes_without_changing_the_output(model_st
     (top-p), every probe step counts as a pass that accepted nothing, and the tuner ends
     up with online costs."""
     import specstream_mlx.runtime.autotune as A
-    import specstream_mlx.runtime.engine as engine
+    import specstream_mlx.runtime.loaded_model as engine
 
     model, streams = model_streams
     monkeypatch.setattr(A, "PLAIN_EVERY", 5)

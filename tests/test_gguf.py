@@ -317,7 +317,7 @@ def test_k_quants_match_transformers_and_stay_quantized(tmp_path, vocab, name):
     import torch
 
     from specstream_mlx.io.loading import load_model_dir
-    from specstream_mlx.runtime.engine import load
+    from specstream_mlx.runtime.loaded_model import load
 
     gguf_path = tmp_path / "k.gguf"
     write_tiny_gguf(gguf_path, K_VARIANTS[name], *vocab)

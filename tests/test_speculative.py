@@ -22,11 +22,11 @@ TREES = [
     TreeSpec("cartesian", (3, 2, 1)),
     # Hosting policies: streams at the root and the 2 (1) likeliest other endpoints;
     # the next draft then often comes from a hosting ancestor's later streams.
-    TreeSpec("dynamic", budget=10, depth=3, hosts=2),
+    TreeSpec("dynamic", budget=10, depth=3, hosting=2),
     TreeSpec("cartesian", (3, 2, 1), hosts=1),
     # Hybrid: n-gram continuation branches merged in under the same budget.
     TreeSpec("dynamic", budget=10, depth=3, lookup=5),
-    TreeSpec("dynamic", budget=6, depth=3, lookup=4, hosts=1),
+    TreeSpec("dynamic", budget=6, depth=3, lookup=4, hosting=1),
 ]
 
 
@@ -281,7 +281,7 @@ def test_tree_spec_lookup_text():
     spec = TreeSpec.parse("dynamic:8+lookup")
     assert spec.lookup == 5 and spec.budget == 8 and spec.describe() == "dynamic:8+lookup"
     spec = TreeSpec.parse("dynamic:8,3+lookup:3@2")
-    assert (spec.lookup, spec.depth, spec.hosts) == (3, 3, 2)
+    assert (spec.lookup, spec.depth, spec.hosting) == (3, 3, 2)
     assert TreeSpec.parse(spec.describe()) == spec
     for bad in ("cartesian:2x1+lookup", "dynamic:8+lookup:0", "dynamic:8+lookahead", "dynamic:8+lookup:x"):
         with pytest.raises(ValueError, match="lookup"):

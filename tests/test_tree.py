@@ -179,9 +179,9 @@ def test_hosting_policy_buffers():
 
 def test_tree_spec_hosting_suffix():
     spec = TreeSpec.parse("dynamic:8@2")
-    assert spec.kind == "dynamic" and spec.budget == 8 and spec.hosts == 2
+    assert spec.kind == "dynamic" and spec.budget == 8 and spec.hosting == 2
     assert spec.describe() == "dynamic:8@2"
-    assert TreeSpec.parse("cartesian:3x2@1").hosts == 1
+    assert TreeSpec.parse("cartesian:3x2@1").hosting == 1
     with pytest.raises(ValueError, match="@M"):
         TreeSpec.parse("dynamic:8@0")
 

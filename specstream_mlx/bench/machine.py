@@ -181,7 +181,7 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9) -
     import mlx.core as mx
 
     from ..platform_info import blas_words
-    from ..runtime.engine import load
+    from ..runtime.loaded_model import load
     from ..runtime.sampling import SamplingParams
     from ..runtime.steps import ar_steps
 
@@ -245,7 +245,7 @@ class SweepResult:
 def _child(models: Sequence[str], rows: Sequence[int], reps: int) -> dict:
     """In a process with one BLAS preloaded: products and passes of each model."""
     from ..platform_info import blas_in_use, blas_threads, blas_version, gemv_forwarding
-    from ..runtime.engine import load
+    from ..runtime.loaded_model import load
 
     res = {"blas": blas_in_use(), "version": blas_version(), "threads": blas_threads(), "models": {}}
     res["gemv"] = gemv_forwarding()

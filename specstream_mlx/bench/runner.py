@@ -30,7 +30,7 @@ from ..io.loading import (
 from ..io.prompts import read_prompt_rows
 from ..method.tree import TreeSpec
 from ..platform_info import runtime_info
-from ..runtime.engine import load
+from ..runtime.loaded_model import load
 from ..runtime.generation import encode_prompt, stream_generate
 from ..runtime.sampling import SamplingParams
 

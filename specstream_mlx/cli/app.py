@@ -44,7 +44,7 @@ def _load_for_decoding(model: str, mode: Optional[str], report=None, adapter_pat
     from ..io.loading import ModelLoadError
     from ..method.streams import no_streams_message
     from ..models import UnsupportedModelError
-    from ..runtime.engine import load
+    from ..runtime.loaded_model import load
     from ..runtime.generation import MODES
 
     if mode is not None and mode not in MODES:
@@ -678,7 +678,7 @@ def measure_acceptance_cmd(
     from ..io.prompts import PromptFileError
     from ..method.streams import CONFIG_FILE, no_streams_message
     from ..runtime.acceptance_prior import measure_acceptance
-    from ..runtime.engine import load
+    from ..runtime.loaded_model import load
     from ..runtime.generation import encode_prompt
 
     if n_prompts < 1 or max_tokens < 8:

@@ -262,7 +262,7 @@ def exact_match(model_dir: Path, test_file: Path, max_tokens: int = 96) -> dict:
     this plain-decoding score is also the score of ``ss``."""
     from tqdm import tqdm
 
-    from ..runtime.engine import load
+    from ..runtime.loaded_model import load
     from ..runtime.generation import generate
 
     model, tok = load(str(model_dir), warn=False)

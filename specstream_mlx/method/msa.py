@@ -169,14 +169,14 @@ def ss_forward(
             h = h[:, idx]
             positions = positions[:, idx]
     nk = len(kept)
-    host_idx = host_slots(kept, hosts)
-    every = len(host_idx) == nk  # no gather when every kept node hosts
-    hi = None if every else mx.array(host_idx.astype(np.int32))
+    host_nodes = kept_hosts(kept, hosts)
+    every = len(host_nodes) == nk  # no gather when every kept node hosts
+    hi = None if every else mx.array(host_nodes.astype(np.int32))
     x = msa_layers(
-        model, streams, h, positions, hi, len(host_idx), gamma, msa_mask(offset, kept_buf, gamma, host_idx), cache
+        model, streams, h, positions, hi, len(host_nodes), gamma, msa_mask(offset, kept_buf, gamma, host_nodes), cache
     )
-    main_logits, stream_hidden, s_logits = pass_outputs(model, x, nk, len(host_idx), gamma)
-    return SSOutput(kept_tree, kept_buf, kept, main_logits, stream_hidden, n - nk, offset, host_idx, s_logits)
+    main_logits, stream_hidden, s_logits = pass_outputs(model, x, nk, len(host_nodes), gamma)
+    return SSOutput(kept_tree, kept_buf, kept, main_logits, stream_hidden, n - nk, offset, host_nodes, s_logits)
 
 
 def pass_gamma(streams: StreamParams, num_streams: Optional[int]) -> int:
@@ -184,7 +184,7 @@ def pass_gamma(streams: StreamParams, num_streams: Optional[int]) -> int:
     return streams.num_streams if num_streams is None else max(1, min(num_streams, streams.num_streams))
 
 
-def host_slots(kept: np.ndarray, hosts: Optional[np.ndarray]) -> np.ndarray:
+def kept_hosts(kept: np.ndarray, hosts: Optional[np.ndarray]) -> np.ndarray:
     """Kept-node indices of the nodes that host streams (every kept node by default)."""
     if hosts is None:
         return np.arange(len(kept))
@@ -205,18 +205,18 @@ def msa_layers(
     streams: StreamParams,
     h: mx.array,
     positions: mx.array,
-    host_idx: Optional[mx.array],
+    host_nodes: Optional[mx.array],
     n_hosts: int,
     gamma: int,
     mask: mx.array,
     cache,
 ) -> mx.array:
-    """Insert the streams of the hosts (``host_idx``, None for every row) and run the
+    """Insert the streams of the hosts (``host_nodes``, None for every row) and run the
     top Ns layers on ``[main rows | streams]``; only main rows are cached."""
     nk = h.shape[1]
     if n_hosts:
         # Stream insertion: S[t, j] = M[t] + P[j], host-major.
-        M, P = (h[0], positions[0]) if host_idx is None else (h[0][host_idx], positions[0][host_idx])
+        M, P = (h[0], positions[0]) if host_nodes is None else (h[0][host_nodes], positions[0][host_nodes])
         S = streams.insert(M)[:, :gamma].reshape(1, n_hosts * gamma, -1)
         x = mx.concatenate([h, S], axis=1)
         stream_pos = (P[:, None] + mx.arange(1, gamma + 1, dtype=mx.int32)[None]).reshape(1, -1)

@@ -152,8 +152,8 @@ class TreeSpec:
             gives 1 + 3 + 6 + 6 nodes. Length is the tree depth (<= streams).
         budget: draft nodes (root excluded) for "dynamic".
         depth: deepest level for "dynamic" (<= streams).
-        hosts: host speculative streams only at the root and this many other
-            nodes (the most likely last accepted ones); 0 hosts them at every node.
+        hosting: the hosting mode: streams only at the root and this many other nodes
+            (the most likely last accepted ones); 0 hosts them at every node.
         lookup: "dynamic" only: draft up to this many tokens of an n-gram continuation
             (prompt lookup over the prompt and the reply so far) in the tree, under the
             same budget, scored by the lookup's measured hit rate; 0 for none.
@@ -163,7 +163,7 @@ class TreeSpec:
     widths: tuple = (3, 2, 1, 1)
     budget: int = 12
     depth: int = 4
-    hosts: int = 0
+    hosting: int = 0
     lookup: int = 0
 
     def __post_init__(self):
@@ -174,7 +174,7 @@ class TreeSpec:
             raise ValueError(f"{self.describe()}: every width must be at least 1 (and there must be one)")
         if self.kind == "dynamic" and (self.budget < 1 or self.depth < 1):
             raise ValueError(f"{self.describe()}: the budget and the depth must be at least 1")
-        if self.hosts < 0:
+        if self.hosting < 0:
             raise ValueError(f"{self.describe()}: the number of hosting nodes must be at least 0")
         if self.lookup < 0 or (self.lookup and self.kind != "dynamic"):
             raise ValueError(f"{self.describe()}: lookup branches need a dynamic tree and a length of at least 1")
@@ -185,7 +185,7 @@ class TreeSpec:
         return len(self.widths) if self.kind == "cartesian" else min(self.depth, self.budget)
 
     def describe(self) -> str:
-        at = f"@{self.hosts}" if self.hosts else ""
+        at = f"@{self.hosting}" if self.hosting else ""
         if self.kind == "cartesian":
             return "cartesian:" + "x".join(str(w) for w in self.widths) + at
         depth = f",{self.depth}" if self.depth != 4 else ""
@@ -199,15 +199,15 @@ class TreeSpec:
         a dynamic tree also by ``+lookup`` or ``+lookup:N``: n-gram continuation branches."""
         from dataclasses import replace
 
-        body, at, hosts = text.partition("@")
+        body, at, count = text.partition("@")
         if at:
             try:
-                m = int(hosts)
+                m = int(count)
             except ValueError:
                 m = -1
             if m < 1:
                 raise ValueError(f"bad tree spec {text!r}: @M needs a positive number of hosting nodes")
-            return replace(TreeSpec.parse(body), hosts=m)
+            return replace(TreeSpec.parse(body), hosting=m)
         body, plus, extra = text.partition("+")
         if plus:
             name, colon, n = extra.partition(":")

@@ -105,7 +105,7 @@ def measure_acceptance(
     stop_tokens: Sequence[int] = (),
     progress: Optional[Callable[[int, int], None]] = None,
 ) -> AcceptancePrior:
-    """Measure :class:`AcceptancePrior` of a :class:`~.engine.SpeculativeModel` on
+    """Measure :class:`AcceptancePrior` of a :class:`~.loaded_model.SpeculativeModel` on
     ``prompts`` (1-D id arrays), greedy replies of up to ``max_tokens`` (ending at
     the first of ``stop_tokens``)."""
     greedy = SamplingParams()

@@ -90,17 +90,18 @@ class PassPlan:
     """What the engine does next.
 
     Attributes:
-        spec: the tree this pass's streams draft (the next pass verifies it).
-        hosted: streams hosted per hosting node in this pass.
-        hosting: 0 hosts streams at every node; m at the root and m likely endpoints.
+        next_tree: the tree this pass's streams draft (the next pass verifies it).
+        streams_per_host: streams each hosting node carries in this pass.
+        hosting: this pass's hosting mode: 0 hosts streams at every node; m at the root
+            and the m likeliest endpoints.
         threshold: early-exit pruning threshold of this pass.
         label: the tree in the step's stats (``dynamic:8``, ``auto:dynamic:4@1``).
         probe: instead of a pass, decode this many timed plain tokens.
         plain: instead of a pass, decode plainly from here on (why).
     """
 
-    spec: TreeSpec
-    hosted: int
+    next_tree: TreeSpec
+    streams_per_host: int
     hosting: int
     threshold: float
     label: str
@@ -114,7 +115,7 @@ class FixedPolicy:
     compiled = None  # the model's own setting
 
     def __init__(self, spec: TreeSpec, threshold: float):
-        self.plan = PassPlan(spec, spec.max_depth, spec.hosts, threshold, spec.describe())
+        self.plan = PassPlan(spec, spec.max_depth, spec.hosting, threshold, spec.describe())
         self.candidates = num_candidates(spec)
         self.score_budget = 0
 
@@ -388,7 +389,7 @@ class AutoPolicy:
     def spec(self) -> TreeSpec:
         # Lookup branches ride along (docs/DESIGN.md decision 28): greedy, they replace only
         # stream nodes their measured hit rate outscores, in a pass of the same shape.
-        return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosts=self.hosting, lookup=LOOKUP_LEN)
+        return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosting=self.hosting, lookup=LOOKUP_LEN)
 
     def arms(self):
         """Every (budget, hosting mode) the policy chooses between."""
@@ -445,7 +446,7 @@ class AutoPolicy:
         booked to the arm that drafted it (its exploring passes included)."""
         if len(draft.tree) <= 1:
             return  # a root-only pass after a probe or the prompt: no arm's
-        self.costs.observe_pass((draft.budget, plan.spec.hosts), seconds)
+        self.costs.observe_pass((draft.budget, plan.next_tree.hosting), seconds)
         self.since_probe += 1
         self.pruning.record(plan.threshold, seconds, accepted + 1)
         self.evidence.observe(draft, accepted)
@@ -501,7 +502,7 @@ def model_key(model, streams, kind: str, compiled: bool) -> str:
 
 def auto_policy_for(model, streams, sampled: bool, compiled: bool, log=None) -> AutoPolicy:
     """A new :class:`AutoPolicy` for ``model`` with the costs stored for it on this machine.
-    The caller keeps it (:class:`~specstream_mlx.runtime.engine.SpeculativeModel` does,
+    The caller keeps it (:class:`~specstream_mlx.runtime.loaded_model.SpeculativeModel` does,
     per decoding kind), so what it learns carries over between requests."""
     costs = PassCosts.load(model_key(model, streams, "sampled" if sampled else "greedy", compiled))
     if log and not costs.stored:

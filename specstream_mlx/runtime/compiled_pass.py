@@ -34,7 +34,7 @@ import numpy as np
 
 from ..method.msa import (
     SSOutput,
-    host_slots,
+    kept_hosts,
     lower_layers,
     msa_layers,
     msa_part_for,
@@ -111,10 +111,10 @@ class SSPass:
             return ss_forward(self.model, self.streams, tree, offset, cache, pruning_threshold, num_streams, hosts)
         buf = tree_buffers(tree.parents)
         gamma = pass_gamma(self.streams, num_streams)
-        host_idx = host_slots(np.arange(n), hosts)
-        every = len(host_idx) == n
+        host_nodes = kept_hosts(np.arange(n), hosts)
+        every = len(host_nodes) == n
         parents = tuple(int(p) for p in buf.parents)
-        msa_part = msa_part_for(parents, gamma, None if every else tuple(int(h) for h in host_idx))
+        msa_part = msa_part_for(parents, gamma, None if every else tuple(int(h) for h in host_nodes))
         for c in cache:
             c.reserve(n)
         # One capacity for every layer: the graph builds all masks from layer 0's. Layers
@@ -130,7 +130,7 @@ class SSPass:
             mx.array([offset], dtype=mx.int32),
             _ancestor_part(parents),
             msa_part,
-            mx.array(host_idx.astype(np.int32)),
+            mx.array(host_nodes.astype(np.int32)),
             keys,
             values,
         )
@@ -146,22 +146,23 @@ class SSPass:
             stream_hidden,
             0,
             offset,
-            host_idx,
-            s_logits if len(host_idx) == 1 else None,
+            host_nodes,
+            s_logits if len(host_nodes) == 1 else None,
         )
 
     def _fn(self, every: bool):
         if every not in self._fns:
             model, streams = self.model, self.streams
 
-            def body(tokens, positions, offset, anc, msa_part, host_idx, keys, values):
+            def body(tokens, positions, offset, anc, msa_part, host_nodes, keys, values):
                 n, capacity = tokens.shape[1], keys[0].shape[2]
-                n_hosts = host_idx.shape[0]
+                n_hosts = host_nodes.shape[0]
                 gamma = (msa_part.shape[0] - n) // max(n_hosts, 1)
                 writers = [OffsetWriter(k, v, offset) for k, v in zip(keys, values)]
                 h = lower_layers(model, streams, tokens, positions, capacity_mask(offset, anc, n, capacity), writers)
                 mask = capacity_mask(offset, msa_part, n, capacity)
-                x = msa_layers(model, streams, h, positions, None if every else host_idx, n_hosts, gamma, mask, writers)
+                rows = None if every else host_nodes
+                x = msa_layers(model, streams, h, positions, rows, n_hosts, gamma, mask, writers)
                 main_logits, stream_hidden, s_logits = pass_outputs(model, x, n, n_hosts, gamma)
                 if s_logits is None:
                     s_logits = mx.zeros((0,), dtype=main_logits.dtype)  # compiled outputs are always arrays

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..method.tree import TreeSpec
 from .bounded import TEMPLATE_SECONDS, PromptError, guarded, time_limit
-from .engine import base_model
+from .loaded_model import base_model
 from .lookup import lookup_steps
 from .sampling import SamplingParams
 from .speculative import DEFAULT_TREE, ss_steps

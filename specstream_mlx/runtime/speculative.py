@@ -35,7 +35,7 @@ from .drafting import (
     with_lookup,
     with_lookup_sampled,
 )
-from .engine import SpeculativeModel, as_speculative
+from .loaded_model import SpeculativeModel, as_speculative
 from .lookup import LookupBranch
 from .sampling import KeyStream, SamplingParams
 from .steps import Step, StepInfo, ar_steps, pipelined_tokens, prefill
@@ -189,7 +189,7 @@ def _next_draft(sm, res: PassResult, plan: PassPlan, sampling, score_budget: int
     """The next tree from the accepted node's stream candidates, with the lookup ``chain``
     merged in (greedy: the best nodes of both under the budget) or hung from the root
     (sampling: its share of the budget fixed before the draws are seen)."""
-    bonus, spec = res.verdict.bonus, plan.spec
+    bonus, spec = res.verdict.bonus, plan.next_tree
     if not chain:
         return draft_tree(bonus, res.top, res.ptop, res.q, spec, sampling, score_budget, res.drawn)
     if sampling.greedy:
@@ -290,19 +290,19 @@ def _ss_loop(sm: SpeculativeModel, policy, prompt, sampling, cache, prefill_chun
             continue
         t = time.perf_counter()
         hosts = _hosts(draft, plan.hosting)
-        out = forward(draft.tree, cache[0].offset, cache, plan.threshold, plan.hosted, hosts)
+        out = forward(draft.tree, cache[0].offset, cache, plan.threshold, plan.streams_per_host, hosts)
         if sampling.greedy:
             res = verify_greedy(sm, out, policy.candidates, sampling)
         else:
-            res = verify_sampled(sm, out, policy.candidates, sampling, draft, keys, max_draws(plan.spec))
+            res = verify_sampled(sm, out, policy.candidates, sampling, draft, keys, max_draws(plan.next_tree))
         commit_ss(cache, sm.streams, out, res.verdict.path)
         step = _step(out, res, plan)
         decided.extend(step.tokens)
         if lookup is not None:
             lookup.observe(step.tokens)
-        if plan.spec.lookup and (lookup is None or lookup.length != plan.spec.lookup):
-            lookup = LookupBranch(plan.spec.lookup)
-        chain, chain_scores = lookup.propose(decided) if plan.spec.lookup else ([], [])
+        if plan.next_tree.lookup and (lookup is None or lookup.length != plan.next_tree.lookup):
+            lookup = LookupBranch(plan.next_tree.lookup)
+        chain, chain_scores = lookup.propose(decided) if plan.next_tree.lookup else ([], [])
         nxt = _next_draft(sm, res, plan, sampling, policy.score_budget, chain, chain_scores)
         nxt.from_hosting = plan.hosting if hosts is not None else 0
         yield step
