@@ -39,9 +39,9 @@ __all__ = [
 def __getattr__(name):
     # Lazy, so `import specstream_mlx` (and the CLI's --help) stays instant.
     if name in ("load", "SpeculativeModel"):
-        from .runtime import engine
+        from .runtime import loaded_model
 
-        return getattr(engine, name)
+        return getattr(loaded_model, name)
     if name in ("generate", "stream_generate", "GenerationResponse", "GenerationResult"):
         from .runtime import generation
 

@@ -277,7 +277,7 @@ def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, probe
         return usable(arrays, slot, shift)
 
     monkeypatch.setattr(spec_mod, "_usable", spy)
-    tree = TreeSpec("cartesian", (2, 1), hosts=hosts)
+    tree = TreeSpec("cartesian", (2, 1), hosting=hosts)
     # Hybrid trees: where the lookup branch starts in the tree being verified, and how
     # often a verdict's path went through it.
     branch = {"tree": None, "start": 0, "accepted": 0}

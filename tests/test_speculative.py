@@ -23,7 +23,7 @@ TREES = [
     # Hosting policies: streams at the root and the 2 (1) likeliest other endpoints;
     # the next draft then often comes from a hosting ancestor's later streams.
     TreeSpec("dynamic", budget=10, depth=3, hosting=2),
-    TreeSpec("cartesian", (3, 2, 1), hosts=1),
+    TreeSpec("cartesian", (3, 2, 1), hosting=1),
     # Hybrid: n-gram continuation branches merged in under the same budget.
     TreeSpec("dynamic", budget=10, depth=3, lookup=5),
     TreeSpec("dynamic", budget=6, depth=3, lookup=4, hosting=1),
@@ -171,7 +171,7 @@ def test_perfect_streams_from_a_hosting_ancestor(hf_models, monkeypatch):
 
     monkeypatch.setattr(spec_mod, "stream_logits", oracle_logits)
     monkeypatch.setattr(spec_mod, "hosting_nodes", lambda parents, reach, m: np.array([0]))
-    spec = TreeSpec("cartesian", (1, 1), hosts=1)
+    spec = TreeSpec("cartesian", (1, 1), hosting=1)
     # Host all 4 streams (a 2-deep tree alone would host 2): shifted drafts need 3..4.
     monkeypatch.setattr(TreeSpec, "max_depth", property(lambda self: gamma))
     got, passes = take(ss_steps(model, prompt, GREEDY, streams=streams, tree=spec), n)
