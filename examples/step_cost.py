@@ -131,8 +131,8 @@ def main():
     from specstream_mlx.method.streams import StreamConfig, new_streams
     from specstream_mlx.method.tree import TreeSpec
     from specstream_mlx.platform_info import runtime_info
-    from specstream_mlx.runtime.loaded_model import SpeculativeModel
     from specstream_mlx.runtime.generation import generate
+    from specstream_mlx.runtime.loaded_model import SpeculativeModel
     from specstream_mlx.runtime.sampling import SamplingParams
 
     if args.model:

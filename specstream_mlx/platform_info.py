@@ -131,9 +131,10 @@ def gemv_forwarder(cache_dir: Optional[Path] = None) -> Optional[str]:
     if not sys.platform.startswith("linux") or not GEMV_SOURCE.exists():
         return None
     src = GEMV_SOURCE.read_bytes()
-    if cache_dir is None:  # the user cache of converted models (io.bundles.cache_root)
-        env, xdg = os.environ.get("SPECSTREAM_MLX_CACHE"), os.environ.get("XDG_CACHE_HOME")
-        cache_dir = Path(env) if env else (Path(xdg) if xdg else Path.home() / ".cache") / "specstream-mlx"
+    if cache_dir is None:  # the user cache of converted models
+        from .settings import current
+
+        cache_dir = current().cache_dir
     out = Path(cache_dir).expanduser() / "native" / f"libspecstream-gemv-{hashlib.sha256(src).hexdigest()[:12]}.so"
     if out.exists():
         return str(out)

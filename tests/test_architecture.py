@@ -14,18 +14,31 @@ CONVERT = ROOT / "convert"
 
 # Each layer may import itself and the layers listed for it (and nothing above).
 ALLOWED = {
-    "models": set(),
-    "method": {"models"},
-    "io": {"models", "method"},
-    "runtime": {"models", "method", "io", "platform_info"},
-    "convert": {"models", "method", "io"},
-    "train": {"models", "method", "io"},
-    "tasks": {"models", "method", "io", "runtime"},
-    "serve": {"models", "method", "io", "runtime", "tasks"},
-    "bench": {"models", "method", "io", "runtime", "platform_info"},
-    "demo": {"models", "method", "io", "runtime", "train", "convert", "tasks"},
-    "cli": {"models", "method", "io", "runtime", "train", "convert", "serve", "bench", "platform_info", "tasks"},
-    "platform_info": set(),
+    "models": {"settings"},
+    "method": {"models", "settings"},
+    "io": {"models", "method", "settings"},
+    "runtime": {"models", "method", "io", "platform_info", "settings"},
+    "convert": {"models", "method", "io", "settings"},
+    "train": {"models", "method", "io", "settings"},
+    "tasks": {"models", "method", "io", "runtime", "settings"},
+    "serve": {"models", "method", "io", "runtime", "tasks", "settings"},
+    "bench": {"models", "method", "io", "runtime", "platform_info", "settings"},
+    "demo": {"models", "method", "io", "runtime", "train", "convert", "tasks", "settings"},
+    "cli": {
+        "models",
+        "method",
+        "io",
+        "runtime",
+        "train",
+        "convert",
+        "serve",
+        "bench",
+        "platform_info",
+        "tasks",
+        "settings",
+    },
+    "platform_info": {"settings"},
+    "settings": set(),
 }
 
 

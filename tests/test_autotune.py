@@ -290,7 +290,7 @@ def test_the_first_token_does_not_wait_for_calibration(tiny_model_dir, tmp_path,
     from specstream_mlx.runtime.sampling import SamplingParams
     from specstream_mlx.runtime.speculative import ss_steps
 
-    monkeypatch.setattr(A, "CACHE_FILE", tmp_path / "costs.json")
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))  # step_costs.json there
     model, _ = _auto_model(tiny_model_dir)
     calls = {"base": 0, "ss": 0}
     base_call, pass_call = type(model.base).__call__, SSPass.__call__
@@ -321,20 +321,20 @@ def test_learned_costs_are_stored_when_a_generation_ends_and_read_by_the_next_pr
     from specstream_mlx.runtime.loaded_model import SpeculativeModel
     from specstream_mlx.runtime.sampling import SamplingParams
 
-    monkeypatch.setattr(A, "CACHE_FILE", tmp_path / "costs.json")
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))  # step_costs.json there
     monkeypatch.setattr(A, "PLAIN_EVERY", 4)
     model, tok = _auto_model(tiny_model_dir)
     generate(model, tok, "hello there", max_tokens=60, mode="ss", tree="auto")
     costs = model.tuner(SamplingParams()).costs
     learned = {a: costs.measured(a) for a in costs.timed if costs.measured(a) is not None}
-    assert learned and (tmp_path / "costs.json").exists()
+    assert learned and (tmp_path / "step_costs.json").exists()
     fresh = SpeculativeModel(model.base, model.streams)  # what the next process starts with
     assert fresh.tuner(SamplingParams()).costs.stored == pytest.approx(learned)
-    (tmp_path / "costs.json").write_text("{not json")  # a damaged file is only a cold start
+    (tmp_path / "step_costs.json").write_text("{not json")  # a damaged file is only a cold start
     assert SpeculativeModel(model.base, model.streams).tuner(SamplingParams()).costs.stored == {}
     key = costs.key  # ... and so are damaged entries, a bad arm or cost skipped alone
     for entry, want in (({"costs": [1, 2]}, {}), ({"costs": {"4,0": None, "x": 1, "8,1": 2.5}}, {(8, 1): 2.5})):
-        (tmp_path / "costs.json").write_text(json.dumps({key: entry}))
+        (tmp_path / "step_costs.json").write_text(json.dumps({key: entry}))
         assert PassCosts.load(key).stored == want
 
 
@@ -371,7 +371,7 @@ def test_no_tree_pass_runs_when_the_prior_says_plain(tiny_model_dir, tmp_path, m
     from specstream_mlx.runtime.sampling import SamplingParams
     from specstream_mlx.runtime.speculative import ss_steps
 
-    monkeypatch.setattr(A, "CACHE_FILE", tmp_path / "costs.json")
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))  # step_costs.json there
     model, _ = _auto_model(tiny_model_dir)
     _with_prior(model, {b: 0.05 for b in A.CANDIDATE_BUDGETS})
     passes = {"n": 0}
@@ -407,7 +407,7 @@ def test_no_tree_pass_runs_when_the_prior_says_plain(tiny_model_dir, tmp_path, m
 def test_a_prior_that_pays_starts_on_its_best_arm(tiny_model_dir, tmp_path, monkeypatch):
     from specstream_mlx.runtime.sampling import SamplingParams
 
-    monkeypatch.setattr(A, "CACHE_FILE", tmp_path / "costs.json")
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))  # step_costs.json there
     model, _ = _auto_model(tiny_model_dir)
     # At the prior costs 1.2 + 0.15 b: b2 (1+1.4)/1.5 = 1.6, b4 (1+2.6)/1.8 = 2.0, b8 (1+3)/2.4 = 1.67.
     _with_prior(model, {2: 1.4, 4: 2.6, 8: 3.0, 12: 3.0, 16: 3.0, 24: 3.0})

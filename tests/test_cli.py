@@ -163,7 +163,7 @@ def test_convert_attaches_streams(streams_model_dir):
     "mode,tree", [("ss", "dynamic:8"), ("ss", "cartesian:2x2x1"), ("ss", "auto"), ("lookup", "auto")]
 )
 def test_generate_ss_equals_ar(streams_model_dir, mode, tree, tmp_path):
-    env = dict(os.environ, SPECSTREAM_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, SPECSTREAM_MLX_CACHE=str(tmp_path))
     base = (
         "generate",
         "--model",

@@ -366,7 +366,7 @@ def test_bench_writes_json_markdown_and_chart(ss_model, tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ, SPECSTREAM_CACHE_DIR=str(tmp_path)),
+        env=dict(os.environ, SPECSTREAM_MLX_CACHE=str(tmp_path)),
     )
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())

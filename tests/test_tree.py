@@ -11,11 +11,23 @@ from specstream_mlx.method.tree import (
     TreeSpec,
     cartesian_tree,
     dynamic_tree,
-    leaf_paths,
     restrict,
     subtree_keep,
     tree_buffers,
 )
+
+
+def leaf_paths(buffers) -> tuple:
+    """Root-to-leaf node index paths, one per leaf (in node order of the leaves): the
+    reference the tree tests read buffers with."""
+    par = buffers.parents
+    paths = []
+    for leaf in (i for i, c in enumerate(buffers.children) if not c):
+        path = [leaf]
+        while par[path[-1]] >= 0:
+            path.append(int(par[path[-1]]))
+        paths.append(tuple(reversed(path)))
+    return tuple(paths)
 
 
 def test_buffers_of_a_small_tree():

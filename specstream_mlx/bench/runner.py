@@ -30,8 +30,8 @@ from ..io.loading import (
 from ..io.prompts import read_prompt_rows
 from ..method.tree import TreeSpec
 from ..platform_info import runtime_info
-from ..runtime.loaded_model import load
 from ..runtime.generation import encode_prompt, stream_generate
+from ..runtime.loaded_model import load
 from ..runtime.sampling import SamplingParams
 
 

@@ -44,8 +44,8 @@ def _load_for_decoding(model: str, mode: Optional[str], report=None, adapter_pat
     from ..io.loading import ModelLoadError
     from ..method.streams import no_streams_message
     from ..models import UnsupportedModelError
-    from ..runtime.loaded_model import load
     from ..runtime.generation import MODES
+    from ..runtime.loaded_model import load
 
     if mode is not None and mode not in MODES:
         fail(f"unknown --mode {mode!r}; available: {', '.join(MODES)}")
@@ -678,8 +678,8 @@ def measure_acceptance_cmd(
     from ..io.prompts import PromptFileError
     from ..method.streams import CONFIG_FILE, no_streams_message
     from ..runtime.acceptance_prior import measure_acceptance
-    from ..runtime.loaded_model import load
     from ..runtime.generation import encode_prompt
+    from ..runtime.loaded_model import load
 
     if n_prompts < 1 or max_tokens < 8:
         _err("--max-prompts must be at least 1 and --max-tokens at least 8")

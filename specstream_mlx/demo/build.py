@@ -262,8 +262,8 @@ def exact_match(model_dir: Path, test_file: Path, max_tokens: int = 96) -> dict:
     this plain-decoding score is also the score of ``ss``."""
     from tqdm import tqdm
 
-    from ..runtime.loaded_model import load
     from ..runtime.generation import generate
+    from ..runtime.loaded_model import load
 
     model, tok = load(str(model_dir), warn=False)
     rows = [json.loads(line) for line in open(test_file) if line.strip()]

@@ -154,8 +154,7 @@ def atomic_directory(dst: Path, force: bool, exists_error) -> Iterator[Path]:
 
 
 def cache_root() -> Path:
-    env = os.environ.get("SPECSTREAM_MLX_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "specstream-mlx"
+    """The user cache (``SPECSTREAM_MLX_CACHE``; :mod:`specstream_mlx.settings`)."""
+    from ..settings import current
+
+    return current().cache_dir

@@ -82,18 +82,6 @@ def _tree_buffers(parents: tuple) -> TreeBuffers:
     return TreeBuffers(depths, anc, par, tuple(tuple(c) for c in children))
 
 
-def leaf_paths(buffers: TreeBuffers) -> tuple:
-    """Root-to-leaf node index paths, one per leaf (in node order of the leaves)."""
-    par = buffers.parents
-    paths = []
-    for leaf in (i for i, c in enumerate(buffers.children) if not c):
-        path = [leaf]
-        while par[path[-1]] >= 0:
-            path.append(int(par[path[-1]]))
-        paths.append(tuple(reversed(path)))
-    return tuple(paths)
-
-
 def subtree_keep(parents: Sequence[int], keep_node: Sequence[bool]) -> np.ndarray:
     """Nodes kept after pruning: a node stays when it and all its ancestors pass.
 

@@ -78,9 +78,6 @@ ALT_EXPLORE = 8
 ALT_EMA = 0.1
 # Bump when a pass changes what it computes: stored costs are then ignored.
 COST_VERSION = 10
-# Where learned costs are kept: this path when set (tests), else step_costs.json in
-# $SPECSTREAM_CACHE_DIR, else in the user cache of converted models (read at each use).
-CACHE_FILE: Optional[Path] = None
 BACKOFF_REASON = "plain decoding: draft trees did not pay off on recent requests (re-tried later)"
 PRIOR_REASON = "plain decoding: the streams' measured acceptance predicts no draft tree pays here"
 
@@ -133,10 +130,8 @@ class FixedPolicy:
 
 
 def cost_cache_file() -> Path:
-    if CACHE_FILE is not None:
-        return Path(CACHE_FILE)
-    env = os.environ.get("SPECSTREAM_CACHE_DIR")
-    return (Path(env).expanduser() if env else cache_root()) / "step_costs.json"
+    """Where learned costs are kept: ``step_costs.json`` in the user cache (read at each use)."""
+    return cache_root() / "step_costs.json"
 
 
 def _read_table() -> dict:

@@ -8,7 +8,6 @@ be used wherever a plain MLX language model is expected.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from ..io.adapters import fuse_adapter_into
 from ..io.loading import ModelLoadError, load_model_dir
 from ..method.streams import StreamParams
 from ..models.base import ModelArgs
+from ..settings import current as current_settings
 from .autotune import AutoPolicy, auto_policy_for
 from .compiled_pass import SSPass
 from .sampling import SamplingParams
@@ -38,7 +38,8 @@ class SpeculativeModel:
         tuners: ``--tree auto`` policies per decoding kind ("greedy", "sampled"):
             greedy and sampled passes draft different trees and cost differently.
         compiled: run speculative passes as compiled graphs where possible
-            (:mod:`.compiled_pass`); default False (op by op), ``SPECSTREAM_COMPILE=1`` sets it.
+            (:mod:`.compiled_pass`); default from :mod:`specstream_mlx.settings`
+            (``SPECSTREAM_COMPILE=1``; op by op otherwise).
     """
 
     base: nn.Module
@@ -48,7 +49,7 @@ class SpeculativeModel:
     # Per (kind, client): a tuner sharing its kind's machine facts, with its own acceptance
     # evidence and back-off (one client's prompts must not switch another to plain decoding).
     client_tuners: "OrderedDict[tuple, AutoPolicy]" = field(default_factory=OrderedDict, repr=False)
-    compiled: bool = field(default_factory=lambda: os.environ.get("SPECSTREAM_COMPILE", "").strip() == "1")
+    compiled: bool = field(default_factory=lambda: current_settings().compile_passes)
     _passes: Dict[bool, SSPass] = field(default_factory=dict, repr=False)
 
     def __call__(self, *args, **kwargs):

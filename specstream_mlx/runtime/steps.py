@@ -8,6 +8,7 @@ typed :class:`StepInfo` of what happened in it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Generator, Iterator, List, Optional
 
 import mlx.core as mx
@@ -54,17 +55,12 @@ def prefill(model, prompt: mx.array, cache, chunk: int = 512) -> None:
         mx.eval([c.keys for c in cache])
 
 
-_STREAM = None
-
-
+@lru_cache(maxsize=1)
 def _decode_stream():
-    """A stream of its own for decoding (as mlx-lm's generation stream): the next step's
-    graph is queued there while the host builds the one after it."""
-    global _STREAM
-    if _STREAM is None:
-        make = getattr(mx, "new_thread_local_stream", mx.new_stream)
-        _STREAM = make(mx.default_device())
-    return _STREAM
+    """A stream of its own for decoding (as mlx-lm's generation stream), made once: the next
+    step's graph is queued there while the host builds the one after it."""
+    make = getattr(mx, "new_thread_local_stream", mx.new_stream)
+    return make(mx.default_device())
 
 
 def ar_steps(

@@ -1,0 +1,46 @@
+"""The settings the environment can give, read in one place.
+
+========================  ====================================================================
+``SPECSTREAM_MLX_CACHE``  the user cache: converted bundled models, ``--tree auto``'s learned
+                          step costs (``step_costs.json``), base-model fingerprints and the
+                          compiled one-row GEMV forwarder. Default
+                          ``$XDG_CACHE_HOME/specstream-mlx``, else ``~/.cache/specstream-mlx``.
+``SPECSTREAM_COMPILE``    ``1``: speculative passes run as compiled graphs (one per tree
+                          shape); default op by op (docs/DESIGN.md, decision 18).
+========================  ====================================================================
+
+The BLAS settings (``SPECSTREAM_BLAS``, ``SPECSTREAM_NO_OPENBLAS``, thread counts) act before
+MLX is imported and are read by :mod:`specstream_mlx.blas_env` (docs/USAGE.md). Everything
+else takes its setting as an argument; :func:`current` is read at each use, so a test or a
+caller that changes the environment is seen.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What :func:`current` found.
+
+    Attributes:
+        cache_dir: the user cache directory (not created here).
+        compile_passes: run speculative passes as compiled graphs.
+    """
+
+    cache_dir: Path
+    compile_passes: bool
+
+
+def current() -> Settings:
+    """The settings the environment gives now."""
+    env = os.environ.get("SPECSTREAM_MLX_CACHE")
+    if env:
+        cache = Path(env).expanduser()
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        cache = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "specstream-mlx"
+    return Settings(cache_dir=cache, compile_passes=os.environ.get("SPECSTREAM_COMPILE", "").strip() == "1")
