@@ -38,6 +38,11 @@ def observe_many(auto, n, accepted, scores):
         auto.evidence.observe(draft(scores, auto.budget, auto.hosting), accepted)
 
 
+def _reason(plan):
+    """Why a plan decodes plainly to the end (None: it does not)."""
+    return plan.reason if isinstance(plan, A.Plain) else None
+
+
 def choose(auto):
     """The arm after the evidence so far (None: plain decoding from here on)."""
     auto._choose()
@@ -55,23 +60,26 @@ def test_choose_maximises_expected_rate():
     slow = AutoPolicy(costs_of({2: 3.0, 4: 5.0}), depth=4, budget=4, hosting=0)
     observe_many(slow, WARMUP_STEPS, accepted=1.0, scores=scores)
     assert choose(slow) is None and "no draft tree is expected to be faster" in slow.pending
-    assert slow.plan_pass().plain == slow.pending  # the engine decodes plainly from here on
+    assert _reason(slow.plan()) == slow.pending  # the engine decodes plainly from here on
 
 
 def test_warm_up_keeps_the_arm_and_new_requests_halve_evidence():
     scores = [0.5, 0.4, 0.3, 0.2]
     auto = AutoPolicy(costs_of({2: 1.2, 4: 3.0}), depth=4, budget=4, hosting=0)
-    record = auto.record
-    for i in range(WARMUP_STEPS):
-        plan = auto.plan_pass()
-        assert plan.plain is None, i  # warming up: no choice yet
-        record(plan, draft(scores, 4), 0, 0.01)
+    passes = 0
+    while passes < WARMUP_STEPS:
+        plan = auto.plan()
+        assert _reason(plan) is None, passes  # warming up: no choice yet
+        if isinstance(plan, A.Probe):  # left untimed: the stored costs decide here
+            continue
+        auto.observe_pass(plan, draft(scores, 4), 0, 0.01)
+        passes += 1
     assert auto.pending is not None  # nothing is ever accepted: plain decoding wins
     before = auto.rate((2, 0))
     auto.new_request()
     assert abs(auto.rate((2, 0)) - before) < 1e-12  # averages unchanged
     assert auto.evidence.steps < WARMUP_STEPS  # so the next request re-tries a tree ...
-    assert auto.plan_pass().plain == A.BACKOFF_REASON  # ... after one request of back-off
+    assert _reason(auto.plan()) == A.BACKOFF_REASON  # ... after one request of back-off
 
 
 def test_fallback_backs_off_exponentially_and_resets_on_success():
@@ -84,7 +92,7 @@ def test_fallback_backs_off_exponentially_and_resets_on_success():
         out = []
         for _ in range(n):
             auto.new_request()
-            out.append(auto.plan_pass().plain is not None)
+            out.append(_reason(auto.plan()) is not None)
         return out
 
     assert plain_requests(2) == [True, False]  # skip 1, then re-try
@@ -121,7 +129,7 @@ def test_deeper_budgets_are_judged_on_deep_candidates():
 
 def test_every_few_passes_host_all_streams_at_every_node():
     auto = AutoPolicy(PassCosts(), depth=4, budget=2, hosting=A.HOSTING)
-    plans = [auto.plan_pass() for _ in range(3 * A.EXPLORE_EVERY)]
+    plans = [auto.plan() for _ in range(3 * A.EXPLORE_EVERY)]
     assert [(p.streams_per_host, p.hosting) for p in plans].count((4, 0)) == 3
     assert {(p.streams_per_host, p.hosting) for p in plans} == {(2, A.HOSTING), (4, 0)}
     assert all(p.next_tree.budget == 2 and p.next_tree.hosting == A.HOSTING for p in plans)  # the arm's own tree
@@ -164,10 +172,10 @@ def test_one_clients_fallback_does_not_switch_another_to_plain_decoding(monkeypa
     a._choose()
     assert a.pending is not None and a.skip == 1
     a.new_request()
-    assert a.plan_pass().plain is not None  # alice's next request decodes plainly ...
+    assert _reason(a.plan()) is not None  # alice's next request decodes plainly ...
     b.new_request()
     sm.tuner(greedy).new_request()
-    assert b.plan_pass().plain is None and sm.tuner(greedy).plan_pass().plain is None  # ... nobody else's
+    assert _reason(b.plan()) is None and _reason(sm.tuner(greedy).plan()) is None  # ... nobody else's
     assert not b.evidence.scores_sum  # acceptance evidence stays with its client
     for i in range(engine.MAX_CLIENT_TUNERS + 5):  # bounded: the least recently served go
         sm.tuner(greedy, client=i)
@@ -217,14 +225,14 @@ def test_plain_probes_come_when_trees_are_timed_and_then_periodically():
     auto = AutoPolicy(PassCosts(), depth=4, budget=4, hosting=0)
     kinds = []
     for _ in range(2 * A.PLAIN_EVERY):
-        plan = auto.plan_pass()
-        if plan.probe:
+        plan = auto.plan()
+        if isinstance(plan, A.Probe):
             kinds.append("probe")
-            for _ in range(plan.probe):
-                auto.record_plain(0.01)
+            for _ in range(plan.tokens):
+                auto.observe_plain(0.01)
         else:
             kinds.append("pass")
-            auto.record(plan, draft([0.5, 0.4, 0.3, 0.2], 4), 1, 0.02)
+            auto.observe_pass(plan, draft([0.5, 0.4, 0.3, 0.2], 4), 1, 0.02)
     first = kinds.index("probe")
     assert first == A.TIME_MIN  # trees timed, plain tokens not yet: probe now
     assert kinds.index("probe", first + 1) == first + 1 + A.PLAIN_EVERY  # then every PLAIN_EVERY passes
@@ -417,9 +425,9 @@ def test_a_prior_that_pays_starts_on_its_best_arm(tiny_model_dir, tmp_path, monk
     assert auto.prior_rates()[(4, 0)] == pytest.approx(3.6 / 1.8)
     # No early plain probes with a prior: a short first request is all tree passes.
     for _ in range(10):
-        plan = auto.plan_pass()
-        assert not plan.probe and plan.plain is None
-        auto.record(plan, draft([0.9, 0.8, 0.7, 0.6], auto.budget, auto.hosting), 3, 0.01)
+        plan = auto.plan()
+        assert isinstance(plan, A.TreePass)
+        auto.observe_pass(plan, draft([0.9, 0.8, 0.7, 0.6], auto.budget, auto.hosting), 3, 0.01)
     # The sampled policy does not take its arm from the greedy prior.
     sampled = model.tuner(SamplingParams(temperature=0.7))
     sampled.new_request()

@@ -1,8 +1,10 @@
 """Decoding policies: what the next speculative pass drafts, hosts and prunes.
 
-The engine (:mod:`.speculative`) asks its policy for a :class:`PassPlan` before every
-pass and tells it what the pass took (:meth:`record`). A fixed tree is the trivial
-policy (:class:`FixedPolicy`); ``--tree auto`` is :class:`AutoPolicy`, which picks an
+The engine (:mod:`.speculative`) asks its policy (:class:`DecodingPolicy`) for a plan
+before every step — a :class:`TreePass`, a :class:`Probe` of timed plain tokens, or
+:class:`Plain` to the end — and tells it what a pass or a plain token took
+(``observe_pass``, ``observe_plain``). A fixed tree is the trivial policy
+(:class:`FixedPolicy`); ``--tree auto`` is :class:`AutoPolicy`, which picks an
 *arm* — a dynamic-tree budget ``b`` and a hosting mode (streams at every node, or at
 the root and ``HOSTING`` likely endpoints) — by expected tokens per unit time,
 (1 + E_b) / cost(b), plain decoding scoring 1. Everything it knows comes from the
@@ -43,7 +45,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Protocol, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -82,9 +84,9 @@ BACKOFF_REASON = "plain decoding: draft trees did not pay off on recent requests
 PRIOR_REASON = "plain decoding: the streams' measured acceptance predicts no draft tree pays here"
 
 
-@dataclass
-class PassPlan:
-    """What the engine does next.
+@dataclass(frozen=True)
+class TreePass:
+    """A speculative pass: verify the current draft and draft ``next_tree`` from its streams.
 
     Attributes:
         next_tree: the tree this pass's streams draft (the next pass verifies it).
@@ -93,8 +95,9 @@ class PassPlan:
             and the m likeliest endpoints.
         threshold: early-exit pruning threshold of this pass.
         label: the tree in the step's stats (``dynamic:8``, ``auto:dynamic:4@1``).
-        probe: instead of a pass, decode this many timed plain tokens.
-        plain: instead of a pass, decode plainly from here on (why).
+        candidates: top-K tokens per stream kept for drafting.
+        score_budget: dynamic budgets up to this are scored on the same streams (0: none).
+        compiled: the pass kind; None: the model's own setting.
     """
 
     next_tree: TreeSpec
@@ -102,27 +105,58 @@ class PassPlan:
     hosting: int
     threshold: float
     label: str
-    probe: int = 0
-    plain: Optional[str] = None
+    candidates: int
+    score_budget: int = 0
+    compiled: Optional[bool] = None
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Instead of a pass: decode ``tokens`` timed plain tokens (the policy's plain-step cost)."""
+
+    tokens: int
+    label: str
+
+
+@dataclass(frozen=True)
+class Plain:
+    """Instead of a pass: decode plainly to the end of the request, and why."""
+
+    reason: str
+    label: str
+
+
+Plan = Union[TreePass, Probe, Plain]
+
+
+class DecodingPolicy(Protocol):
+    """What the decoding loop asks of a policy: the next step's plan, then what it cost.
+
+    A fixed tree is the trivial policy (:class:`FixedPolicy`); ``--tree auto`` learns
+    (:class:`AutoPolicy`)."""
+
+    def plan(self) -> Plan: ...
+
+    def observe_pass(self, plan: TreePass, draft: Draft, accepted: int, seconds: float) -> None: ...
+
+    def observe_plain(self, seconds: float) -> None: ...
+
+    def finish(self) -> None: ...
 
 
 class FixedPolicy:
     """One tree shape for every pass; nothing is learned."""
 
-    compiled = None  # the model's own setting
-
     def __init__(self, spec: TreeSpec, threshold: float):
-        self.plan = PassPlan(spec, spec.max_depth, spec.hosting, threshold, spec.describe())
-        self.candidates = num_candidates(spec)
-        self.score_budget = 0
+        self._pass = TreePass(spec, spec.max_depth, spec.hosting, threshold, spec.describe(), num_candidates(spec))
 
-    def plan_pass(self) -> PassPlan:
-        return self.plan
+    def plan(self) -> Plan:
+        return self._pass
 
-    def record(self, plan: PassPlan, draft: Draft, accepted: int, seconds: float) -> None:
+    def observe_pass(self, plan: TreePass, draft: Draft, accepted: int, seconds: float) -> None:
         pass
 
-    def record_plain(self, seconds: float) -> None:
+    def observe_plain(self, seconds: float) -> None:
         pass
 
     def finish(self) -> None:
@@ -419,24 +453,28 @@ class AutoPolicy:
             elif self.prior_picks_arm:
                 self.budget, self.hosting = best
 
-    def plan_pass(self) -> PassPlan:
+    def plan(self) -> Plan:
         spec = self.spec()
         label = "auto:" + spec.describe()
         if self.pending is not None:
-            return PassPlan(spec, 0, 0, 0.0, label, plain=self.pending)
+            return Plain(self.pending, label)
         # Without a prior, plain tokens are timed early (after TIME_MIN passes), since every
         # choice divides by them; with one, its costs stand in until the periodic probe, so
         # a short first request is not spent on probes.
         early = self.costs.plain_n < TIME_MIN and self.prior is None
         if self.since_probe >= (TIME_MIN if early else PLAIN_EVERY):
             self.since_probe = 0
-            return PassPlan(spec, 0, 0, 0.0, label, probe=PLAIN_PROBE)
+            return Probe(PLAIN_PROBE, label)
         self.passes += 1
         if self.passes % EXPLORE_EVERY == 0:  # all streams at every node: honest deep evidence
-            return PassPlan(spec, self.depth, 0, self.pruning.pick(), label)
-        return PassPlan(spec, min(self.depth, self.budget), self.hosting, self.pruning.pick(), label)
+            return self._tree_pass(spec, self.depth, 0, label)
+        return self._tree_pass(spec, min(self.depth, self.budget), self.hosting, label)
 
-    def record(self, plan: PassPlan, draft: Draft, accepted: int, seconds: float) -> None:
+    def _tree_pass(self, spec: TreeSpec, streams: int, hosting: int, label: str) -> TreePass:
+        threshold = self.pruning.pick()
+        return TreePass(spec, streams, hosting, threshold, label, self.candidates, self.score_budget, self.compiled)
+
+    def observe_pass(self, plan: TreePass, draft: Draft, accepted: int, seconds: float) -> None:
         """A pass over ``draft`` accepted ``accepted`` tokens in ``seconds`` of wall time;
         booked to the arm that drafted it (its exploring passes included)."""
         if len(draft.tree) <= 1:
@@ -448,7 +486,7 @@ class AutoPolicy:
         if self.evidence.steps >= WARMUP_STEPS:
             self._choose()
 
-    def record_plain(self, seconds: float) -> None:
+    def observe_plain(self, seconds: float) -> None:
         self.costs.observe_plain(seconds)
 
     def finish(self) -> None:

@@ -110,7 +110,7 @@ def draft_tree(
     if depth == 0:
         return Draft(Tree((root,), (-1,)))
     # --tree auto scores every budget on all the hosted streams, which may go
-    # deeper than this tree (see autotune.AutoPolicy.plan_pass).
+    # deeper than this tree (see autotune.AutoPolicy.plan).
     all_depth = top.shape[0]
     budget = spec.budget if spec.kind == "dynamic" else 0
     scored = dynamic_candidates(top, ptop, score_budget) if score_budget else None

@@ -24,7 +24,7 @@ from ..method.acceptance import Verdict, greedy_accepted_node
 from ..method.msa import SSOutput, all_stream_logits, commit_ss, stream_logits
 from ..method.streams import NoStreamsError, StreamParams
 from ..method.tree import Tree, TreeSpec, hosting_nodes
-from .autotune import FixedPolicy, PassPlan
+from .autotune import DecodingPolicy, FixedPolicy, Plain, Probe, TreePass
 from .cache import make_cache
 from .drafting import (
     Draft,
@@ -162,7 +162,7 @@ def _plain_rest(model, root: int, sampling, cache, policy, reason: str) -> Gener
         yield step
         now = time.perf_counter()
         if t is not None:
-            policy.record_plain(now - t)
+            policy.observe_plain(now - t)
         t = now
 
 
@@ -185,22 +185,26 @@ def plain_probe(
     return last
 
 
-def _next_draft(sm, res: PassResult, plan: PassPlan, sampling, score_budget: int, chain, chain_scores) -> Draft:
+def _next_draft(sm, res: PassResult, plan: TreePass, sampling, hosted: bool, chain, chain_scores) -> Draft:
     """The next tree from the accepted node's stream candidates, with the lookup ``chain``
     merged in (greedy: the best nodes of both under the budget) or hung from the root
-    (sampling: its share of the budget fixed before the draws are seen)."""
-    bonus, spec = res.verdict.bonus, plan.next_tree
+    (sampling: its share of the budget fixed before the draws are seen). ``hosted``: this
+    pass hosted streams at some nodes only (the draft remembers the hosting mode it came from)."""
+    bonus, spec, scored = res.verdict.bonus, plan.next_tree, plan.score_budget
+    from_hosting = plan.hosting if hosted else 0
     if not chain:
-        return draft_tree(bonus, res.top, res.ptop, res.q, spec, sampling, score_budget, res.drawn)
-    if sampling.greedy:
-        nxt = draft_tree(bonus, res.top, res.ptop, res.q, spec, sampling, score_budget, res.drawn)
-        return with_lookup(nxt, chain, chain_scores, spec.budget)
-    k = sampled_lookup_length(chain_scores, spec.budget)
-    small = replace(spec, budget=spec.budget - k) if k else spec
-    nxt = draft_tree(bonus, res.top, res.ptop, res.q, small, sampling, score_budget, res.drawn)
-    nxt = with_lookup_sampled(nxt, chain[:k], chain_scores[:k], sm.args.vocab_size)
-    nxt.budget = spec.budget  # its pass is booked to the arm that planned it
-    return nxt
+        nxt = draft_tree(bonus, res.top, res.ptop, res.q, spec, sampling, scored, res.drawn)
+    elif sampling.greedy:
+        nxt = draft_tree(bonus, res.top, res.ptop, res.q, spec, sampling, scored, res.drawn)
+        nxt = with_lookup(nxt, chain, chain_scores, spec.budget)
+    else:
+        k = sampled_lookup_length(chain_scores, spec.budget)
+        small = replace(spec, budget=spec.budget - k) if k else spec
+        nxt = draft_tree(bonus, res.top, res.ptop, res.q, small, sampling, scored, res.drawn)
+        nxt = with_lookup_sampled(nxt, chain[:k], chain_scores[:k], sm.args.vocab_size)
+        # Its pass is booked to the arm that planned it.
+        return replace(nxt, budget=spec.budget, from_hosting=from_hosting)
+    return replace(nxt, from_hosting=from_hosting)
 
 
 def _recorded(steps: Generator[Step, None, int], decided: list) -> Generator[Step, None, int]:
@@ -221,7 +225,7 @@ def _hosts(draft: Draft, hosting: int) -> Optional[np.ndarray]:
     return None
 
 
-def _step(out: SSOutput, res: PassResult, plan: PassPlan) -> Step:
+def _step(out: SSOutput, res: PassResult, plan: TreePass) -> Step:
     tokens = [out.tree.tokens[i] for i in res.verdict.path[1:]] + [res.verdict.bonus]
     nodes = len(out.kept) + out.pruned - 1
     info = StepInfo(res.verdict.accepted, nodes, out.pruned, plan.label, resync=res.resync)
@@ -266,23 +270,24 @@ def ss_steps(
         policy.finish()
 
 
-def _ss_loop(sm: SpeculativeModel, policy, prompt, sampling, cache, prefill_chunk) -> Generator[Step, None, None]:
-    """Pass after pass as the policy plans them: verify the draft and draft the next tree
-    from the accepted node's streams, or decode timed plain tokens when it asks."""
+def _ss_loop(
+    sm: SpeculativeModel, policy: DecodingPolicy, prompt, sampling, cache, prefill_chunk
+) -> Generator[Step, None, None]:
+    """Pass after pass as the policy plans them: draft -> verify -> accept -> commit, then
+    the next tree from the accepted node's streams; or timed plain tokens when it asks."""
     rng, keys = np.random.default_rng(sampling.seed), KeyStream(sampling.seed)
-    forward = sm.ss_pass(policy.compiled)
     prefill(sm.base, prompt[:-1], cache, prefill_chunk)
     decided = prompt.tolist()  # what n-gram lookup branches continue
     lookup: Optional[LookupBranch] = None
     draft = Draft(Tree((decided[-1],), (-1,)))
     while True:
-        plan = policy.plan_pass()
-        if plan.plain is not None:
-            yield from _plain_rest(sm.base, draft.tree.tokens[0], sampling, cache, policy, plan.plain)
+        plan = policy.plan()
+        if isinstance(plan, Plain):
+            yield from _plain_rest(sm.base, draft.tree.tokens[0], sampling, cache, policy, plan.reason)
             return
-        if plan.probe:
+        if isinstance(plan, Probe):
             seed = int(rng.integers(2**31))
-            probe = plain_probe(sm.base, draft.tree.tokens[0], plan.probe, sampling, cache, seed, policy.record_plain)
+            probe = plain_probe(sm.base, draft.tree.tokens[0], plan.tokens, sampling, cache, seed, policy.observe_plain)
             root = yield from _recorded(probe, decided)
             draft = Draft(Tree((root,), (-1,)))  # plain steps leave no streams (nor lookup branch) to draft from
             if lookup is not None:
@@ -290,11 +295,12 @@ def _ss_loop(sm: SpeculativeModel, policy, prompt, sampling, cache, prefill_chun
             continue
         t = time.perf_counter()
         hosts = _hosts(draft, plan.hosting)
+        forward = sm.ss_pass(plan.compiled)  # made once per model and pass kind
         out = forward(draft.tree, cache[0].offset, cache, plan.threshold, plan.streams_per_host, hosts)
         if sampling.greedy:
-            res = verify_greedy(sm, out, policy.candidates, sampling)
+            res = verify_greedy(sm, out, plan.candidates, sampling)
         else:
-            res = verify_sampled(sm, out, policy.candidates, sampling, draft, keys, max_draws(plan.next_tree))
+            res = verify_sampled(sm, out, plan.candidates, sampling, draft, keys, max_draws(plan.next_tree))
         commit_ss(cache, sm.streams, out, res.verdict.path)
         step = _step(out, res, plan)
         decided.extend(step.tokens)
@@ -303,8 +309,7 @@ def _ss_loop(sm: SpeculativeModel, policy, prompt, sampling, cache, prefill_chun
         if plan.next_tree.lookup and (lookup is None or lookup.length != plan.next_tree.lookup):
             lookup = LookupBranch(plan.next_tree.lookup)
         chain, chain_scores = lookup.propose(decided) if plan.next_tree.lookup else ([], [])
-        nxt = _next_draft(sm, res, plan, sampling, policy.score_budget, chain, chain_scores)
-        nxt.from_hosting = plan.hosting if hosts is not None else 0
+        nxt = _next_draft(sm, res, plan, sampling, hosts is not None, chain, chain_scores)
         yield step
-        policy.record(plan, draft, res.verdict.accepted, time.perf_counter() - t)
+        policy.observe_pass(plan, draft, res.verdict.accepted, time.perf_counter() - t)
         draft = nxt
