@@ -301,13 +301,14 @@ def test_ss_sampling_matches_ar_distribution(top_p, pruning, eager, hosts, probe
     if probes:
         import specstream_mlx.runtime.autotune as A
         import specstream_mlx.runtime.loaded_model as engine
+        from specstream_mlx.runtime.step_costs import PassCosts
 
         # A one-token probe after every tree pass (timed plain tokens are always "needed").
         monkeypatch.setattr(A, "PLAIN_PROBE", 1)
         monkeypatch.setattr(A, "PLAIN_EVERY", 1)
         monkeypatch.setattr(A, "TIME_MIN", 1)
         monkeypatch.setattr(
-            engine, "auto_policy_for", lambda *a, **k: A.AutoPolicy(A.PassCosts(), depth=2, budget=2, hosting=0)
+            engine, "auto_policy_for", lambda *a, **k: A.AutoPolicy(PassCosts(), depth=2, budget=2, hosting=0)
         )
         monkeypatch.setattr(A.AutoPolicy, "_choose", lambda self: None)
         tree = "auto"

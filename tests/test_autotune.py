@@ -5,9 +5,11 @@ import numpy as np
 import pytest
 
 import specstream_mlx.runtime.autotune as A
+import specstream_mlx.runtime.step_costs as C
 from specstream_mlx.method.tree import Tree
-from specstream_mlx.runtime.autotune import WARMUP_STEPS, AutoPolicy, PassCosts
+from specstream_mlx.runtime.autotune import WARMUP_STEPS, AutoPolicy
 from specstream_mlx.runtime.drafting import Draft
+from specstream_mlx.runtime.step_costs import PassCosts
 
 
 def costs_of(by_budget, hosted=None, other=100.0):
@@ -210,12 +212,12 @@ def test_costs_come_from_timed_passes_and_estimate_untimed_arms():
     assert abs(costs.cost((4, 0)) - 2.0) < 1e-9  # 20 ms per pass over 10 ms per plain token
     assert abs(costs.cost((8, 0)) - 4.5 * 2.0 / 3.0) < 1e-9  # stored, scaled like the timed arm
     # Not stored: a line through the timed arms of the same hosting mode (PRIOR's slope through one).
-    assert abs(costs.cost((12, 0)) - (2.0 + A.PRIOR[1] * 8)) < 1e-9
+    assert abs(costs.cost((12, 0)) - (2.0 + C.PRIOR[1] * 8)) < 1e-9
     for _ in range(A.TIME_MIN):
         costs.observe_pass((8, 0), 0.030)
     assert abs(costs.cost((16, 0)) - (3.0 + 0.25 * 8)) < 1e-9  # slope (3 - 2) / (8 - 4)
     assert abs(costs.cost((16, A.HOSTING)) - costs.cost((16, 0))) < 1e-9  # the other mode's line
-    assert abs(PassCosts().cost((8, 0)) - (A.PRIOR[0] + 8 * A.PRIOR[1])) < 1e-9  # nothing known yet
+    assert abs(PassCosts().cost((8, 0)) - (C.PRIOR[0] + 8 * C.PRIOR[1])) < 1e-9  # nothing known yet
     for _ in range(40):  # timings follow the machine (an EMA)
         costs.observe_pass((4, 0), 0.040)
     assert costs.cost((4, 0)) > 3.5

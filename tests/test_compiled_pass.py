@@ -181,10 +181,11 @@ def test_auto_times_passes_and_plain_probes_without_changing_the_output(model_st
     up with online costs."""
     import specstream_mlx.runtime.autotune as A
     import specstream_mlx.runtime.loaded_model as engine
+    from specstream_mlx.runtime.step_costs import PassCosts
 
     model, streams = model_streams
     monkeypatch.setattr(A, "PLAIN_EVERY", 5)
-    monkeypatch.setattr(engine, "auto_policy_for", lambda *a, **k: A.AutoPolicy(A.PassCosts(), depth=3))
+    monkeypatch.setattr(engine, "auto_policy_for", lambda *a, **k: A.AutoPolicy(PassCosts(), depth=3))
     # Keep drafting trees whatever the timings say (this test is about the probes, not the choice).
     monkeypatch.setattr(A.AutoPolicy, "_choose", lambda self: None)
     sm = SpeculativeModel(model, streams, compiled=False)

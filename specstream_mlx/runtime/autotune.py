@@ -10,7 +10,7 @@ the root and ``HOSTING`` likely endpoints) — by expected tokens per unit time,
 (1 + E_b) / cost(b), plain decoding scoring 1. Everything it knows comes from the
 generations it runs; nothing is measured before the first token.
 
-* **Costs** (:class:`PassCosts`, a machine fact shared by every client of a model): the
+* **Costs** (:class:`~.step_costs.PassCosts`, a machine fact shared by every client of a model): the
   wall time of each tree pass, from its start to the start of the next (the consumer's
   work included), per arm, over the wall time of a plain token timed the same way on
   short plain *probes* (``PLAIN_PROBE`` tokens every ``PLAIN_EVERY`` passes; lossless
@@ -40,46 +40,30 @@ generations it runs; nothing is measured before the first token.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Dict, Optional, Protocol, Tuple, Union
+from typing import Dict, Optional, Protocol, Union
 
-import mlx.core as mx
 import numpy as np
 
-from ..io.bundles import cache_root
 from ..method.tree import LOOKUP_LEN, TreeSpec
-from ..platform_info import blas_in_use, gemv_forwarding
 from .acceptance_prior import AcceptancePrior
 from .drafting import Draft, num_candidates
-
-Arm = Tuple[int, int]  # (budget, hosting mode)
+from .step_costs import TIME_MIN, Arm, PassCosts, model_key
 
 CANDIDATE_BUDGETS = (2, 4, 8, 12, 16, 24)
 HOSTING = 1
 START: Arm = (4, HOSTING)  # cheap to run while nothing is known; evidence moves it
-# Cost of a budget-b pass in plain tokens before any pass is timed: base + slope * b (SmolLM2
-# on a 2-core CPU measured 1.46 / 1.98 / 2.36 at b = 2 / 4 / 8; `examples/step_cost.py`).
-PRIOR = (1.2, 0.15)
 WARMUP_STEPS = 6
 EXPLORE_EVERY = 4
 MAX_BACKOFF = 16
 FALLBACK_BELOW = 0.97
-# Timings: EMA weight, samples before a timing counts, plain tokens per probe, tree passes
-# between probes.
-TIME_EMA = 0.1
-TIME_MIN = 3
+# Plain tokens per probe, tree passes between probes.
 PLAIN_PROBE = 4
 PLAIN_EVERY = 48
 # Alternatives (pruning levels): picks of each before choosing, re-try period, EMA weight.
 ALT_MIN = 4
 ALT_EXPLORE = 8
 ALT_EMA = 0.1
-# Bump when a pass changes what it computes: stored costs are then ignored.
-COST_VERSION = 10
 BACKOFF_REASON = "plain decoding: draft trees did not pay off on recent requests (re-tried later)"
 PRIOR_REASON = "plain decoding: the streams' measured acceptance predicts no draft tree pays here"
 
@@ -161,117 +145,6 @@ class FixedPolicy:
 
     def finish(self) -> None:
         pass
-
-
-def cost_cache_file() -> Path:
-    """Where learned costs are kept: ``step_costs.json`` in the user cache (read at each use)."""
-    return cache_root() / "step_costs.json"
-
-
-def _read_table() -> dict:
-    try:
-        table = json.loads(cost_cache_file().read_text())
-        return table if isinstance(table, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def cost_line(points: Dict[int, float]) -> Tuple[float, float, float]:
-    """(x0, y0, slope) of the line that estimates the cost of a budget from the costs of
-    other budgets: least squares (slope ≥ 0) through two or more, ``PRIOR``'s slope
-    through one, ``PRIOR`` alone without any. Cost of budget b: max(1, y0 + slope·(b − x0))."""
-    base, slope = PRIOR
-    if not points:
-        return 0.0, base, slope
-    x, y = np.array(list(points), dtype=float), np.array(list(points.values()))
-    if len(points) >= 2:
-        slope = max(float(np.polyfit(x, y, 1)[0]), 0.0)
-    return float(x.mean()), float(y.mean()), slope
-
-
-@dataclass
-class PassCosts:
-    """Seconds per tree pass per arm and per plain token (EMAs of timed generations), and
-    the costs an earlier process stored under ``key``."""
-
-    key: Optional[str] = None
-    stored: Dict[Arm, float] = field(default_factory=dict)
-    seconds: Dict[Arm, float] = field(default_factory=dict)
-    timed: Dict[Arm, int] = field(default_factory=dict)
-    plain: float = 0.0
-    plain_n: int = 0
-
-    @classmethod
-    def load(cls, key: str) -> "PassCosts":
-        entry = _read_table().get(key)
-        costs = entry.get("costs") if isinstance(entry, dict) else None
-        stored = {}
-        for arm, cost in costs.items() if isinstance(costs, dict) else ():
-            try:
-                b, h = (int(v) for v in arm.split(","))
-                stored[(b, h)] = float(cost)
-            except (ValueError, TypeError):
-                continue  # a hand-edited or foreign entry: ignored
-        return cls(key, stored)
-
-    def save(self) -> None:
-        measured = {a: c for a in self.timed if (c := self.measured(a)) is not None}
-        if self.key is None or not measured:
-            return
-        self.stored.update(measured)
-        table = _read_table()
-        table[self.key] = {"costs": {f"{b},{h}": c for (b, h), c in sorted(self.stored.items())}}
-        try:
-            path = cost_cache_file()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=1))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only cache only means the next process learns them again
-
-    def observe_pass(self, arm: Arm, seconds: float) -> None:
-        n = self.timed.get(arm, 0)
-        old = self.seconds.get(arm, seconds)
-        self.seconds[arm] = old + TIME_EMA * (seconds - old) if n else seconds
-        self.timed[arm] = n + 1
-
-    def observe_plain(self, seconds: float) -> None:
-        self.plain = self.plain + TIME_EMA * (seconds - self.plain) if self.plain_n else seconds
-        self.plain_n += 1
-
-    def measured(self, arm: Arm) -> Optional[float]:
-        """The arm's timed cost in plain tokens, once both have ``TIME_MIN`` samples."""
-        if self.plain_n < TIME_MIN or self.timed.get(arm, 0) < TIME_MIN:
-            return None
-        return self.seconds[arm] / self.plain
-
-    def cost(self, arm: Arm) -> float:
-        """Cost of one pass of ``arm`` in plain tokens: timed, else estimated."""
-        return self.table([arm])[arm]
-
-    def table(self, arms) -> Dict[Arm, float]:
-        """Costs of ``arms`` in plain tokens: timed where they have been; else the stored
-        cost scaled by what the timed arms show against theirs; else a line through the
-        timed arms of the same hosting mode (of any, if it has none). Computed once per
-        choice, not per arm: the policy chooses after every pass."""
-        timed = {a: c for a in self.timed if (c := self.measured(a)) is not None}
-        ratios = [np.log(c / self.stored[a]) for a, c in timed.items() if a in self.stored]
-        scale = float(np.exp(np.mean(ratios))) if ratios else 1.0
-        lines, out = {}, {}
-        for arm in arms:
-            b, h = arm
-            if arm in timed:
-                out[arm] = timed[arm]
-            elif arm in self.stored:
-                out[arm] = self.stored[arm] * scale
-            else:
-                if h not in lines:
-                    same = {bb: c for (bb, hh), c in timed.items() if hh == h}
-                    lines[h] = cost_line(same or {bb: c for (bb, _), c in timed.items()})
-                x0, y0, slope = lines[h]
-                out[arm] = max(1.0, y0 + slope * (b - x0))
-        return out
 
 
 @dataclass
@@ -505,32 +378,6 @@ class AutoPolicy:
         self.budget, self.hosting = best
         if rates[best] >= 1.0:
             self.backoff = 0
-
-
-def model_key(model, streams, kind: str, compiled: bool) -> str:
-    """What pass costs depend on: the model's shape and dtype, the streams, the device and
-    BLAS, greedy or sampled decoding, the pass kind."""
-    a = model.args
-    ident = [
-        COST_VERSION,
-        kind,
-        a.model_type,
-        a.hidden_size,
-        a.num_hidden_layers,
-        a.intermediate_size,
-        a.vocab_size,
-        a.num_attention_heads,
-        a.num_key_value_heads,
-        streams.num_streams,
-        streams.config.stream_layers,
-        str(mx.default_device()),
-        blas_in_use(),
-        "gemv" if gemv_forwarding() else "gemm",  # one-row products: the plain step's speed
-        str(model.model.norm.weight.dtype),
-        "quantized" if "Quantized" in str(type(model.layers[0].mlp.down_proj)) else "float",
-        "compiled" if compiled else "eager",
-    ]
-    return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
 
 
 def auto_policy_for(model, streams, sampled: bool, compiled: bool, log=None) -> AutoPolicy:
