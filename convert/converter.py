@@ -79,12 +79,15 @@ def _resolve_source(hf_path: str) -> Path:
 def read_config(src: Path) -> dict:
     """``src/config.json``, checked, after every file of ``src`` a conversion reads is
     (regular files inside the directory, text files under their size limits)."""
-    from specstream_mlx.io.limits import UnsafeFileError, check_directory_files
-    from specstream_mlx.io.loading import ModelLoadError, load_config
+    from specstream_mlx.io.limits import UnsafeFileError, check_directory_files, read_json
+    from specstream_mlx.io.loading import ModelLoadError, check_config
 
+    cfg_path = src / "config.json"
     try:
         check_directory_files(src)
-        return load_config(src)
+        if not cfg_path.exists():
+            raise ModelLoadError(f"{cfg_path}: missing config.json")
+        return check_config(text_model_config(read_json(cfg_path, root=src), cfg_path), cfg_path)
     except (ModelLoadError, UnsafeFileError) as e:
         raise ConvertError(str(e)) from None
 
@@ -158,6 +161,73 @@ def _read_torch_bins(paths) -> Dict[str, mx.array]:
     return weights
 
 
+# Multimodal wrappers whose language model is one of ours: model_type -> (the text model's
+# type, its class, the defaults of its config class that Hub configs leave out).
+TEXT_MODELS = {
+    "gemma3": (
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        dict(
+            vocab_size=262_208,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            rms_norm_eps=1e-6,
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+            max_position_embeddings=131_072,
+        ),
+    ),
+}
+# Where a wrapper keeps its language model's weights (transformers' saved layout, then its
+# in-memory one) -> our names.
+_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+    ("lm_head.", "lm_head."),
+)
+
+
+def text_model_config(config: dict, cfg_path: Path) -> dict:
+    """A multimodal checkpoint's language-model config (Gemma 3 4B and up ship as
+    ``Gemma3ForConditionalGeneration``): its ``text_config`` with the config class's defaults
+    filled in, marked with where its weights are (``_text_of``); any other config as it is."""
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if kind not in TEXT_MODELS:
+        return config
+    text_type, arch, defaults = TEXT_MODELS[kind]
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ConvertError(f"{cfg_path}: model_type {kind!r} needs a 'text_config' object")
+    out = {**defaults, **text, "model_type": text_type, "architectures": [arch], "_text_of": kind}
+    for key in ("torch_dtype", "dtype", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in config and key not in text:
+            out[key] = config[key]
+    return out
+
+
+def text_model_weights(config: dict, weights: Dict[str, mx.array], src: Path, log) -> Dict[str, mx.array]:
+    """The language model's weights of a multimodal checkpoint, under our names (the vision
+    tower and projector left out); other checkpoints' weights as they are."""
+    kind = config.pop("_text_of", None)
+    if kind is None:
+        return weights
+    kept = {}
+    for name, v in weights.items():
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                kept[new + name[len(old) :]] = v
+                break
+    if not kept:
+        raise ConvertError(f"{src}: no language-model weights (language_model.*) in this {kind} checkpoint")
+    log(f"[convert] {kind}: the language model only ({len(weights) - len(kept)} vision weights left out)")
+    return kept
+
+
 def _target_dtype(config: dict, opts: ConvertOptions):
     if opts.dtype is not None:
         if opts.dtype not in DTYPES:
@@ -186,6 +256,7 @@ def convert(
     from .hf_layout import CONFIG_KEY, split_stream_weights, streams_from_hf
 
     all_weights = read_weights(src)
+    all_weights = text_model_weights(config, all_weights, src, log)
     try:  # before a layer is built: a config must not ask for more than its weights hold
         check_against_shapes(config, {k: tuple(v.shape) for k, v in all_weights.items()}, src / "config.json")
     except UnsafeFileError as e:

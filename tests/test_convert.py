@@ -297,3 +297,35 @@ def test_the_convert_package_imports_from_a_checkout():
     code = "import convert; from convert.converter import write_model_directory; print(convert.convert.__name__)"
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "convert", r.stderr
+
+
+def test_a_multimodal_gemma3_checkpoint_converts_its_language_model(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: the converter keeps the
+    language model (its text_config, language_model.* weights) and matches transformers'
+    text-only forward of the whole model, past the window."""
+    import transformers
+
+    from tests.helpers.hf_reference import _COMMON, VARIANTS
+
+    text = {k: v for k, v in dict(_COMMON, **VARIANTS["gemma3"]).items() if k != "model_type"}
+    vision = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    ref = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "language_model" in name:
+                p.normal_(0.0, 0.08) if p.dim() >= 2 else p.uniform_(-0.2, 0.2)
+    ref.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    r = _run_convert(tmp_path / "hf", tmp_path / "mlx", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    assert "vision weights left out" in r.stderr + r.stdout
+    out = json.loads((tmp_path / "mlx" / "config.json").read_text())
+    assert out["model_type"] == "gemma3_text" and "vision_config" not in out
+    model, _ = load_model(tmp_path / "mlx")
+    ids = np.random.RandomState(4).randint(3, 151, size=(1, 29))
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor(ids)).logits.numpy()
+    assert np.abs(_logits(model, ids) - want).max() / np.abs(want).max() < 1e-4
