@@ -15,10 +15,10 @@ from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 
-from specstream_mlx.io.conversion import DTYPES, Source, Target, legacy_rope_keys, write_model_directory
+from specstream_mlx.io.conversion import DTYPES, Source, Target, write_model_directory
 from specstream_mlx.io.files import check_replaceable, copy_tokenizer_files
 
-__all__ = ["ConvertError", "ConvertOptions", "convert", "convert_gguf", "legacy_rope_keys"]
+__all__ = ["ConvertError", "ConvertOptions", "convert", "convert_gguf"]
 
 
 class ConvertError(RuntimeError):
