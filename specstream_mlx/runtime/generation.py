@@ -21,7 +21,7 @@ from .bounded import TEMPLATE_SECONDS, PromptError, guarded, time_limit
 from .loaded_model import base_model
 from .lookup import lookup_steps
 from .sampling import SamplingParams
-from .speculative import DEFAULT_TREE, ss_steps
+from .speculative import DEFAULT_TREE, SSOptions, ss_steps
 from .steps import Step, StepInfo, ar_steps
 
 MODES = ("ar", "ss", "lookup")
@@ -83,22 +83,22 @@ class GenerationResult:
 
 
 def make_steps(
-    mode: str,
-    model,
-    ids: mx.array,
-    sampling: SamplingParams,
-    cache=None,
-    tree: Union[None, str, TreeSpec] = DEFAULT_TREE,
-    pruning_threshold: Optional[float] = None,
-    log: Optional[Callable[[str], None]] = None,
-    client: Any = None,
+    mode: str, model, ids: mx.array, sampling: SamplingParams, cache=None, ss: Optional[SSOptions] = None
 ) -> Iterator[Step]:
-    """The step generator of a decoding mode; ``tree``/``pruning_threshold``/``log``/``client`` are ss-only."""
+    """The step generator of a decoding mode; ``ss`` holds what only ``ss`` takes."""
     if mode == "ar":
         return ar_steps(base_model(model), ids, sampling, cache=cache)
     if mode == "ss":
+        ss = ss or SSOptions()
         return ss_steps(
-            model, ids, sampling, cache=cache, tree=tree, pruning_threshold=pruning_threshold, log=log, client=client
+            model,
+            ids,
+            sampling,
+            cache=cache,
+            tree=ss.tree,
+            pruning_threshold=ss.pruning_threshold,
+            log=ss.log,
+            client=ss.client,
         )
     if mode == "lookup":
         return lookup_steps(base_model(model), ids, sampling, cache=cache)
@@ -182,9 +182,8 @@ def stream_generate(
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()
-    steps = make_steps(
-        mode, model, mx.array(ids, dtype=mx.int32), sampling, cache, tree, pruning_threshold, log, client
-    )
+    ss = SSOptions(tree, pruning_threshold, log, client)
+    steps = make_steps(mode, model, mx.array(ids, dtype=mx.int32), sampling, cache, ss)
     tic = time.perf_counter()
     gen_start = None
     first_tokens = 0
@@ -260,7 +259,17 @@ def generate(
     text, tokens = [], []
     last = None
     for r in stream_generate(
-        model, tokenizer, prompt, max_tokens, sampling, mode, use_chat_template, cache, tree, pruning_threshold, log
+        model,
+        tokenizer,
+        prompt,
+        max_tokens,
+        sampling,
+        mode,
+        use_chat_template,
+        cache,
+        tree=tree,
+        pruning_threshold=pruning_threshold,
+        log=log,
     ):
         text.append(r.text)
         tokens.extend(r.tokens)

@@ -45,6 +45,24 @@ from .verification import verification_target, verify
 # and choose, falling back to plain decoding when no tree pays, so it is never slower.
 DEFAULT_TREE = "auto"
 
+
+@dataclass(frozen=True)
+class SSOptions:
+    """What only ``--mode ss`` takes, carried as one value through generation and sessions.
+
+    Attributes:
+        tree: a :class:`TreeSpec`, its text form, or ``"auto"`` (None: the same).
+        pruning_threshold: early-exit pruning threshold; None: the model's own.
+        log: where ``--tree auto`` says it has no stored pass costs for this model yet.
+        client: with ``tree="auto"``, whose acceptance evidence and back-off to use.
+    """
+
+    tree: Union[None, str, TreeSpec] = DEFAULT_TREE
+    pruning_threshold: Optional[float] = None
+    log: Optional[Callable[[str], None]] = None
+    client: Any = None
+
+
 # Below this many stream-logit elements (kept nodes x γ x vocab) the streams of
 # every kept node go through the LM head in the verification pass itself when
 # sampling (the accepted node is only known after host-side rejection sampling);
