@@ -58,8 +58,6 @@ class Target:
         dtype: float16, bfloat16 or float32 for every floating tensor; None keeps each as stored.
         quantize: (bits, group size) for the float Linear/Embedding weights; None leaves them.
         dequantize: store quantized weights as float (``dtype``, float16 unless given).
-        requantize: quantize weights read as float from GGUF blocks back to the nearest MLX
-            width (unless ``dtype`` is float32, the parity path).
         num_streams: attach this many untrained streams when the source has none (0: none).
         stream_layers: top layers with multi-stream attention.
         force: replace an existing destination.
@@ -68,7 +66,6 @@ class Target:
     dtype: Optional[str] = None
     quantize: Optional[Tuple[int, int]] = None
     dequantize: bool = False
-    requantize: bool = True
     num_streams: int = 0
     stream_layers: int = 4
     force: bool = False
@@ -158,7 +155,7 @@ def _reshape_weights(model, src: Source, target: Target, dtype_name: str, error,
         dtype_name = target.dtype or "float16"
         cast_floating(model, DTYPES[dtype_name])
         log(f"[convert] quantized blocks dequantized to {dtype_name}")
-    elif src.dequantized and target.requantize and target.dtype != "float32":
+    elif src.dequantized and target.dtype != "float32":  # float32: the parity path keeps floats
         done = requantize(model, src.dequantized)
         if done is not None:
             log(f"[convert] {done.line()}")

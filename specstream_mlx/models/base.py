@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -110,6 +110,9 @@ class Rotation:
     cos: mx.array
     sin: mx.array
     positions: Optional[mx.array] = None
+    # Window masks built for this forward, by (mask, key count, window): every sliding
+    # layer of a forward asks for the same one, so it is built once, not once per layer.
+    windows: Dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 @mx.compile
@@ -275,7 +278,7 @@ class Attention(nn.Module):
         return self.attend(q, k, v, mask, adapter)
 
 
-def window_mask(mask: Union[None, str, mx.array], rot: Rotation, n_keys: int, window: int):
+def window_mask(mask: Union[None, str, mx.array], rot: Union[mx.array, Rotation], n_keys: int, window: int):
     """``mask`` restricted to keys less than ``window`` positions behind each query.
 
     Keys are laid out as every caller lays them out: a prefix whose index is its
@@ -285,9 +288,18 @@ def window_mask(mask: Union[None, str, mx.array], rot: Rotation, n_keys: int, wi
     the mask is returned as it is, which keeps short contexts on the fused paths."""
     if n_keys <= window:
         return mask
+    if not isinstance(rot, Rotation):  # raw positions: nothing to share the mask with
+        return _window_mask(mask, rot, n_keys, window)
     if rot.positions is None:
         raise ValueError("a sliding-window layer needs the rows' positions (Rotation.positions)")
-    q = rot.positions.astype(mx.int32)
+    key = (mask if isinstance(mask, str) or mask is None else id(mask), n_keys, window)
+    if key not in rot.windows:
+        rot.windows[key] = _window_mask(mask, rot.positions, n_keys, window)
+    return rot.windows[key]
+
+
+def _window_mask(mask, positions: mx.array, n_keys: int, window: int):
+    q = positions.astype(mx.int32)
     B, L = q.shape
     prefix = n_keys - L
     kpos = mx.concatenate([mx.broadcast_to(mx.arange(prefix, dtype=mx.int32)[None], (B, prefix)), q], axis=1)

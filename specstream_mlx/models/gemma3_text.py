@@ -219,7 +219,7 @@ class Model(base.Model):
         if self._global is None:
             return local
         g = layers[self._global].self_attn.rope.angles(positions)
-        return LayeredRotation(g.cos, g.sin, g.positions, local)
+        return LayeredRotation(g.cos, g.sin, g.positions, local=local)
 
 
 __all__ = ["Model", "ModelArgs"]
