@@ -1024,6 +1024,18 @@ def train(
         "--pruning-keep",
         help="Calibrate the pruning threshold so this share of would-be-accepted children survives (0: off).",
     ),
+    cached_features: bool = typer.Option(
+        False,
+        "--cached-features/--no-cached-features",
+        help="Lossless, torch backend: compute the frozen features below the stream layers and the teacher's "
+        "top-k once per sequence (resumable, memory-mapped) and train on them.",
+    ),
+    teacher_top_k: int = typer.Option(
+        64, "--teacher-top-k", help="With --cached-features: the teacher's most likely tokens kept per position."
+    ),
+    feature_cache: Optional[str] = typer.Option(
+        None, "--feature-cache", help="Directory for cached features (default: the user cache's features/)."
+    ),
 ):
     """Train speculative streams (and, in shared mode, a fused LoRA) on a dataset."""
     from ..io.loading import ModelLoadError
@@ -1057,6 +1069,9 @@ def train(
             precision=precision if backend.value == "torch" or precision != "auto" else "float32",
             streams=not no_streams,
             pruning_keep=pruning_keep,
+            cached_features=cached_features,
+            teacher_top_k=teacher_top_k,
+            feature_cache=feature_cache,
         )
         res = _train(model, data, out, cfg, resume=resume, log=lambda s: typer.echo(s, err=True))
     except (DataError, TrainError, ModelLoadError, ValueError) as e:

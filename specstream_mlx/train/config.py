@@ -35,6 +35,10 @@ class TrainConfig:
             stream layer); None keeps the fixed 0.02 draw (docs/DESIGN.md decision 27).
         pruning_keep: calibrate the early-exit pruning threshold on the valid split so that
             this share of would-be-accepted children survives (0: keep ``pruning_threshold``).
+        cached_features: lossless, torch backend: compute the frozen features (the hidden
+            state entering the stream layers and the teacher's top ``teacher_top_k``
+            tokens) once per sequence and train on them (train/feature_cache.py).
+        feature_cache: where cached features live (default: the user cache's ``features/``).
     """
 
     mode: str = "lossless"
@@ -82,6 +86,9 @@ class TrainConfig:
     force: bool = False
     # "mlx" or "torch" (PyTorch + transformers, see train/torch_backend.py).
     backend: str = "mlx"
+    cached_features: bool = False
+    teacher_top_k: int = 64
+    feature_cache: Optional[str] = None
 
     def __post_init__(self):
         if self.mode not in ("lossless", "shared"):
@@ -100,6 +107,10 @@ class TrainConfig:
             raise ValueError(f"segment must be >= 1, got {self.segment}")
         if self.backend not in ("mlx", "torch"):
             raise ValueError(f"backend must be mlx or torch, got {self.backend!r}")
+        if self.cached_features and (self.backend != "torch" or self.mode != "lossless"):
+            raise ValueError("--cached-features needs --backend torch and lossless mode (a frozen base)")
+        if self.teacher_top_k < 1:
+            raise ValueError(f"teacher_top_k must be >= 1, got {self.teacher_top_k}")
         if not self.streams and self.mode != "shared":
             raise ValueError("a no-streams baseline trains the base: use shared mode")
 

@@ -166,6 +166,8 @@ class Batch:
             (position t predicts token t+1).
         stream_pos: (B, S) positions hosting streams (completion positions only).
         stream_weight: (B, S) 1.0 for real stream positions, 0.0 for padding.
+        index: (B,) each sequence's index in its dataset (what a feature cache is keyed
+            by), or None for a batch built from loose examples.
     """
 
     tokens: np.ndarray
@@ -173,10 +175,15 @@ class Batch:
     loss_mask: np.ndarray
     stream_pos: np.ndarray
     stream_weight: np.ndarray
+    index: Optional[np.ndarray] = None
 
 
 def make_batch(
-    examples: Sequence[Example], seq_len: int, stream_positions: int, rng: Optional[np.random.Generator]
+    examples: Sequence[Example],
+    seq_len: int,
+    stream_positions: int,
+    rng: Optional[np.random.Generator],
+    index: Optional[np.ndarray] = None,
 ) -> Batch:
     B = len(examples)
     toks = np.zeros((B, seq_len), dtype=np.int32)
@@ -201,7 +208,7 @@ def make_batch(
                 cands = cands[np.linspace(0, len(cands) - 1, stream_positions).round().astype(int)]
         spos[b, : len(cands)] = cands
         sw[b, : len(cands)] = 1.0
-    return Batch(toks, lengths, mask, spos, sw)
+    return Batch(toks, lengths, mask, spos, sw, None if index is None else np.asarray(index))
 
 
 BUCKET_CHUNK = 64  # batches per length-sorted chunk
@@ -246,4 +253,4 @@ def iterate_batches(
     for idx in batches:
         exs = [ds.examples[j] for j in idx]
         width = _width(exs, seq_len) if bucket else seq_len
-        yield make_batch(exs, width, stream_positions, rng)
+        yield make_batch(exs, width, stream_positions, rng, idx)

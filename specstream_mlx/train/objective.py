@@ -217,11 +217,16 @@ def segment_loss(model, trainable: Trainable, cfg: TrainConfig, h_s0, tapes, h_f
     return cfg.alpha_stream * loss.sum(), (ce, acc, kl)
 
 
-def prune_loss(model, trainable: Trainable, cfg: TrainConfig, h_s0, tokens, loss_mask):
-    """(weighted loss, CE) of the pruning adapter: early-exit next-token prediction at the insertion layer."""
-    lm = loss_mask[:, :-1]
-    ee = frozen_head_logits(model, trainable.streams.pruning(mx.stop_gradient(h_s0[:, :-1])))
-    prune_ce = (nn.losses.cross_entropy(ee, tokens[:, 1:]) * lm).sum() / mx.maximum(lm.sum(), 1.0)
+def prune_loss(model, trainable: Trainable, cfg: TrainConfig, h_s0, tokens, spos, sweight):
+    """(weighted loss, CE) of the pruning adapter: early-exit next-token prediction at the
+    insertion layer, at the batch's stream positions. Those are the completion positions (a
+    uniform sample of them in a long sequence), so this is the completion loss on a subset:
+    the adapter is tiny and reads only ``h_s0``, and the head over every position of a batch
+    was a third of a lossless step (docs/DESIGN.md)."""
+    rows = mx.arange(tokens.shape[0])[:, None]
+    h = mx.stop_gradient(h_s0[rows, spos])
+    ee = frozen_head_logits(model, trainable.streams.pruning(h))
+    prune_ce = (nn.losses.cross_entropy(ee, tokens[rows, spos + 1]) * sweight).sum() / mx.maximum(sweight.sum(), 1.0)
     return cfg.alpha_stream * prune_ce, prune_ce
 
 
@@ -263,7 +268,7 @@ def compute_loss(model, trainable: Trainable, cfg: TrainConfig, tokens, loss_mas
         total = total + loss
         sums = parts if sums is None else tuple(a + b for a, b in zip(sums, parts))
     metrics.update(stream_metrics(sums, n, cfg))
-    p_loss, metrics["prune_ce"] = prune_loss(model, trainable, cfg, h_s0, tokens, loss_mask)
+    p_loss, metrics["prune_ce"] = prune_loss(model, trainable, cfg, h_s0, tokens, spos, sweight)
     total = total + p_loss
     metrics["loss"] = total
     return total, metrics

@@ -59,15 +59,15 @@ class SegmentedStep:
         self.seg_grad = mx.value_and_grad(self._segment, argnums=(0, 1) if self.shared else 0)
         self.main_grad = mx.grad(self._main_surrogate)
 
-    def _segment(self, params, main: list, tokens, loss_mask, sp, w, lengths, n, first: bool):
+    def _segment(self, params, main: list, tokens, sp, w, lengths, n, prune_at):
         self.trainable.update(params)
         h_s0, tapes, h_final = _unflatten(main)
         loss, parts = segment_loss(
             self.model, self.trainable, self.cfg, h_s0, tapes, h_final, tokens, sp, w, lengths, n
         )
         prune_ce = mx.array(0.0)
-        if first:  # the pruning adapter's loss rides on the first segment
-            p_loss, prune_ce = prune_loss(self.model, self.trainable, self.cfg, h_s0, tokens, loss_mask)
+        if prune_at is not None:  # the pruning adapter's loss rides on the first segment
+            p_loss, prune_ce = prune_loss(self.model, self.trainable, self.cfg, h_s0, tokens, *prune_at)
             loss = loss + p_loss
         return loss, (parts, prune_ce)
 
@@ -97,7 +97,8 @@ class SegmentedStep:
         grads = cots = sums = None
         for s in range(0, spos.shape[1], cfg.segment):
             sl = slice(s, s + cfg.segment)
-            args = (params, main, tokens, loss_mask, spos[:, sl], sweight[:, sl], lengths, n, s == 0)
+            prune_at = (spos, sweight) if s == 0 else None
+            args = (params, main, tokens, spos[:, sl], sweight[:, sl], lengths, n, prune_at)
             (loss, (parts, prune_ce)), g = self.seg_grad(*args)
             if self.shared:
                 g, g_main = g

@@ -203,12 +203,31 @@ class TorchRun:
         self.optimizer = torch.optim.AdamW(self.trained, lr=cfg.learning_rate, weight_decay=0.0)
         self.schedule = tobj.lr_lambda(data.total_steps, cfg.warmup)
         self.s0 = len(model.layers) - cfg.stream_layers
+        self.features = self._feature_cache() if cfg.cached_features else None
         self.history, self.step, self.tokens_seen = [], 0, 0
         self.t_start = time.perf_counter()
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def _feature_cache(self):
+        """The training split's cached frozen features, built (or finished) first."""
+        from ..settings import current
+        from .feature_cache import CacheSpec, open_or_build
+
+        cfg = self.cfg
+        base = self.trainable.streams.config.base_fingerprint or ""
+        spec = CacheSpec(base, self.s0, cfg.precision, cfg.teacher_top_k)
+        root = Path(cfg.feature_cache) if cfg.feature_cache else current().cache_dir / "features"
+        if self.world > 1:  # one process builds; the others open what it wrote
+            if not self.is_main:
+                self.acc.wait_for_everyone()
+            cache = open_or_build(self.hf, self.data.train.examples, spec, root, self.log, self.bar is not None)
+            if self.is_main:
+                self.acc.wait_for_everyone()
+            return cache
+        return open_or_build(self.hf, self.data.train.examples, spec, root, self.log, self.bar is not None)
 
     # -- weights between the frameworks ---------------------------------------------------
     def sync_to_mlx(self) -> None:
@@ -264,6 +283,9 @@ class TorchRun:
         for p in self.trained:
             p.grad = None
         rows = _batch_tensors(batch, self.rank, self.world, self.device)
+        if self.features is not None:
+            index = batch.index[self.rank :: self.world]
+            rows.update(self.features.batch(index, rows["tokens"].shape[1], self.device))
         metrics = tobj.backward_segments(self.hf, self.params, cfg, rows, self.s0)
         if step % TRIM_EVERY == 0:
             release_free_memory()

@@ -215,14 +215,23 @@ class HeadLoss(torch.autograd.Function):
                 lse = total.log()  # log-sum-exp of z
                 ce[sl] = lse - z.gather(-1, t)[:, 0]
                 hit[sl] = (arg == t[:, 0]).float()
-                g = p.mul_((w_ce[sl] + w_kl[sl])[:, None])
+                rows = None if teacher is None else teacher_idx[sl]
+                # A top-k teacher keeps mass m = Σ_K q < 1: the KL over it, Σ_K q (log q − log p),
+                # has gradient m·p − q (on K) in the logits; the full teacher has m = 1.
+                mass = None if teacher is None or teacher.ids is None else teacher.mass[rows]
+                wk = w_kl[sl] if mass is None else w_kl[sl] * mass
+                g = p.mul_((w_ce[sl] + wk)[:, None])
                 g.scatter_add_(-1, t, -w_ce[sl][:, None])
                 if teacher is not None:
-                    rows = teacher_idx[sl]
                     q = teacher.probs[rows]
-                    # KL(q‖p) = Σ q log q − Σ q z + lse (Σ q = 1)
-                    kl[sl] = teacher.neg_entropy[rows] - (q * z).sum(-1) + lse
-                    g.sub_(q.mul_(w_kl[sl][:, None]))
+                    if teacher.ids is None:
+                        # KL(q‖p) = Σ q log q − Σ q z + lse (Σ q = 1)
+                        kl[sl] = teacher.neg_entropy[rows] - (q * z).sum(-1) + lse
+                        g.sub_(q.mul_(w_kl[sl][:, None]))
+                    else:
+                        ids = teacher.ids[rows]
+                        kl[sl] = teacher.neg_entropy[rows] - (q * z.gather(-1, ids)).sum(-1) + mass * lse
+                        g.scatter_add_(-1, ids, -q * w_kl[sl][:, None])
                 loss += (w_ce[sl] * ce[sl] + w_kl[sl] * kl[sl]).sum()
                 g = g.to(weight.dtype)
                 if gx is not None:
@@ -291,6 +300,22 @@ def main_pass(hf_model, trainable: TorchTrainable, tokens: torch.Tensor, s0: int
     return MainPass(h_s0, kvs, h)
 
 
+def main_from_features(hf_model, h_s0: torch.Tensor, s0: int) -> MainPass:
+    """The main pass of a lossless run from its cached input to the first stream layer:
+    only the top layers run (the frozen base below them gives the same ``h_s0`` every
+    epoch), recording their keys and values as :func:`main_pass` does."""
+    B, L = h_s0.shape[:2]
+    pos = torch.arange(L, device=h_s0.device).unsqueeze(0).expand(B, L)
+    cos_sin = rotations(hf_model, h_s0, pos)
+    h, kvs = h_s0, []
+    for i in range(s0, len(hf_model.model.layers)):
+        layer = hf_model.model.layers[i]
+        mask = windowed(None, pos, pos, layer_window(hf_model, layer))
+        h, kv = block(layer, h, mask, cos_sin[i], None, {}, 1.0)
+        kvs.append(kv)
+    return MainPass(h_s0, kvs, h)
+
+
 def stream_block_mask(n_pos: int, gamma: int, device=None) -> torch.Tensor:
     """(R, R), R = n_pos·γ: stream (t, j) sees streams (t, 1..j) of its own position."""
     own = torch.ones(gamma, gamma, dtype=torch.bool, device=device).tril()
@@ -330,16 +355,29 @@ def stream_counts(spos, sweight, lengths, gamma: int) -> torch.Tensor:
 @dataclass
 class Teacher:
     """The frozen main stream's distributions at some positions: ``probs`` (M, V) and
-    ``neg_entropy`` (M,) = Σ q log q, what the KL term needs of each row."""
+    ``neg_entropy`` (M,) = Σ q log q, what the KL term needs of each row.
+
+    A top-k teacher (:meth:`top_k`, what the feature cache stores) holds only the k most
+    likely tokens: ``ids`` (M, k), ``probs`` (M, k), ``mass`` (M,) = their total, and
+    ``neg_entropy`` over them; the KL term is then taken over the kept mass."""
 
     probs: torch.Tensor
     neg_entropy: torch.Tensor
+    ids: Optional[torch.Tensor] = None
+    mass: Optional[torch.Tensor] = None
 
     @staticmethod
     def from_logits(logits: torch.Tensor) -> "Teacher":
         logq = torch.log_softmax(logits.float(), dim=-1)
         q = logq.exp()
         return Teacher(q, (q * logq).sum(-1))
+
+    @staticmethod
+    def from_top_logprobs(ids: torch.Tensor, logq: torch.Tensor) -> "Teacher":
+        """From the k best tokens' log-probabilities (M, k) and ids (M, k); rows whose
+        log-probabilities are all -inf (padding) keep no mass."""
+        q = logq.float().exp()
+        return Teacher(q, (q * logq.float().clamp_min(-1e30)).sum(-1), ids.long(), q.sum(-1))
 
 
 def teacher_table(hf_model, h_final: torch.Tensor, positions: torch.Tensor):
@@ -353,8 +391,11 @@ def teacher_table(hf_model, h_final: torch.Tensor, positions: torch.Tensor):
     return table, rows
 
 
-def segment_loss(hf_model, trainable, cfg, main: MainPass, tokens, spos, sweight, lengths, n: torch.Tensor, s0):
-    """This segment's share of the stream loss (normalised by the whole batch's ``n``) and its sums."""
+def segment_loss(
+    hf_model, trainable, cfg, main: MainPass, tokens, spos, sweight, lengths, n: torch.Tensor, s0, cached=None
+):
+    """This segment's share of the stream loss (normalised by the whole batch's ``n``) and its
+    sums; ``cached``: the batch's teacher from the feature cache (else computed from the main pass)."""
     gamma = trainable.get("streams.embeddings").shape[0]
     lossless = cfg.mode == "lossless"
     B, L = tokens.shape
@@ -367,7 +408,11 @@ def segment_loss(hf_model, trainable, cfg, main: MainPass, tokens, spos, sweight
     w_ce = cfg.alpha_stream * valid / n
     w_kl, teacher, rows = None, None, None
     if lossless and cfg.distill:
-        teacher, rows = teacher_table(hf_model, main.h_final, (spos[..., None] + js).clamp(0, L - 1))
+        at = (spos[..., None] + js).clamp(0, L - 1)
+        if cached is None:
+            teacher, rows = teacher_table(hf_model, main.h_final, at)
+        else:  # the cached teacher's rows are (sequence, position) of the batch, flattened
+            teacher, rows = cached, at + L * torch.arange(B, device=at.device)[:, None, None]
         w_kl = cfg.distill_weight * w_ce
     loss, ce, kl, hit = head_loss(
         hf_model.model.norm(hs), hf_model.lm_head.weight, tgt, w_ce, w_kl, teacher, rows, cfg.loss_chunk
@@ -393,9 +438,15 @@ def _backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str
     lossless = cfg.mode == "lossless"
     gamma = trainable.get("streams.embeddings").shape[0] if cfg.streams else 0
     metrics: dict = {}
+    cached = batch.get("teacher")
+    if "h_s0" in batch and not lossless:
+        raise ValueError("cached features are for lossless training (the base below the streams is frozen)")
     if lossless:
         with torch.no_grad():
-            main = main_pass(hf_model, trainable, tokens, s0)
+            if "h_s0" in batch:
+                main = main_from_features(hf_model, batch["h_s0"], s0)
+            else:
+                main = main_pass(hf_model, trainable, tokens, s0)
         leaves = main
     else:
         main = main_pass(hf_model, trainable, tokens, s0)
@@ -420,7 +471,7 @@ def _backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str
         for s in range(0, spos.shape[1], cfg.segment):
             sl = slice(s, s + cfg.segment)
             loss, *parts = segment_loss(
-                hf_model, trainable, cfg, leaves, tokens, spos[:, sl], sweight[:, sl], lengths, n, s0
+                hf_model, trainable, cfg, leaves, tokens, spos[:, sl], sweight[:, sl], lengths, n, s0, cached
             )
             if train:
                 loss.backward()  # frees this segment's graph; gradients accumulate
@@ -430,18 +481,20 @@ def _backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str
         metrics["stream_acc"] = (sums[1] / n).cpu().tolist()
         if lossless and cfg.distill:
             metrics["stream_kl"] = (sums[2] / n).cpu().tolist()
-        # Pruning adapter: early-exit next-token prediction at the insertion layer.
+        # Pruning adapter: early-exit next-token prediction at the insertion layer, at the
+        # stream positions (the MLX objective's prune_loss).
         down, up = trainable.get("streams.pruning.down"), trainable.get("streams.pruning.up")
-        h = main.h_s0[:, :-1].detach()
+        h = torch.gather(main.h_s0, 1, spos[..., None].expand(-1, -1, main.h_s0.shape[-1])).detach()
         ee = frozen_norm(hf_model, h + (h @ down) @ up)
         weight = hf_model.lm_head.weight.detach()
+        n_prune = sweight.sum().clamp(min=1.0)
         prune_loss, ce, _, _ = head_loss(
-            ee, weight, tokens[:, 1:], cfg.alpha_stream * lm / n_main, chunk=cfg.loss_chunk
+            ee, weight, torch.gather(tokens, 1, spos + 1), cfg.alpha_stream * sweight / n_prune, chunk=cfg.loss_chunk
         )
         if train:
             prune_loss.backward()
         total += float(prune_loss.detach())
-        metrics["prune_ce"] = float((ce * lm).sum() / n_main)
+        metrics["prune_ce"] = float((ce * sweight).sum() / n_prune)
     if train and not lossless:
         # The gradients reaching the main pass's outputs, sent through it once.
         outs = [main_term] + main.tensors()
