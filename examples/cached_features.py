@@ -31,7 +31,7 @@ from specstream_mlx.train import TrainConfig  # noqa: E402
 from specstream_mlx.train import torch_backend as tb  # noqa: E402
 from specstream_mlx.train import torch_objective as tobj  # noqa: E402
 from specstream_mlx.train.data import iterate_batches, load_dataset  # noqa: E402
-from specstream_mlx.train.feature_cache import CacheSpec, open_or_build  # noqa: E402
+from specstream_mlx.train.feature_cache import CacheSpec, FeatureCache  # noqa: E402
 from specstream_mlx.train.objective import Trainable  # noqa: E402
 
 
@@ -76,9 +76,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         spec = CacheSpec("measure", s0, cfg.precision, max(args.top_k))
-        cache = open_or_build(hf, train.examples, spec, Path(tmp), log=print, progress=False)
+        cache = FeatureCache(hf, train.examples, spec, Path(tmp))
+        for i in range(0, len(train), cfg.batch_size):
+            cache.fill(range(i, min(i + cfg.batch_size, len(train))))
         report["build_s_per_sequence"] = (time.perf_counter() - t0) / len(train)
-        report["cache_bytes_per_position"] = cache.size_bytes / int(cache.offsets[-1])
+        report["cache_bytes_per_position"] = cache.total_bytes / int(cache.offsets[-1])
         batches = list(iterate_batches(train, cfg.batch_size, cfg.max_seq_len, cfg.stream_positions, 0, 0))
         times = {"uncached": [], "cached": []}
         positions = sum(int(b.stream_weight.sum()) for b in batches)

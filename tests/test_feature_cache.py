@@ -1,5 +1,5 @@
-"""Lossless training on cached frozen features: the same objective, a top-k teacher, a
-resumable build, and a training run that equals the uncached one."""
+"""Lossless training on cached frozen features: the same objective, a top-k teacher, rows
+that survive a kill, and a training run that equals the uncached one."""
 
 from pathlib import Path
 
@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from specstream_mlx.train import torch_backend  # noqa: E402
 from specstream_mlx.train import torch_objective as tobj  # noqa: E402
-from specstream_mlx.train.feature_cache import CacheSpec, open_or_build  # noqa: E402
+from specstream_mlx.train.feature_cache import CacheSpec, FeatureCache  # noqa: E402
 from tests.test_torch_backend import _load, _trainable  # noqa: E402
 
 QUIET = dict(log=lambda *_: None, progress=False)
@@ -50,7 +50,7 @@ def test_cached_objective_equals_the_uncached_one(hf_models, tmp_path, variant):
     s0 = len(loaded.model.layers) - cfg.stream_layers
     V = loaded.model.args.vocab_size
     exs = _examples(V)
-    cache = open_or_build(hf, exs, CacheSpec("base", s0, "float32", 10**9), tmp_path, **QUIET)
+    cache = FeatureCache(hf, exs, CacheSpec("base", s0, "float32", 10**9), tmp_path)
     assert cache.k == V
     index = np.array([3, 0, 2])
     batch = make_batch([exs[i] for i in index], 24, 8, None, index)
@@ -63,7 +63,7 @@ def test_cached_objective_equals_the_uncached_one(hf_models, tmp_path, variant):
     for k, g in ref_grads.items():
         assert (got_grads[k] - g).abs().max() <= 1e-4 * max(1.0, float(g.abs().max())), k
     # A small top-k keeps less mass: the KL term moves, the data term does not.
-    small = open_or_build(hf, exs, CacheSpec("base", s0, "float32", 3), tmp_path, **QUIET)
+    small = FeatureCache(hf, exs, CacheSpec("base", s0, "float32", 3), tmp_path)
     assert small.root != cache.root and small.k == 3
     top3, _ = _objective(hf, params, cfg, batch, s0, small.batch(index, 24))
     np.testing.assert_allclose(top3["stream_ce"], ref["stream_ce"], atol=1e-4)
@@ -107,36 +107,48 @@ def test_top_k_teacher_loss_and_gradients_equal_autograd():
     assert torch.allclose(gw, 2.0 * gw_ref, atol=1e-5)
 
 
-def test_an_interrupted_build_continues_where_it_stopped(hf_models, tmp_path, monkeypatch):
-    """Killed after its first batch, the build resumes at the second (the first is not
-    recomputed) and ends with the rows of an uninterrupted build; a complete cache opens
-    without a main pass."""
+def test_filled_rows_survive_a_restart_and_are_never_recomputed(hf_models, tmp_path, monkeypatch):
+    """Sequences are filled on first use, one main pass for a batch's missing ones; a cache
+    opened again (a killed run restarted) keeps the marked rows, computes only what is
+    missing, and holds what a cache filled in one go holds. Rows written but not marked
+    (killed in between) are computed again."""
     from specstream_mlx.train import feature_cache as fc
 
     _, _, mlx_dir = hf_models("qwen2")
     loaded = _load(mlx_dir)
     hf = torch_backend.hf_model_from_mlx(loaded.model, loaded.config)
-    exs = _examples(loaded.model.args.vocab_size) * 4  # 20 sequences: 3 batches of 8
+    exs = _examples(loaded.model.args.vocab_size) * 2  # 10 sequences
     spec = CacheSpec("base", 2, "float32", 5)
-    whole = open_or_build(hf, exs, spec, tmp_path / "a", **QUIET)
+    whole = FeatureCache(hf, exs, spec, tmp_path / "a")
+    assert whole.fill(range(10)) == 10 and whole.fill([3]) == 0
 
-    def stop(i):
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        open_or_build(hf, exs, spec, tmp_path / "b", on_batch=stop, **QUIET)
     passes, real = [], tobj.main_pass
-    monkeypatch.setattr(fc.tobj, "main_pass", lambda *a: passes.append(a[2].shape) or real(*a))
-    resumed = open_or_build(hf, exs, spec, tmp_path / "b", **QUIET)
-    assert len(passes) == 2  # batches 2 and 3 only
-    for a, b in ((whole.h, resumed.h), (whole.ids, resumed.ids), (whole.logq, resumed.logq)):
+    monkeypatch.setattr(fc.tobj, "main_pass", lambda *a: passes.append(a[2].shape[0]) or real(*a))
+    first = FeatureCache(hf, exs, spec, tmp_path / "b")
+    first.batch(np.array([0, 4, 4, 7]), 24)
+    assert passes == [3]
+    calls, top_k = [], fc.teacher_top_k
+
+    def killed_at_the_second(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return top_k(*a)
+
+    monkeypatch.setattr(fc, "teacher_top_k", killed_at_the_second)
+    with pytest.raises(KeyboardInterrupt):  # killed while writing the rows of 1 and 2
+        first.fill([1, 2])
+    monkeypatch.setattr(fc, "teacher_top_k", top_k)
+    passes.clear()
+    again = FeatureCache(hf, exs, spec, tmp_path / "b")
+    assert again.filled.sum() == 3
+    assert again.fill(range(10)) == 7 and passes == [7]
+    for a, b in ((whole.h, again.h), (whole.ids, again.ids), (whole.logq, again.logq)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     passes.clear()
-    open_or_build(hf, exs, spec, tmp_path / "b", **QUIET)
-    assert passes == []
+    assert FeatureCache(hf, exs, spec, tmp_path / "b").fill(range(10)) == 0 and passes == []
     # Other tokens are another cache, never these rows.
-    other = open_or_build(hf, exs[:-1], spec, tmp_path / "b", **QUIET)
-    assert other.root != resumed.root
+    assert FeatureCache(hf, exs[:-1], spec, tmp_path / "b").root != again.root
 
 
 def test_training_on_cached_features_equals_training_without(tmp_path, tiny_model_dir):

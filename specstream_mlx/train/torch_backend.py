@@ -212,22 +212,19 @@ class TorchRun:
         return self.rank == 0
 
     def _feature_cache(self):
-        """The training split's cached frozen features, built (or finished) first."""
+        """The training split's feature cache (filled as batches first use it)."""
         from ..settings import current
-        from .feature_cache import CacheSpec, open_or_build
+        from .feature_cache import CacheSpec, FeatureCache
 
         cfg = self.cfg
+        if self.world > 1:
+            raise TrainError("--cached-features runs in one process (its cache has one writer)")
         base = self.trainable.streams.config.base_fingerprint or ""
         spec = CacheSpec(base, self.s0, cfg.precision, cfg.teacher_top_k)
         root = Path(cfg.feature_cache) if cfg.feature_cache else current().cache_dir / "features"
-        if self.world > 1:  # one process builds; the others open what it wrote
-            if not self.is_main:
-                self.acc.wait_for_everyone()
-            cache = open_or_build(self.hf, self.data.train.examples, spec, root, self.log, self.bar is not None)
-            if self.is_main:
-                self.acc.wait_for_everyone()
-            return cache
-        return open_or_build(self.hf, self.data.train.examples, spec, root, self.log, self.bar is not None)
+        cache = FeatureCache(self.hf, self.data.train.examples, spec, root)
+        self.log(f"[train] {cache.describe()}")
+        return cache
 
     # -- weights between the frameworks ---------------------------------------------------
     def sync_to_mlx(self) -> None:
