@@ -470,6 +470,10 @@ def build_chat(scale: float = 1.0, seed: int = 0, base: Optional[Path] = None, d
 # 2-core build machine a step costs about as much as with 64 (the frozen main pass
 # and the pruning head dominate) and trains twice the positions; all positions (~380)
 # train 1.3x more positions per second than 128 but from 2.4x fewer conversations.
+# Frozen features are cached as the run first meets each sequence (train/feature_cache.py):
+# the first pass over the data costs what an uncached step costs, every later one 1.7x less
+# (bench/cached-features.md); the teacher keeps its 64 best tokens (95% of its mass, the KL
+# term within 1.3% of the whole vocabulary's).
 SMOL_EXAMPLES = 8000
 SMOL_STREAMS = dict(
     backend="torch",
@@ -485,6 +489,8 @@ SMOL_STREAMS = dict(
     steps_per_eval=1000,
     learning_rate=1e-3,
     warmup=20,
+    cached_features=True,
+    teacher_top_k=64,
 )
 
 

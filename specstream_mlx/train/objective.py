@@ -222,7 +222,7 @@ def prune_loss(model, trainable: Trainable, cfg: TrainConfig, h_s0, tokens, spos
     insertion layer, at the batch's stream positions. Those are the completion positions (a
     uniform sample of them in a long sequence), so this is the completion loss on a subset:
     the adapter is tiny and reads only ``h_s0``, and the head over every position of a batch
-    was a third of a lossless step (docs/DESIGN.md)."""
+    was about a fifth of a lossless step (docs/DESIGN.md)."""
     rows = mx.arange(tokens.shape[0])[:, None]
     h = mx.stop_gradient(h_s0[rows, spos])
     ee = frozen_head_logits(model, trainable.streams.pruning(h))
