@@ -1038,41 +1038,24 @@ def train(
     ),
 ):
     """Train speculative streams (and, in shared mode, a fused LoRA) on a dataset."""
+    options = dict(locals())  # every option named as a TrainConfig field is passed as it is
+    from dataclasses import fields
+
     from ..io.loading import ModelLoadError
     from ..train import TrainConfig, TrainError
     from ..train import train as _train
     from ..train.data import DataError
 
     try:
-        cfg = TrainConfig(
+        same = {f.name: options[f.name] for f in fields(TrainConfig) if f.name in options}
+        same.update(
             mode=mode.value,
-            num_streams=num_streams,
-            stream_layers=stream_layers,
-            lora_rank=lora_rank,
-            iters=iters,
-            epochs=epochs,
-            batch_size=batch_size,
-            max_seq_len=max_seq_len,
-            learning_rate=learning_rate,
-            warmup=warmup,
-            alpha_stream=alpha_stream,
-            distill=not no_distill,
-            stream_positions=stream_positions,
-            stream_embedding_rms=stream_embedding_rms,
-            save_every=save_every,
-            steps_per_eval=steps_per_eval,
-            seed=seed,
-            new_streams=new_streams,
-            force=force,
             backend=backend.value,
-            segment=segment,
-            precision=precision if backend.value == "torch" or precision != "auto" else "float32",
+            distill=not no_distill,
             streams=not no_streams,
-            pruning_keep=pruning_keep,
-            cached_features=cached_features,
-            teacher_top_k=teacher_top_k,
-            feature_cache=feature_cache,
+            precision=precision if backend.value == "torch" or precision != "auto" else "float32",
         )
+        cfg = TrainConfig(**same)
         res = _train(model, data, out, cfg, resume=resume, log=lambda s: typer.echo(s, err=True))
     except (DataError, TrainError, ModelLoadError, ValueError) as e:
         _err(str(e))
