@@ -105,11 +105,13 @@ class FeatureCache:
         self.h = self.h.reshape(n, self.hidden)
         self.ids = np.memmap(self.root / FILES[1], dtype=np.int32, mode="r+").reshape(n, self.k)
         self.logq = np.memmap(self.root / FILES[2], dtype=np.float32, mode="r+").reshape(n, self.k)
+        self.filled = np.zeros(len(examples), dtype=bool)
         try:
-            self.filled = np.load(self.root / "filled.npy")
-            assert self.filled.shape == (len(examples),)
-        except (OSError, ValueError, AssertionError):
-            self.filled = np.zeros(len(examples), dtype=bool)
+            marked = np.load(self.root / "filled.npy")
+        except (OSError, ValueError):  # none yet, or unreadable: every row is computed again
+            marked = None
+        if marked is not None and marked.shape == self.filled.shape and marked.dtype == bool:
+            self.filled = marked
         self.total_bytes = total
 
     def describe(self) -> str:
