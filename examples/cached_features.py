@@ -45,7 +45,6 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    torch.set_num_threads(torch.get_num_threads())
     s = SMOL_STREAMS
     loaded = load_model_dir(str(resolve_model_path(args.model)), warn=False)
     model = loaded.model

@@ -80,7 +80,7 @@ def main() -> int:
     precision = "bfloat16" if tb.native_bfloat16(torch.device("cpu")) else "float32"
     if precision == "bfloat16":
         hf.to(torch.bfloat16)
-    spec = CacheSpec(base_fingerprint(base), s0, precision, SMOL_STREAMS.get("teacher_top_k", 64))
+    spec = CacheSpec(base_fingerprint(base), s0, precision, SMOL_STREAMS["teacher_top_k"])
     cache = FeatureCache(hf, train.examples, spec, current().cache_dir / "features")  # filled on first use
 
     heads = MedusaHeads(hf.config.hidden_size, args.heads)

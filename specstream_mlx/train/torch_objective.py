@@ -284,35 +284,31 @@ class MainPass:
 
 
 def main_pass(hf_model, trainable: TorchTrainable, tokens: torch.Tensor, s0: int) -> MainPass:
-    B, L = tokens.shape
-    dev = tokens.device
-    pos = torch.arange(L, device=dev).unsqueeze(0).expand(B, L)
-    h = hf_model.model.embed_tokens(tokens)
-    cos_sin = rotations(hf_model, h, pos)
-    kvs, h_s0 = [], None
-    for i, layer in enumerate(hf_model.model.layers):
-        if i == s0:
-            h_s0 = h
-        mask = windowed(None, pos, pos, layer_window(hf_model, layer))
-        h, kv = block(layer, h, mask, cos_sin[i], None, trainable.loras("base_lora", i), trainable.lora_scale)
-        if i >= s0:
-            kvs.append(kv)
-    return MainPass(h_s0, kvs, h)
+    return main_layers(hf_model, trainable, hf_model.model.embed_tokens(tokens), 0, s0)
 
 
 def main_from_features(hf_model, h_s0: torch.Tensor, s0: int) -> MainPass:
     """The main pass of a lossless run from its cached input to the first stream layer:
     only the top layers run (the frozen base below them gives the same ``h_s0`` every
     epoch), recording their keys and values as :func:`main_pass` does."""
-    B, L = h_s0.shape[:2]
-    pos = torch.arange(L, device=h_s0.device).unsqueeze(0).expand(B, L)
-    cos_sin = rotations(hf_model, h_s0, pos)
-    h, kvs = h_s0, []
-    for i in range(s0, len(hf_model.model.layers)):
+    return main_layers(hf_model, TorchTrainable({}, 1.0), h_s0, s0, s0)
+
+
+def main_layers(hf_model, trainable: TorchTrainable, h: torch.Tensor, first: int, s0: int) -> MainPass:
+    """The main rows ``h`` (B, L, hidden) entering layer ``first`` through every layer
+    from there, causally, recording the keys and values of the layers from ``s0``."""
+    B, L = h.shape[:2]
+    pos = torch.arange(L, device=h.device).unsqueeze(0).expand(B, L)
+    cos_sin = rotations(hf_model, h, pos)
+    kvs, h_s0 = [], None
+    for i in range(first, len(hf_model.model.layers)):
         layer = hf_model.model.layers[i]
+        if i == s0:
+            h_s0 = h
         mask = windowed(None, pos, pos, layer_window(hf_model, layer))
-        h, kv = block(layer, h, mask, cos_sin[i], None, {}, 1.0)
-        kvs.append(kv)
+        h, kv = block(layer, h, mask, cos_sin[i], None, trainable.loras("base_lora", i), trainable.lora_scale)
+        if i >= s0:
+            kvs.append(kv)
     return MainPass(h_s0, kvs, h)
 
 
