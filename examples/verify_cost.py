@@ -65,10 +65,11 @@ def host_pass(logits, stream_logits, tree, b, sampling, rng):
 
 def device_pass(logits, stream_logits, tree, b, sampling, keys, q_prev, widths):
     dec = verification_target(logits, sampling, tree, b, q_prev, keys.next())
-    top, ptop, q, drawn = stream_candidates(stream_logits, 8, sampling, keys.next(), max(widths))
-    mx.eval(dec, top, ptop, q, drawn)
+    cand = stream_candidates(stream_logits, 8, sampling, keys.next(), max(widths))
+    mx.eval(dec, *cand.arrays())
     verdict = verify(tree, b, sampling, np.array(dec))
-    return verdict, np.array(top), np.array(ptop), np.array(drawn)
+    cand = cand.to_host()
+    return verdict, cand.top, cand.ptop, cand.drawn
 
 
 def main() -> int:

@@ -8,7 +8,7 @@ import specstream_mlx.runtime.autotune as A
 import specstream_mlx.runtime.step_costs as C
 from specstream_mlx.method.tree import Tree
 from specstream_mlx.runtime.autotune import WARMUP_STEPS, AutoPolicy
-from specstream_mlx.runtime.drafting import Draft
+from specstream_mlx.runtime.drafting import Candidates, Draft, Forecast
 from specstream_mlx.runtime.step_costs import PassCosts
 
 
@@ -25,19 +25,13 @@ def costs_of(by_budget, hosted=None, other=100.0):
 
 def draft(scores, budget, hosting=0, depth=4, predicted=None):
     """A verified draft as the engine records it (a two-node tree: an arm's pass)."""
-    return Draft(
-        Tree((1, 2), (-1, 0)),
-        predicted=sum(scores[:budget]) if predicted is None else predicted,
-        scores=list(scores),
-        candidate_depth=depth,
-        budget=budget,
-        from_hosting=hosting,
-    )
+    predicted = sum(scores[:budget]) if predicted is None else predicted
+    return Draft(Tree((1, 2), (-1, 0)), forecast=Forecast(predicted, list(scores), depth, budget, hosting))
 
 
 def observe_many(auto, n, accepted, scores):
     for _ in range(n):
-        auto.evidence.observe(draft(scores, auto.budget, auto.hosting), accepted)
+        auto.evidence.observe(draft(scores, auto.budget, auto.hosting).forecast, accepted)
 
 
 def _reason(plan):
@@ -118,13 +112,13 @@ def test_deeper_budgets_are_judged_on_deep_candidates():
     auto = AutoPolicy(PassCosts(), depth=4, budget=2, hosting=0)
     spec = auto.spec()  # the current tree: budget 2, so 2 streams deep
     # A normal pass hosts only the 2 streams a 2-node tree can use: no evidence for budget 4.
-    shallow = draft_tree(1, top[:2], ptop[:2], None, spec, SamplingParams(), score_budget=4)
-    auto.evidence.observe(shallow, 2)
+    shallow = draft_tree(1, Candidates(top[:2], ptop[:2]), spec, SamplingParams(), score_budget=4)
+    auto.evidence.observe(shallow.forecast, 2)
     assert auto.evidence.expected(4, 0) is None and auto.evidence.expected(2, 0) is not None
     # An exploration pass hosts all 4 streams: budget 4 is credited its full value.
-    deep = draft_tree(1, top, ptop, None, spec, SamplingParams(), score_budget=4)
-    assert deep.candidate_depth == 4 and len(deep.tree) == 3  # the tree itself is unchanged
-    auto.evidence.observe(deep, 2)
+    deep = draft_tree(1, Candidates(top, ptop), spec, SamplingParams(), score_budget=4)
+    assert deep.forecast.candidate_depth == 4 and len(deep.tree) == 3  # the tree itself is unchanged
+    auto.evidence.observe(deep.forecast, 2)
     auto.evidence.actual = auto.evidence.predicted  # calibrated streams
     assert abs(auto.evidence.expected(4, 0) - want) < 1e-9
 
@@ -155,18 +149,21 @@ def test_greedy_and_sampled_decoding_keep_separate_policies(monkeypatch):
 
 
 def test_one_clients_fallback_does_not_switch_another_to_plain_decoding(monkeypatch):
-    """Back-off and acceptance evidence are per client; pass costs are a machine fact, shared."""
+    """Back-off and acceptance evidence are per client (kept by the server); pass costs are a
+    machine fact, shared."""
     import specstream_mlx.runtime.loaded_model as engine
     from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.serve.client_policies import ClientPolicies
 
     made = []
     monkeypatch.setattr(
         engine, "auto_policy_for", lambda *a, **k: made.append(1) or AutoPolicy(costs_of({2: 1.2, 4: 1.5}), depth=4)
     )
     sm = engine.SpeculativeModel(base=None, streams=None)
+    clients = ClientPolicies(sm, max_clients=8)
     greedy = SamplingParams()
-    a, b = sm.tuner(greedy, client="alice"), sm.tuner(greedy, client="bob")
-    assert a is not b and sm.tuner(greedy, client="alice") is a and len(made) == 1
+    a, b = clients.get(greedy, "alice"), clients.get(greedy, "bob")
+    assert a is not b and clients.get(greedy, "alice") is a and len(made) == 1
     assert a.costs is b.costs
     a.costs.observe_pass((4, 0), 0.5)
     assert b.costs.timed[(4, 0)] == 1  # one client's timing is a machine fact for all
@@ -179,9 +176,10 @@ def test_one_clients_fallback_does_not_switch_another_to_plain_decoding(monkeypa
     sm.tuner(greedy).new_request()
     assert _reason(b.plan()) is None and _reason(sm.tuner(greedy).plan()) is None  # ... nobody else's
     assert not b.evidence.scores_sum  # acceptance evidence stays with its client
-    for i in range(engine.MAX_CLIENT_TUNERS + 5):  # bounded: the least recently served go
-        sm.tuner(greedy, client=i)
-    assert len(sm.client_tuners) == engine.MAX_CLIENT_TUNERS and ("greedy", "alice") not in sm.client_tuners
+    assert clients.get(SamplingParams(temperature=0.7), "alice") is not a  # and per decoding kind
+    for i in range(8 + 5):  # bounded: the least recently served go
+        clients.get(greedy, i)
+    assert len(clients) == 8 and ("greedy", "alice") not in clients
 
 
 def test_hosting_policy_is_an_arm_judged_by_its_own_acceptance():
@@ -190,10 +188,10 @@ def test_hosting_policy_is_an_arm_judged_by_its_own_acceptance():
     scores = [0.9, 0.8, 0.7, 0.6]
     auto = AutoPolicy(costs_of({4: 2.0}, hosted={4: 1.5}), depth=4, budget=4, hosting=0)
     for _ in range(WARMUP_STEPS):
-        auto.evidence.observe(draft(scores, 4, hosting=0), 3.0)
+        auto.evidence.observe(draft(scores, 4, hosting=0).forecast, 3.0)
     assert choose(auto) == 4 and auto.hosting == A.HOSTING  # untried: assumed lossless, and cheaper
     for _ in range(WARMUP_STEPS):  # drafts from the cheaper mode are accepted far less
-        auto.evidence.observe(draft(scores, 4, hosting=A.HOSTING), 0.5)
+        auto.evidence.observe(draft(scores, 4, hosting=A.HOSTING).forecast, 0.5)
     assert choose(auto) == 4 and auto.hosting == 0
     assert auto.spec().hosting == 0
 

@@ -677,3 +677,47 @@ def test_bench_runs_mlx_lm_on_the_weights_and_dtype_ours_runs(tmp_path, tiny_mod
         assert all(
             v.dtype == mx.float32 for _, v in tree_flatten(theirs.parameters()) if mx.issubdtype(v.dtype, mx.floating)
         )
+
+
+def test_http_worker_decodes_each_client_with_its_own_auto_policy(ss_model):
+    """The server keeps the per-client ``--tree auto`` policies: a client's requests run
+    with its own policy (shared pass costs), a request without an owner with the model's."""
+
+    from specstream_mlx import load
+    from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.serve.http import App
+    from specstream_mlx.serve.protocol import GenerationRequest
+
+    model, tok = load(str(ss_model), warn=False)
+    app = App(model, tok, "m", "ss", 256, ["ss", "ar"])
+    used = []
+    real = app.session.stream_ids
+
+    def spy(ids, **kw):
+        used.append(kw["policy"])
+        return real(ids, **kw)
+
+    app.session.stream_ids = spy
+    queues = [
+        app.submit(GenerationRequest(owner, None, [1, 2, 3], 4, SamplingParams(), mode, [], owner=owner))
+        for owner, mode in (("alice", "ss"), ("bob", "ss"), ("alice", "ss"), (None, "ss"), ("alice", "ar"))
+    ]
+    stop, outcomes = threading.Event(), []
+
+    def collect():  # MLX work stays on the thread that loaded the model (as in the server)
+        for events in queues:
+            while True:
+                kind, value = events.get(timeout=120)
+                if kind != "delta":
+                    outcomes.append((kind, value))
+                    break
+        stop.set()
+
+    threading.Thread(target=collect, daemon=True).start()
+    app.work_forever(stop)
+    assert [k for k, _ in outcomes] == ["done"] * 5, outcomes
+    alice, bob, alice_again, shared, plain = used
+    assert alice is not None and bob is not None and alice is not bob and alice_again is alice
+    assert alice.costs is bob.costs is model.tuner(SamplingParams()).costs
+    assert shared is None and plain is None  # the model's shared policy; ar has none
+    assert len(app.policies) == 2

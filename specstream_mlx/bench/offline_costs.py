@@ -87,18 +87,18 @@ def pass_fn(forward: SSPass, cache, context: int, b: int, sampled: bool, hosting
             # Verification and draws on the device; per-node decisions and draws come back.
             dec = verification_target(out.main_logits, kind, out.tree, out.buffers, q, keys.next())
             cand = stream_candidates(stream_logits(model, out, 0), 8, kind, keys.next())  # host slot 0
-            mx.eval(dec, *cand)
-            np.array(dec), np.array(cand[3])
-            top, ptop = np.array(cand[0]), np.array(cand[1])
+            mx.eval(dec, *cand.arrays())
+            np.array(dec)
+            cand = cand.to_host()
         else:
             am = mx.argmax(out.main_logits, axis=-1)
             node = greedy_accepted_node(out.tree.tokens, out.buffers, am)
             cand = stream_candidates(stream_logits(model, out, node), 8, kind)
-            mx.eval(am, node, *cand[:2])
-            top, ptop = np.array(cand[0]), np.array(cand[1])
+            mx.eval(am, node, *cand.arrays())
+            cand = cand.to_host()
         for c in cache:
             c.commit([0, len(tree) - 1] if len(tree) > 2 else [0])
-        dynamic_tree(1, top, ptop, b)
+        dynamic_tree(1, cand.top, cand.ptop, b)
         for c in cache:
             c.trim(c.offset - context)
 

@@ -26,7 +26,7 @@ import numpy as np
 from ..method.msa import all_stream_logits, ss_forward
 from ..method.tree import Tree, TreeSpec
 from .cache import make_cache
-from .drafting import draft_tree, stream_candidates
+from .drafting import Candidates, draft_tree, stream_candidates
 from .sampling import SamplingParams
 from .steps import ar_steps, prefill
 
@@ -125,10 +125,10 @@ def measure_acceptance(
         cache = make_cache(model.base)
         prefill(model.base, ids[:-1], cache)
         out = ss_forward(model.base, model.streams, chain, cache[0].offset, cache)
-        top, ptop, _, _ = stream_candidates(all_stream_logits(model.base, out), CANDIDATES, greedy)
-        mx.eval(top, ptop)
-        top, ptop = np.array(top), np.array(ptop)  # (nodes, γ, K)
-        gamma = top.shape[1]
+        cand = stream_candidates(all_stream_logits(model.base, out), CANDIDATES, greedy)
+        mx.eval(*cand.arrays())
+        cand = cand.to_host()  # (nodes, γ, K)
+        gamma = cand.top.shape[1]
         # Had node n been the last accepted one, the pass's bonus token is reply token n + 1
         # (the next tree's root) and node n's streams draft the tokens after it. Only
         # positions whose continuation is known γ deep count (a shorter one would undercount).
@@ -136,7 +136,7 @@ def measure_acceptance(
             cont = tokens[node + 2 : node + 2 + gamma]
             for b in budgets:
                 spec = TreeSpec("dynamic", budget=b, depth=gamma)
-                tree = draft_tree(tokens[node + 1], top[node], ptop[node], None, spec, greedy).tree
+                tree = draft_tree(tokens[node + 1], Candidates(cand.top[node], cand.ptop[node]), spec, greedy).tree
                 sums[b] += accepted_length(tree, cont)
             positions += 1
         if progress:

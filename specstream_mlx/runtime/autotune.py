@@ -47,7 +47,7 @@ import numpy as np
 
 from ..method.tree import LOOKUP_LEN, TreeSpec
 from .acceptance_prior import AcceptancePrior
-from .drafting import Draft, num_candidates
+from .drafting import Draft, Forecast, num_candidates
 from .step_costs import TIME_MIN, Arm, PassCosts, model_key
 
 CANDIDATE_BUDGETS = (2, 4, 8, 12, 16, 24)
@@ -171,23 +171,23 @@ class Acceptance:
             for k in d:
                 d[k] /= 2
 
-    def observe(self, draft: Draft, accepted: int) -> None:
-        """A verified draft: its prediction, what was accepted, and the path scores of its
-        candidates, which credit only budgets whose trees are no deeper than they went."""
+    def observe(self, forecast: Forecast, accepted: int) -> None:
+        """A verified draft's forecast: its prediction, what was accepted, and the path scores
+        of its candidates, which credit only budgets whose trees are no deeper than they went."""
         self.steps += 1
-        self.predicted += draft.predicted
+        self.predicted += forecast.predicted
         self.actual += accepted
-        ref = self.mean_scores(draft.budget)
+        ref = self.mean_scores(forecast.budget)
         if ref is not None:
-            h = draft.from_hosting
+            h = forecast.from_hosting
             self.mode_actual[h] = self.mode_actual.get(h, 0.0) + accepted
             self.mode_ref[h] = self.mode_ref.get(h, 0.0) + ref
             self.mode_n[h] = self.mode_n.get(h, 0.0) + 1
-        if draft.scores is None:
+        if forecast.scores is None:
             return
-        s = np.cumsum(sorted(draft.scores, reverse=True))
+        s = np.cumsum(sorted(forecast.scores, reverse=True))
         for b in CANDIDATE_BUDGETS:
-            if min(self.depth, b) <= draft.candidate_depth:
+            if min(self.depth, b) <= forecast.candidate_depth:
                 self.scores_sum[b] = self.scores_sum.get(b, 0.0) + (float(s[min(b, len(s)) - 1]) if len(s) else 0.0)
                 self.scores_n[b] = self.scores_n.get(b, 0.0) + 1
 
@@ -352,10 +352,10 @@ class AutoPolicy:
         booked to the arm that drafted it (its exploring passes included)."""
         if len(draft.tree) <= 1:
             return  # a root-only pass after a probe or the prompt: no arm's
-        self.costs.observe_pass((draft.budget, plan.next_tree.hosting), seconds)
+        self.costs.observe_pass((draft.forecast.budget, plan.next_tree.hosting), seconds)
         self.since_probe += 1
         self.pruning.record(plan.threshold, seconds, accepted + 1)
-        self.evidence.observe(draft, accepted)
+        self.evidence.observe(draft.forecast, accepted)
         if self.evidence.steps >= WARMUP_STEPS:
             self._choose()
 

@@ -9,8 +9,8 @@ when sampling (what lossless verification needs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -28,38 +28,80 @@ from ..method.tree import (
 from .sampling import SamplingParams, target_probs
 
 
+@dataclass(frozen=True)
+class Forecast:
+    """What a draft's streams predicted, for the policy that judges trees (--tree auto).
+
+    Attributes:
+        predicted: expected accepted length of this tree if streams were calibrated.
+        scores: path scores of the best-first candidates.
+        candidate_depth: how many streams deep those candidates went.
+        budget: the dynamic-tree budget it was drafted with (0 otherwise).
+        from_hosting: hosting mode of the pass whose streams drafted it.
+    """
+
+    predicted: float = 0.0
+    scores: Optional[List[float]] = None
+    candidate_depth: int = 0
+    budget: int = 0
+    from_hosting: int = 0
+
+
 @dataclass
 class Draft:
-    """The next tree, what sampling verification needs, and acceptance predictions.
+    """The next tree and what verifying and hosting it need.
 
     Attributes:
         tree: the draft tree rooted at the bonus token.
         draft_q: (depth, V) distributions the sampled children were drawn from (on the device).
-        predicted: expected accepted length of this tree if streams were calibrated.
-        scores: path scores of the best-first candidates (for --tree auto).
-        candidate_depth: how many streams deep those candidates went.
         reach: per node, the probability its path is accepted (stream estimates),
             which picks the nodes that host streams under a hosting policy.
-        budget: the dynamic-tree budget it was drafted with (0 otherwise).
-        from_hosting: hosting mode of the pass whose streams drafted it.
         q_rows: sampled hybrid trees: the row of ``draft_q`` each node was drawn from
             (None: a node at depth d + 1 from row d).
+        forecast: what the policy reads (never the method).
     """
 
     tree: Tree
     draft_q: Optional[mx.array] = None
-    predicted: float = 0.0
-    scores: Optional[List[float]] = None
-    candidate_depth: int = 0
     reach: Optional[np.ndarray] = None
-    budget: int = 0
-    from_hosting: int = 0
     q_rows: Optional[np.ndarray] = None
+    forecast: Forecast = field(default_factory=Forecast)
+
+
+@dataclass
+class Candidates:
+    """Stream candidates: per stream (rows ..., γ), the top-K token ids and their
+    probabilities in descending order and, when sampling, the processed proposal
+    distributions (kept on the device) and i.i.d. draws from them. Device arrays when
+    made by :func:`stream_candidates`, host arrays after :meth:`to_host`."""
+
+    top: Any
+    ptop: Any
+    q: Optional[mx.array] = None
+    drawn: Any = None
+
+    def arrays(self) -> list:
+        """The device arrays to evaluate (the distributions stay lazy unless sampling needs them)."""
+        return [a for a in (self.top, self.ptop, self.q, self.drawn) if a is not None]
+
+    def map(self, f: Callable) -> "Candidates":
+        return Candidates(*(None if a is None else f(a) for a in (self.top, self.ptop, self.q, self.drawn)))
+
+    def to_host(self) -> "Candidates":
+        """Token ids, probabilities and draws as numpy; the distributions stay on the device."""
+        return Candidates(
+            np.array(self.top), np.array(self.ptop), self.q, None if self.drawn is None else np.array(self.drawn)
+        )
+
+    @staticmethod
+    def empty(K: int) -> "Candidates":
+        """No candidates (no ancestor of the accepted node hosted streams)."""
+        return Candidates(np.zeros((0, K), np.int32), np.zeros((0, K), np.float32))
 
 
 def stream_candidates(
     logits: mx.array, K: int, sampling: SamplingParams, key: Optional[mx.array] = None, draws: int = 0
-):
+) -> Candidates:
     """Device-side candidates of stream logits (..., γ, V): the top-K token ids and
     their probabilities in descending order and, when sampling, the processed
     distributions the drafts are drawn from and ``draws`` i.i.d. draws from each (with
@@ -79,8 +121,9 @@ def stream_candidates(
     top = mx.take_along_axis(part, order, axis=-1)
     ptop = mx.take_along_axis(ptop, order, axis=-1)
     if sampling.greedy:
-        return top, ptop, None, None
-    return top, ptop, probs, draw_rows(probs, mx.random.uniform(shape=(*probs.shape[:-1], max(draws, 1)), key=key))
+        return Candidates(top, ptop)
+    drawn = draw_rows(probs, mx.random.uniform(shape=(*probs.shape[:-1], max(draws, 1)), key=key))
+    return Candidates(top, ptop, probs, drawn)
 
 
 def num_candidates(spec: TreeSpec, score_budget: int = 0) -> int:
@@ -88,24 +131,16 @@ def num_candidates(spec: TreeSpec, score_budget: int = 0) -> int:
     return max(spec.widths) if spec.kind == "cartesian" else min(max(spec.budget, score_budget), 8)
 
 
-def draft_tree(
-    root: int,
-    top: np.ndarray,
-    ptop: np.ndarray,
-    q: Optional[mx.array],
-    spec: TreeSpec,
-    sampling: SamplingParams,
-    score_budget: int = 0,
-    drawn: Optional[np.ndarray] = None,
-) -> Draft:
-    """Next draft tree from the stream candidates of the last accepted node.
+def draft_tree(root: int, cand: Candidates, spec: TreeSpec, sampling: SamplingParams, score_budget: int = 0) -> Draft:
+    """Next draft tree from the stream candidates (host arrays) of the last accepted node.
 
-    ``top``/``ptop``: (γ, K) top tokens and probabilities per stream. Greedy:
-    Cartesian or dynamic tree over the top-k. Sampling: ``drawn`` (γ, ≥ widths)
-    i.i.d. draws from each stream's processed distribution ``q`` (γ, V, on the
+    ``cand.top``/``cand.ptop``: (γ, K) top tokens and probabilities per stream. Greedy:
+    Cartesian or dynamic tree over the top-k. Sampling: ``cand.drawn`` (γ, ≥ widths)
+    i.i.d. draws from each stream's processed distribution ``cand.q`` (γ, V, on the
     device), shared by every parent at that depth (what lossless verification
     needs); ``q`` is kept for it.
     """
+    top, ptop = cand.top, cand.ptop
     depth = min(spec.max_depth, top.shape[0])
     if depth == 0:
         return Draft(Tree((root,), (-1,)))
@@ -133,14 +168,16 @@ def draft_tree(
             tree = dynamic_tree(root, top, ptop, spec.budget, cands)
         reach = node_reach(tree, top, ptop)
         predicted = float(reach[1:].sum()) if spec.kind == "cartesian" else float(sum(own[: spec.budget]))
-        return Draft(tree, None, predicted, scores, all_depth, reach, budget)
+        return Draft(tree, reach=reach, forecast=Forecast(predicted, scores, all_depth, budget))
+    drawn = cand.drawn
     widths = sample_widths(spec, depth)
     if max(widths) > drawn.shape[1]:
         raise ValueError(f"{spec.describe()}: needs {max(widths)} draws per stream, got {drawn.shape[1]}")
     tree = cartesian_tree(root, [drawn[g, :w] for g, w in enumerate(widths)], widths)
     ranked = [c[2] for c in best(len(tree) - 1)]
     # The budget it was drafted with, as for greedy trees: --tree auto books the pass's time to it.
-    return Draft(tree, q[:depth], float(sum(ranked)), scores, all_depth, node_reach(tree, top, ptop), budget)
+    forecast = Forecast(float(sum(ranked)), scores, all_depth, budget)
+    return Draft(tree, cand.q[:depth], node_reach(tree, top, ptop), forecast=forecast)
 
 
 def with_lookup(draft: Draft, chain: List[int], chain_scores: List[float], budget: int) -> Draft:
@@ -150,7 +187,7 @@ def with_lookup(draft: Draft, chain: List[int], chain_scores: List[float], budge
     if not chain or draft.reach is None:
         return draft
     tree, reach = merge_chain(draft.tree, draft.reach, chain, chain_scores, budget)
-    return Draft(tree, None, float(reach[1:].sum()), draft.scores, draft.candidate_depth, reach, draft.budget)
+    return Draft(tree, reach=reach, forecast=replace(draft.forecast, predicted=float(reach[1:].sum())))
 
 
 # Sampled hybrid trees keep the lookup tokens whose measured score is at least this: a
@@ -180,10 +217,7 @@ def with_lookup_sampled(draft: Draft, chain: List[int], chain_scores: List[float
     point = (mx.arange(vocab)[None] == mx.array(chain, dtype=mx.int32)[:, None]).astype(mx.float32)
     q = point if draft.draft_q is None else mx.concatenate([draft.draft_q.astype(mx.float32), point])
     reach = None if draft.reach is None else np.concatenate([draft.reach, np.asarray(chain_scores, dtype=float)])
-    return Draft(
-        Tree(tokens, parents), q, draft.predicted, draft.scores, draft.candidate_depth, reach, draft.budget,
-        draft.from_hosting, q_rows,
-    )  # fmt: skip
+    return Draft(Tree(tokens, parents), q, reach, q_rows, draft.forecast)
 
 
 def sample_widths(spec: TreeSpec, depth: int) -> tuple:

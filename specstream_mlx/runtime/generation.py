@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Seq
 import mlx.core as mx
 
 from ..method.tree import TreeSpec
+from .autotune import AutoPolicy
 from .bounded import TEMPLATE_SECONDS, PromptError, guarded, time_limit
 from .loaded_model import base_model
 from .lookup import lookup_steps
@@ -98,7 +99,7 @@ def make_steps(
             tree=ss.tree,
             pruning_threshold=ss.pruning_threshold,
             log=ss.log,
-            client=ss.client,
+            policy=ss.policy,
         )
     if mode == "lookup":
         return lookup_steps(base_model(model), ids, sampling, cache=cache)
@@ -152,7 +153,7 @@ def stream_generate(
     tree: Union[None, str, TreeSpec] = DEFAULT_TREE,
     pruning_threshold: Optional[float] = None,
     log: Optional[Callable[[str], None]] = None,
-    client: Any = None,
+    policy: Optional[AutoPolicy] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Stream a completion of ``prompt``; yields one response per forward pass.
 
@@ -168,8 +169,8 @@ def stream_generate(
             the CLI: measure and choose, plain decoding when no tree pays).
         pruning_threshold: ss only: early-exit pruning threshold; default the model's.
         log: ss only: where ``--tree auto`` says it has no stored pass costs for this model yet.
-        client: ss with ``tree="auto"``: whose acceptance evidence and back-off to use
-            (servers pass the client; default the model's shared tuner).
+        policy: ss with ``tree="auto"``: the :class:`AutoPolicy` to decode with (servers
+            pass each client's own); default the model's shared one.
     """
     sampling = sampling or SamplingParams()
     ids = encode_prompt(tokenizer, prompt, use_chat_template)
@@ -182,7 +183,7 @@ def stream_generate(
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()
-    ss = SSOptions(tree, pruning_threshold, log, client)
+    ss = SSOptions(tree, pruning_threshold, log, policy)
     steps = make_steps(mode, model, mx.array(ids, dtype=mx.int32), sampling, cache, ss)
     tic = time.perf_counter()
     gen_start = None

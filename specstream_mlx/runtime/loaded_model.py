@@ -3,12 +3,12 @@
 :class:`SpeculativeModel` is what :func:`load` returns: the base model, its
 speculative streams, the directory it came from, and the ``--tree auto``
 tuners that learn across requests. Calling it runs the base model, so it can
-be used wherever a plain MLX language model is expected.
+be used wherever a plain MLX language model is expected. (A server keeps each
+client's own policy over these: :mod:`specstream_mlx.serve.client_policies`.)
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -23,8 +23,6 @@ from ..settings import current as current_settings
 from .autotune import AutoPolicy, auto_policy_for
 from .compiled_pass import SSPass
 from .sampling import SamplingParams
-
-MAX_CLIENT_TUNERS = 64
 
 
 @dataclass
@@ -46,9 +44,6 @@ class SpeculativeModel:
     streams: Optional[StreamParams] = None
     path: Optional[Path] = None
     tuners: Dict[str, AutoPolicy] = field(default_factory=dict)
-    # Per (kind, client): a tuner sharing its kind's machine facts, with its own acceptance
-    # evidence and back-off (one client's prompts must not switch another to plain decoding).
-    client_tuners: "OrderedDict[tuple, AutoPolicy]" = field(default_factory=OrderedDict, repr=False)
     compiled: bool = field(default_factory=lambda: current_settings().compile_passes)
     _passes: Dict[bool, SSPass] = field(default_factory=dict, repr=False)
 
@@ -73,25 +68,13 @@ class SpeculativeModel:
             p = self._passes[compiled] = SSPass(self.base, self.streams, compiled)
         return p
 
-    def tuner(
-        self, sampling: SamplingParams, log: Optional[Callable[[str], None]] = None, client: Any = None
-    ) -> AutoPolicy:
-        """The ``--tree auto`` policy for this decoding kind, created on first use (with the
-        costs stored for this model here, if any); with ``client``, that client's own
-        policy over the same machine facts."""
+    def tuner(self, sampling: SamplingParams, log: Optional[Callable[[str], None]] = None) -> AutoPolicy:
+        """The shared ``--tree auto`` policy for this decoding kind, created on first use
+        (with the costs stored for this model here, if any)."""
         kind = "greedy" if sampling.greedy else "sampled"
         if kind not in self.tuners:
             self.tuners[kind] = auto_policy_for(self.base, self.streams, kind == "sampled", bool(self.compiled), log)
-        if client is None:
-            return self.tuners[kind]
-        key = (kind, client)
-        t = self.client_tuners.get(key)
-        if t is None:
-            t = self.client_tuners[key] = self.tuners[kind].for_client()
-            while len(self.client_tuners) > MAX_CLIENT_TUNERS:
-                self.client_tuners.popitem(last=False)  # the least recently served client
-        self.client_tuners.move_to_end(key)
-        return t
+        return self.tuners[kind]
 
 
 def as_speculative(model: Any, streams: Optional[StreamParams] = None) -> SpeculativeModel:

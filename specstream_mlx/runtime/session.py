@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, Generator, List, Optional, Sequence, Union
+from typing import Dict, Generator, List, Optional, Sequence, Union
 
 from ..method.tree import TreeSpec
+from .autotune import AutoPolicy
 from .cache import make_cache, trim_cache
 from .generation import GenerationStats, encode_prompt, stream_generate
 from .sampling import SamplingParams
@@ -113,13 +114,13 @@ class ChatSession:
         cancel: Optional[threading.Event] = None,
         reply: Optional[Reply] = None,
         tree: Union[None, str, TreeSpec] = DEFAULT_TREE,
-        client: Any = None,
+        policy: Optional[AutoPolicy] = None,
     ) -> Generator[str, None, Reply]:
         """Stream the reply to token ids ``ids``, yielding text deltas.
 
         Stops on EOS, ``max_tokens``, a stop string, or when ``cancel`` is set
         (``finish_reason`` "cancelled"). ``tree`` is the ss draft tree (default
-        ``auto``); ``client`` keys auto's per-client state. Returns the :class:`Reply`."""
+        ``auto``); ``policy`` is the ``auto`` policy to use (a server's per-client one). Returns the :class:`Reply`."""
         if not ids:
             raise ValueError("empty prompt")
         reply = reply if reply is not None else Reply()
@@ -136,7 +137,7 @@ class ChatSession:
             use_chat_template=False,
             cache=self.cache,
             tree=tree if mode == "ss" else None,
-            client=client,
+            policy=policy,
         )
         try:
             for r in gen:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Generator, Optional, Union
+from typing import Callable, Generator, Optional, Union
 
 import mlx.core as mx
 import numpy as np
@@ -24,9 +24,10 @@ from ..method.acceptance import Verdict, greedy_accepted_node
 from ..method.msa import SSOutput, all_stream_logits, commit_ss, stream_logits
 from ..method.streams import NoStreamsError, StreamParams
 from ..method.tree import Tree, TreeSpec, hosting_nodes
-from .autotune import DecodingPolicy, FixedPolicy, Plain, Probe, TreePass
+from .autotune import AutoPolicy, DecodingPolicy, FixedPolicy, Plain, Probe, TreePass
 from .cache import make_cache
 from .drafting import (
+    Candidates,
     Draft,
     draft_tree,
     max_draws,
@@ -54,13 +55,14 @@ class SSOptions:
         tree: a :class:`TreeSpec`, its text form, or ``"auto"`` (None: the same).
         pruning_threshold: early-exit pruning threshold; None: the model's own.
         log: where ``--tree auto`` says it has no stored pass costs for this model yet.
-        client: with ``tree="auto"``, whose acceptance evidence and back-off to use.
+        policy: with ``tree="auto"``, the policy to decode with (a server passes each
+            client's own, :mod:`~specstream_mlx.serve.client_policies`); None: the model's shared one.
     """
 
     tree: Union[None, str, TreeSpec] = DEFAULT_TREE
     pruning_threshold: Optional[float] = None
     log: Optional[Callable[[str], None]] = None
-    client: Any = None
+    policy: Optional[AutoPolicy] = None
 
 
 # Below this many stream-logit elements (kept nodes x γ x vocab) the streams of
@@ -72,13 +74,12 @@ EAGER_STREAM_LOGITS = 1 << 16
 
 @dataclass
 class PassResult:
-    """Host-side outcome of one pass: the verdict and the next draft's candidates."""
+    """Host-side outcome of one pass: the verdict and the accepted node's stream
+    candidates (host arrays, (γ, K); the proposal distributions stay on the device),
+    which draft the next tree."""
 
     verdict: Verdict
-    top: np.ndarray  # (γ, K) stream candidate tokens at the accepted node
-    ptop: np.ndarray  # (γ, K) their probabilities
-    q: Optional[mx.array] = None  # (γ, V) proposal distributions, on the device (sampling only)
-    drawn: Optional[np.ndarray] = None  # (γ, K) i.i.d. draws from them (sampling only)
+    candidates: Candidates
     resync: bool = False
 
 
@@ -88,16 +89,17 @@ def make_policy(
     sampling: SamplingParams,
     pruning_threshold: Optional[float],
     log=None,
-    client: Any = None,
+    auto: Optional[AutoPolicy] = None,
 ):
-    """The policy of one generation: ``auto``'s (kept by the model, per client), else a fixed tree."""
+    """The policy of one generation: ``auto`` (default the model's shared one) when the tree
+    is ``"auto"``, else the fixed tree."""
     threshold = sm.streams.config.pruning_threshold if pruning_threshold is None else pruning_threshold
     if not sampling.greedy:
         threshold = 0.0  # lossless sampling: see ss_steps
     if tree is None:
         tree = DEFAULT_TREE
     if tree == "auto":
-        policy = sm.tuner(sampling, log, client)
+        policy = auto if auto is not None else sm.tuner(sampling, log)
         # With the model's own threshold auto chooses between it and no pruning, by measurement.
         policy.new_request((0.0, threshold) if pruning_threshold is None else (threshold,))
         return policy
@@ -105,12 +107,10 @@ def make_policy(
     return FixedPolicy(spec, threshold)
 
 
-def _usable(arrays, slot: int, shift: int):
+def _usable(cand: Candidates, slot: int, shift: int) -> Candidates:
     """The candidate rows that can draft the next tree from a node whose streams
     come from host ``slot``, ``shift`` levels above it (none when no ancestor hosted)."""
-    if slot < 0:
-        return tuple(None if a is None else a[:0] for a in arrays)
-    return tuple(None if a is None else a[shift:] for a in arrays)
+    return cand.map(lambda a: a[:0] if slot < 0 else a[shift:])
 
 
 def verify_greedy(sm: SpeculativeModel, out: SSOutput, K: int, sampling: SamplingParams) -> PassResult:
@@ -123,7 +123,7 @@ def verify_greedy(sm: SpeculativeModel, out: SSOutput, K: int, sampling: Samplin
     if has_hosts:
         slot_dev = node_dev if out.every_node_hosts else mx.maximum(mx.array(slot)[node_dev], 0)
         cand = stream_candidates(stream_logits(sm.base, out, slot_dev), K, sampling)
-        mx.eval(am, node_dev, *cand[:2])
+        mx.eval(am, node_dev, *cand.arrays())
     else:
         mx.eval(am, node_dev)
     verdict = verify(out.tree, out.buffers, sampling, np.array(am))
@@ -131,12 +131,10 @@ def verify_greedy(sm: SpeculativeModel, out: SSOutput, K: int, sampling: Samplin
     resync = node != int(node_dev.item())
     if resync and has_hosts and slot[node] >= 0:  # not expected; the host verdict wins
         cand = stream_candidates(stream_logits(sm.base, out, int(slot[node])), K, sampling)
-        mx.eval(*cand[:2])
+        mx.eval(*cand.arrays())
     if cand is None:
-        top, ptop = np.zeros((0, K), np.int32), np.zeros((0, K), np.float32)
-    else:
-        top, ptop = _usable((np.array(cand[0]), np.array(cand[1])), int(slot[node]), int(shift[node]))
-    return PassResult(verdict, top, ptop, resync=resync)
+        return PassResult(verdict, Candidates.empty(K), resync)
+    return PassResult(verdict, _usable(cand.to_host(), int(slot[node]), int(shift[node])), resync)
 
 
 def verify_sampled(
@@ -153,20 +151,18 @@ def verify_sampled(
         out.main_logits, sampling, out.tree, out.buffers, draft.draft_q, keys.next(), q_rows
     )
     cand = stream_candidates(all_stream_logits(sm.base, out), K, sampling, keys.next(), draws) if eager else None
-    mx.eval(decisions, *(cand or ()))
+    mx.eval(decisions, *(cand.arrays() if eager else ()))
     verdict = verify(out.tree, out.buffers, sampling, np.array(decisions))
     node = verdict.path[-1]
     s, sh = int(slot[node]), int(shift[node])
     if s < 0:
-        empty = np.zeros((0, K))
-        return PassResult(verdict, empty.astype(np.int32), empty)
+        return PassResult(verdict, Candidates.empty(K))
     if eager:
-        top, ptop, q, drawn = (a[s] for a in cand)
+        cand = cand.map(lambda a: a[s])
     else:
-        top, ptop, q, drawn = stream_candidates(stream_logits(sm.base, out, s), K, sampling, keys.next(), draws)
-        mx.eval(top, ptop, q, drawn)
-    top, ptop, q, drawn = _usable((top, ptop, q, drawn), s, sh)
-    return PassResult(verdict, np.array(top), np.array(ptop), q, np.array(drawn))
+        cand = stream_candidates(stream_logits(sm.base, out, s), K, sampling, keys.next(), draws)
+        mx.eval(*cand.arrays())
+    return PassResult(verdict, _usable(cand, s, sh).to_host())
 
 
 def _plain_rest(model, root: int, sampling, cache, policy, reason: str) -> Generator[Step, None, None]:
@@ -208,21 +204,20 @@ def _next_draft(sm, res: PassResult, plan: TreePass, sampling, hosted: bool, cha
     merged in (greedy: the best nodes of both under the budget) or hung from the root
     (sampling: its share of the budget fixed before the draws are seen). ``hosted``: this
     pass hosted streams at some nodes only (the draft remembers the hosting mode it came from)."""
-    bonus, spec, scored = res.verdict.bonus, plan.next_tree, plan.score_budget
+    bonus, spec, scored, cand = res.verdict.bonus, plan.next_tree, plan.score_budget, res.candidates
     from_hosting = plan.hosting if hosted else 0
     if not chain:
-        nxt = draft_tree(bonus, res.top, res.ptop, res.q, spec, sampling, scored, res.drawn)
+        nxt = draft_tree(bonus, cand, spec, sampling, scored)
     elif sampling.greedy:
-        nxt = draft_tree(bonus, res.top, res.ptop, res.q, spec, sampling, scored, res.drawn)
-        nxt = with_lookup(nxt, chain, chain_scores, spec.budget)
+        nxt = with_lookup(draft_tree(bonus, cand, spec, sampling, scored), chain, chain_scores, spec.budget)
     else:
         k = sampled_lookup_length(chain_scores, spec.budget)
         small = replace(spec, budget=spec.budget - k) if k else spec
-        nxt = draft_tree(bonus, res.top, res.ptop, res.q, small, sampling, scored, res.drawn)
+        nxt = draft_tree(bonus, cand, small, sampling, scored)
         nxt = with_lookup_sampled(nxt, chain[:k], chain_scores[:k], sm.args.vocab_size)
-        # Its pass is booked to the arm that planned it.
-        return replace(nxt, budget=spec.budget, from_hosting=from_hosting)
-    return replace(nxt, from_hosting=from_hosting)
+        # Drafted smaller, its pass is booked to the arm that planned it.
+        return replace(nxt, forecast=replace(nxt.forecast, budget=spec.budget, from_hosting=from_hosting))
+    return replace(nxt, forecast=replace(nxt.forecast, from_hosting=from_hosting))
 
 
 def _recorded(steps: Generator[Step, None, int], decided: list) -> Generator[Step, None, int]:
@@ -260,7 +255,7 @@ def ss_steps(
     pruning_threshold: Optional[float] = None,
     prefill_chunk: int = 512,
     log: Optional[Callable[[str], None]] = None,
-    client: Any = None,
+    policy: Optional[AutoPolicy] = None,
 ) -> Generator[Step, None, None]:
     """Speculative Streaming decoding; yields the tokens each pass decided.
 
@@ -275,13 +270,13 @@ def ss_steps(
         pruning_threshold: early-exit pruning threshold; default from specstream.json.
             Applied to greedy decoding only: under sampling the surviving children
             would no longer be draws from the proposal that verification assumes.
-        client: with ``tree="auto"``, whose acceptance evidence and back-off to use
-            (a server passes its client; None: the model's shared tuner).
+        policy: with ``tree="auto"``, the :class:`AutoPolicy` to decode with (a server
+            passes each client's own); None: the model's shared one.
     """
     sm = as_speculative(model, streams)
     if sm.streams is None:
         raise NoStreamsError("this model has no speculative streams; use --mode ar or lookup")
-    policy = make_policy(sm, tree, sampling, pruning_threshold, log, client)
+    policy = make_policy(sm, tree, sampling, pruning_threshold, log, policy)
     try:
         yield from _ss_loop(sm, policy, prompt, sampling, cache if cache is not None else make_cache(sm), prefill_chunk)
     finally:

@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 from ..runtime.bounded import FATAL
 from ..runtime.session import ChatSession, Reply
 from ..tasks.tool_calls import may_be_call, model_tool_format
+from .client_policies import ClientPolicies
 from .protocol import (
     GenerationRequest,
     ProtocolError,
@@ -140,6 +141,7 @@ class App:
         # starts from an empty cache, so no client learns (from prompt_tokens reused or
         # from timing) what another one sent.
         self.cache_owner: Any = None
+        self.policies = ClientPolicies(self.session.model)
         self.current: Optional[Tuple[GenerationRequest, "queue.Queue"]] = None
         self.jobs: "queue.Queue[Tuple[GenerationRequest, queue.Queue]]" = queue.Queue()
         self.interrupted = False
@@ -180,7 +182,7 @@ class App:
                     mode=req.mode,
                     stop=req.stop,
                     cancel=req.cancel,
-                    client=req.owner,
+                    policy=self._policy(req),
                 )
                 while True:
                     try:
@@ -196,6 +198,12 @@ class App:
             except BaseException as e:  # reported to the waiting request as a 500 (native panics too)
                 events.put(("error", e))
             self.current = None
+
+    def _policy(self, req: GenerationRequest):
+        """The request's client's own ``--tree auto`` policy (None: the model's shared one)."""
+        if req.mode != "ss" or req.owner is None or getattr(self.session.model, "streams", None) is None:
+            return None
+        return self.policies.get(req.sampling, req.owner)
 
     def cancel_all(self, grace_s: float = 2.0) -> None:
         """Shutting down (Ctrl-C): end the running request (if any) and every queued one with
