@@ -113,7 +113,7 @@ def test_sampled_verification_on_a_tree_matches_target_two_tokens():
     uniform = np.ones(V) / V
     target = np.stack([p_root[None].repeat(n, 0), p_child_rows(p_child, d1[:, 0]), p_child_rows(p_child, d1[:, 1])])
     target = np.concatenate([target, np.stack([uniform[None].repeat(n, 0)] * 2)]).transpose(1, 0, 2)  # (n, 5, V)
-    kids, count = child_table(tokens[0].tolist(), b.children)  # the shape every tree shares
+    kids, count = child_table(tokens[0].tolist(), b)  # the shape every tree shares
     kid_tokens = np.zeros((n, 5, kids.shape[1]), dtype=np.int32)
     for node, children in enumerate(b.children):
         for j, c in enumerate(children):

@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .tree import tree_buffers
+from .tree import TreeBuffers, tree_buffers
 
 
 @dataclass(frozen=True)
@@ -50,14 +50,13 @@ def greedy_verify(tokens: Sequence[int], children: Sequence[Sequence[int]], targ
         cur = nxt
 
 
-def child_table(tokens: Sequence[int], children: Sequence[Sequence[int]]) -> "tuple[np.ndarray, np.ndarray]":
-    """(n, W) the children's tokens of every node in trial order (0 past the last), and
-    (n,) how many each node has; W is the most children any node has."""
-    W = max((len(c) for c in children), default=0)
-    table = np.zeros((len(children), W), dtype=np.int32)
-    for i, kids in enumerate(children):
-        table[i, : len(kids)] = [tokens[c] for c in kids]
-    return table, np.array([len(c) for c in children], dtype=np.int32)
+def child_table(values: Sequence[int], buffers: TreeBuffers) -> "tuple[np.ndarray, np.ndarray]":
+    """(n, W) the children's ``values`` (their tokens, say) of every node in trial order (0
+    past the last), and (n,) how many each node has; W is the most children any node has.
+    One gather over the tree shape's cached child index."""
+    index = buffers.child_index
+    table = np.where(index >= 0, np.asarray(values, dtype=np.int32)[np.maximum(index, 0)], 0)
+    return table.astype(np.int32, copy=False), buffers.child_count
 
 
 def rrs_decisions(

@@ -50,12 +50,16 @@ class TreeBuffers:
         ancestor_mask: (n, n) bool; ``[i, j]`` is True when j is i or an ancestor of i.
         parents: (n,) parent index, -1 for the root.
         children: per node, the indices of its children in order.
+        child_index: (n, W) the same as a table, -1 past the last (W: the most children any
+            node has); with ``child_count`` (n,) it gathers per-pass child tables.
     """
 
     depths: np.ndarray
     ancestor_mask: np.ndarray
     parents: np.ndarray
     children: tuple
+    child_index: np.ndarray
+    child_count: np.ndarray
 
 
 def tree_buffers(parents: Sequence[int]) -> TreeBuffers:
@@ -77,9 +81,14 @@ def _tree_buffers(parents: tuple) -> TreeBuffers:
             depths[i] = depths[p] + 1
             anc[i] |= anc[p]
             children[p].append(i)
-    for a in (depths, anc, par):
+    W = max((len(c) for c in children), default=0)
+    index = np.full((n, W), -1, dtype=np.int64)
+    for i, kids in enumerate(children):
+        index[i, : len(kids)] = kids
+    count = np.array([len(c) for c in children], dtype=np.int32)
+    for a in (depths, anc, par, index, count):
         a.flags.writeable = False  # shared by every pass over this shape
-    return TreeBuffers(depths, anc, par, tuple(tuple(c) for c in children))
+    return TreeBuffers(depths, anc, par, tuple(tuple(c) for c in children), index, count)
 
 
 def subtree_keep(parents: Sequence[int], keep_node: Sequence[bool]) -> np.ndarray:

@@ -35,8 +35,8 @@ def verification_target(
     children), with PRNG ``key``. Lazy."""
     if sampling.greedy:
         return mx.argmax(main_logits, axis=-1)
-    kids, count = child_table(tree.tokens, buffers.children)
-    rows = buffers.depths if q_rows is None else child_table(q_rows, buffers.children)[0]
+    kids, count = child_table(tree.tokens, buffers)
+    rows = buffers.depths if q_rows is None else child_table(q_rows, buffers)[0]
     first, bonus = rrs_decisions(target_probs(main_logits, sampling), draft_q, kids, count, rows, key)
     return mx.stack([first, bonus])
 
