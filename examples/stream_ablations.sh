@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Ablations of SmolLM2's lossless streams at equal steps (why a Medusa-1 reference learns
-# learns faster at the same wall time). Every variant trains ITERS steps from fresh streams
+# faster at the same wall time). Every variant trains ITERS steps from fresh streams
 # on the same batches (seed 0) at the build's settings but one, from one shared feature
 # cache (the first variant fills it; later ones reuse the rows, so their times are not
 # comparable with the first's), and is scored on the model's greedy replies to the 52
