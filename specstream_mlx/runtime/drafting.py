@@ -81,10 +81,11 @@ class Candidates:
     drawn: Any = None
 
     def arrays(self) -> list:
-        """The device arrays to evaluate (the distributions stay lazy unless sampling needs them)."""
+        """Every array it holds, to evaluate in the same sync as verification."""
         return [a for a in (self.top, self.ptop, self.q, self.drawn) if a is not None]
 
     def map(self, f: Callable) -> "Candidates":
+        """``f`` applied to every array it holds (a row, a slice)."""
         return Candidates(*(None if a is None else f(a) for a in (self.top, self.ptop, self.q, self.drawn)))
 
     def to_host(self) -> "Candidates":
