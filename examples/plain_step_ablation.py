@@ -70,7 +70,7 @@ def main() -> int:
     out = {
         "model": a.model,
         "blas": f"{info['blas']} {info['blas_version']}, {info['blas_threads']} threads"
-        + (", one-row GEMV" if info["blas_gemv_forwarding"] else ""),
+        + (f", {info['blas_forwarder']}" if info["blas_forwarder"] else ""),
         "ms_per_token_median": {k: round(statistics.median(v), 2) for k, v in runs.items()},
         "rounds": runs,
     }

@@ -12,7 +12,8 @@
 # Resumable: a variant with OUT_DIR/<name>.json is skipped. OUT_DIR/report.json gathers
 # them all. Variants: base (the build's settings), ce (data tokens only, no teacher KL:
 # what the reference trains on), positions (every completion position hosts streams, as
-# the reference trains every position), lr (peak learning rate 3e-3), rank (LoRA rank 64).
+# the reference trains every position), lr / lr6 / lr10 (peak learning rate 3e-3 / 6e-3 / 1e-2),
+# rank (LoRA rank 64).
 set -euo pipefail
 ITERS=${1:-80}
 OUT=${2:-runs/ablations}
@@ -29,8 +30,10 @@ extra_args() {
     ce) echo "--no-distill" ;;
     positions) echo "--stream-positions 384" ;;
     lr) echo "--learning-rate 3e-3" ;;
+    lr6) echo "--learning-rate 6e-3" ;;
+    lr10) echo "--learning-rate 1e-2" ;;
     rank) echo "--lora-rank 64" ;;
-    *) echo "unknown variant: $1 (base ce positions lr rank)" >&2; exit 2 ;;
+    *) echo "unknown variant: $1 (base ce positions lr lr6 lr10 rank)" >&2; exit 2 ;;
   esac
 }
 for v in $VARIANTS; do

@@ -16,16 +16,21 @@ that cannot happen (``mlx.core`` imported first) the first model load warns once
 the CLI then re-executes itself with ``LD_PRELOAD`` set (:func:`maybe_reexec_with_blas`).
 
 MLX multiplies even one row by a weight with ``cblas_sgemm``, which these
-libraries run through their general GEMM path, well below the memory bandwidth;
-their ``cblas_sgemv`` streams the weight much faster. A tiny library of our own,
+libraries run through their general GEMM path, well below the memory bandwidth, also
+at the 2-48 rows of a speculative tree pass. A small library of our own,
 ``native/gemv_forward.c`` (compiled once with the system C compiler into the user
-cache, :func:`gemv_forwarder`), is preloaded in front of the BLAS and forwards
-one-row products to ``cblas_sgemv``, everything else to the library unchanged.
+cache, :func:`gemv_forwarder`), is preloaded in front of the BLAS: products of a few
+rows by a weight run in its own AVX2 kernel, which reads each weight once for all rows
+on a small thread pool; other one-row products go to ``cblas_sgemv``, everything else
+to the library unchanged.
 
 Settings: ``SPECSTREAM_BLAS`` = ``openblas`` | ``blis`` |
 ``none`` | a library path, optionally ``:THREADS`` (``openblas:2``); the older
 ``SPECSTREAM_NO_OPENBLAS=1`` means ``none``. ``SPECSTREAM_BLAS_GEMV=0`` preloads the
-library without the forwarder.
+library without the forwarder. The forwarder's own kernel for products of a few rows
+(a tree pass's, and a plain step's) reads ``SPECSTREAM_SKINNY_ROWS`` (the most rows it
+takes; 0: off, one-row products then go to the library's GEMV) and
+``SPECSTREAM_SKINNY_THREADS``.
 """
 
 from __future__ import annotations
@@ -144,7 +149,7 @@ def gemv_forwarder(cache_dir: Optional[Path] = None) -> Optional[str]:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cc, "-O2", "-shared", "-fPIC", str(GEMV_SOURCE), "-o", str(tmp), "-ldl"]
+        cmd = [cc, "-O3", "-shared", "-fPIC", str(GEMV_SOURCE), "-o", str(tmp), "-ldl", "-lpthread"]
         done = subprocess.run(cmd, capture_output=True, timeout=60)
         if done.returncode != 0:
             return None
@@ -361,11 +366,30 @@ def gemv_forwarding() -> bool:
     return _symbol("specstream_gemv_forward") is not None
 
 
+def skinny_kernel() -> Optional[Tuple[int, int]]:
+    """(most rows, threads) of the forwarder's own skinny-product kernel when it serves
+    this process's products, else None (not preloaded, turned off, or no AVX2/FMA)."""
+    rows, threads = _symbol("specstream_skinny_rows"), _symbol("specstream_skinny_threads")
+    if rows is None or threads is None:
+        return None
+    rows.restype = threads.restype = ctypes.c_int
+    r = int(rows())
+    return (r, int(threads())) if r > 0 else None
+
+
+def forwarder_words() -> str:
+    """What the forwarder adds to the BLAS, as a phrase for a report ('' without it)."""
+    if not gemv_forwarding():
+        return ""
+    skinny = skinny_kernel()
+    if skinny is None:
+        return ", one-row products as GEMV"
+    return f", products of <= {skinny[0]} rows by the skinny kernel ({skinny[1]} threads)"
+
+
 def blas_words() -> str:
     """One phrase for a report: the BLAS, its version and threads, and the one-row forwarder."""
-    return f"{blas_in_use()} {blas_version()}, {blas_threads()} threads" + (
-        ", one-row GEMV" if gemv_forwarding() else ""
-    )
+    return f"{blas_in_use()} {blas_version()}, {blas_threads()} threads" + forwarder_words()
 
 
 def blas_in_use() -> str:
@@ -417,6 +441,7 @@ def runtime_info() -> dict:
         "blas_version": blas_version(),
         "blas_threads": blas_threads(),
         "blas_gemv_forwarding": gemv_forwarding(),
+        "blas_forwarder": forwarder_words().lstrip(", "),
     }
 
 

@@ -91,30 +91,56 @@ def test_blas_setting_is_parsed_and_refused_in_one_line(monkeypatch):
 GEMV_CHECK = r"""
 import json, sys
 import mlx.core as mx, numpy as np
-from specstream_mlx.platform_info import gemv_forwarding
+from specstream_mlx.platform_info import gemv_forwarding, skinny_kernel
 rng = np.random.default_rng(0)
 worst = 0.0
+cases = []
+# One row, both weight layouts, a strided row, alpha/beta (the GEMV path and the kernel).
 for k, n in ((64, 96), (576, 192), (1536, 576), (7, 3)):
     w = rng.standard_normal((n, k)).astype(np.float32)  # a weight, (out, in)
     x = rng.standard_normal((1, k)).astype(np.float32)
     big = rng.standard_normal((k, 5)).astype(np.float32)
-    cases = [
+    cases += [
         (mx.array(x) @ mx.array(w).T, x @ w.T),  # b transposed: one row times a weight
         (mx.array(x) @ mx.array(w.T.copy()), x @ w.T),  # b as stored
         (mx.array(big)[:, 2:3].T @ mx.array(w).T, big[:, 2:3].T @ w.T),  # a with a stride
-        (mx.array(np.vstack([x, x * 2])) @ mx.array(w).T, np.vstack([x, x * 2]) @ w.T),  # two rows: GEMM
+        (mx.array(np.vstack([x, x * 2])) @ mx.array(w).T, np.vstack([x, x * 2]) @ w.T),  # two rows
         (mx.addmm(mx.ones((1, n)), mx.array(x), mx.array(w).T, alpha=0.5, beta=2.0), 2.0 + 0.5 * (x @ w.T)),
     ]
-    for got, want in cases:
-        worst = max(worst, float(np.abs(np.array(got) - want).max() / (np.abs(want).max() + 1e-6)))
-print(json.dumps({"forwarding": gemv_forwarding(), "worst": worst}))
+# A few rows (a tree pass): every row-tile remainder, columns not a multiple of the tile,
+# depths not a multiple of the vector, rows and weights with a leading stride, more rows
+# than the kernel takes (GEMM), alpha/beta, and a product large enough for the pool.
+for m in (2, 3, 4, 5, 7, 9, 13, 16, 31, 48, 49, 80):
+    for k, n in ((576, 197), (13, 70), (1536, 576), (576, 4099)):
+        w = rng.standard_normal((n, k + 5)).astype(np.float32)[:, 2 : k + 2]  # ldb > k
+        a = rng.standard_normal((m, k + 3)).astype(np.float32)[:, 1 : k + 1]  # lda > k
+        cases.append((mx.array(a) @ mx.array(w).T, a @ w.T))
+        wt = np.ascontiguousarray(w.T)  # b stored (k x n), as attention's values are
+        cases.append((mx.array(a) @ mx.array(wt), a @ wt))
+        c0 = rng.standard_normal((m, n)).astype(np.float32)
+        cases.append((mx.addmm(mx.array(c0), mx.array(a), mx.array(w).T, alpha=0.5, beta=-1.5), -1.5 * c0 + 0.5 * (a @ w.T)))
+for got, want in cases:
+    worst = max(worst, float(np.abs(np.array(got) - want).max() / (np.abs(want).max() + 1e-6)))
+print(json.dumps({"forwarding": gemv_forwarding(), "skinny": skinny_kernel(), "worst": worst}))
 """
 
 
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
 @pytest.mark.parametrize("library", ["blis", "openblas"])
-def test_one_row_gemv_forwarding_computes_what_gemm_does(library):
-    """With the forwarder preloaded in front of each installed BLAS, one-row products
-    (both weight layouts, a strided row, alpha/beta) equal NumPy's; two rows stay GEMM."""
+@pytest.mark.parametrize("kernel", ["skinny", "gemv"])
+def test_forwarded_products_compute_what_gemm_does(library, kernel):
+    """With the forwarder preloaded in front of each installed BLAS, products of one and
+    of a few rows (both weight layouts, strided rows and weights, every tile remainder,
+    alpha/beta) equal NumPy's, through its own kernel and with the kernel off (one-row
+    products then go to the library's GEMV)."""
     import json
     import os
     import subprocess
@@ -126,12 +152,18 @@ def test_one_row_gemv_forwarding_computes_what_gemm_does(library):
         pytest.fail(f"{library} is not installed: .ci/run installs both libraries")
     choice = P.choose_blas(library)
     assert choice.forwarder is not None, "the forwarder did not build (no C compiler?)"
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("SPECSTREAM_SKINNY")}
     env.update(choice.env())
-    out = subprocess.run([sys.executable, "-c", GEMV_CHECK], env=env, capture_output=True, text=True, timeout=120)
+    if kernel == "gemv":
+        env["SPECSTREAM_SKINNY_ROWS"] = "0"
+    out = subprocess.run([sys.executable, "-c", GEMV_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["forwarding"] is True and res["worst"] < 1e-5, res
+    if kernel == "gemv" or not _cpu_has_avx2_fma():
+        assert res["skinny"] is None, res
+    else:
+        assert res["skinny"] is not None and res["skinny"][0] >= 16 and res["skinny"][1] >= 1, res
 
 
 _IN_PROCESS = """

@@ -220,11 +220,12 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9) -
 class SweepConfig:
     library: str  # a key of platform_info.LIBRARIES
     threads: int
-    gemv: bool = False  # the one-row forwarder in front (platform_info.gemv_forwarder)
+    gemv: bool = False  # the forwarder in front, one-row products to GEMV (platform_info.gemv_forwarder)
+    skinny: bool = False  # the forwarder in front with its skinny-product kernel on
 
     @property
     def label(self) -> str:
-        return f"{self.library}:{self.threads}" + ("+gemv" if self.gemv else "")
+        return f"{self.library}:{self.threads}" + ("+skinny" if self.skinny else "+gemv" if self.gemv else "")
 
 
 @dataclass
@@ -244,11 +245,11 @@ class SweepResult:
 
 def _child(models: Sequence[str], rows: Sequence[int], reps: int) -> dict:
     """In a process with one BLAS preloaded: products and passes of each model."""
-    from ..platform_info import blas_in_use, blas_threads, blas_version, gemv_forwarding
+    from ..platform_info import blas_in_use, blas_threads, blas_version, forwarder_words
     from ..runtime.loaded_model import load
 
     res = {"blas": blas_in_use(), "version": blas_version(), "threads": blas_threads(), "models": {}}
-    res["gemv"] = gemv_forwarding()
+    res["forwarder"] = forwarder_words()
     for name in models:
         m, _ = load(name, warn=False)
         res["models"][name] = {
@@ -273,11 +274,18 @@ def run_sweep(
 
     envs = {}
     for c in configs:
-        choice = choose_blas(f"{c.library}:{c.threads}", gemv=c.gemv)  # raises for a library not installed
-        if c.gemv and choice.forwarder is None:
-            raise RuntimeError(f"{c.label}: the one-row forwarder cannot be built here (no C compiler?)")
-        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",) and not k.endswith("_NUM_THREADS")}
+        forward = c.gemv or c.skinny
+        choice = choose_blas(f"{c.library}:{c.threads}", gemv=forward)  # raises for a library not installed
+        if forward and choice.forwarder is None:
+            raise RuntimeError(f"{c.label}: the forwarder cannot be built here (no C compiler?)")
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k != "LD_PRELOAD" and not k.endswith("_NUM_THREADS") and not k.startswith("SPECSTREAM_SKINNY")
+        }
         env.update(choice.env())
+        if not c.skinny:
+            env["SPECSTREAM_SKINNY_ROWS"] = "0"
         env.update({lib.threads_env: str(c.threads) for lib in LIBRARIES.values()})
         env["OMP_NUM_THREADS"] = str(c.threads)
         envs[c.label] = env
@@ -309,8 +317,8 @@ def run_sweep(
         settings={"rounds": rounds, "reps": reps, "rows": list(rows), "context": CONTEXT},
     )
     for label, runs in raw.items():
-        res.versions[label] = f"{runs[0]['blas']} {runs[0]['version']}, {runs[0]['threads']} threads" + (
-            ", one-row products as GEMV" if runs[0].get("gemv") else ""
+        res.versions[label] = f"{runs[0]['blas']} {runs[0]['version']}, {runs[0]['threads']} threads" + runs[0].get(
+            "forwarder", ""
         )
         for kind in ("products_ms", "pass_ms"):
             getattr(res, kind)[label] = {

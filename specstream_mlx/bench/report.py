@@ -12,7 +12,7 @@ def markdown_table(res: dict) -> str:
         f"({m['device']}), BLAS: {m['blas']}"
         + (f" {m['blas_version']}" if m.get("blas_version") else "")
         + (f", {m['blas_threads']} threads" if m.get("blas_threads") else "")
-        + (", one-row products as GEMV" if m.get("blas_gemv_forwarding") else "")
+        + (f", {m['blas_forwarder']}" if m.get("blas_forwarder") else "")
         + (f"; ss passes {res['settings']['ss_passes'].get('greedy')}" if res["settings"].get("ss_passes") else "")
         + f"; {res['settings']['prompts']} "
         + (f"{res['settings']['prompt_set']} " if res["settings"].get("prompt_set") else "")

@@ -429,6 +429,7 @@ def run_bench(
                 "blas_version",
                 "blas_threads",
                 "blas_gemv_forwarding",
+                "blas_forwarder",
             )
         },
         "model": str(path.name),

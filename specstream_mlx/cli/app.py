@@ -619,9 +619,10 @@ def bench(
 @app.command("bench-blas")
 def bench_blas(
     libraries: str = typer.Option(
-        "blis:1,blis:2,openblas:1,openblas:2,blis:1+gemv,openblas:2+gemv",
+        "blis:1,blis:2,openblas:1,openblas:2,openblas:2+gemv,openblas:2+skinny,blis:1+skinny",
         "--libraries",
-        help="LIBRARY:THREADS[+gemv] list to time (installed ones; +gemv: one-row products forwarded to GEMV).",
+        help="LIBRARY:THREADS[+gemv|+skinny] list to time (installed ones; +gemv: one-row products forwarded to "
+        "GEMV; +skinny: products of a few rows by the forwarder's own kernel).",
     ),
     models: str = typer.Option("smollm2,demo-sql,demo-chat", "--models", help="Models whose shapes are timed."),
     rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds (each configuration once per round)."),
@@ -636,11 +637,13 @@ def bench_blas(
 
     configs = []
     for item in (x.strip() for x in libraries.split(",") if x.strip()):
-        spec, gemv = (item[: -len("+gemv")], True) if item.endswith("+gemv") else (item, False)
+        spec, _, extra = item.partition("+")
         name, _, threads = spec.partition(":")
-        if name not in LIBRARIES or not threads.isdigit() or int(threads) < 1:
-            _err(f"--libraries: {item!r} is not LIBRARY:THREADS[+gemv] with LIBRARY one of {', '.join(LIBRARIES)}")
-        configs.append(SweepConfig(name, int(threads), gemv))
+        if name not in LIBRARIES or not threads.isdigit() or int(threads) < 1 or extra not in ("", "gemv", "skinny"):
+            _err(
+                f"--libraries: {item!r} is not LIBRARY:THREADS[+gemv|+skinny] with LIBRARY one of {', '.join(LIBRARIES)}"
+            )
+        configs.append(SweepConfig(name, int(threads), gemv=extra == "gemv", skinny=extra == "skinny"))
     if rounds < 1 or reps < 1:
         _err("--rounds and --reps must be at least 1")
     try:

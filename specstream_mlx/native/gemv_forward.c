@@ -1,20 +1,50 @@
-/* One-row matrix products as matrix-vector products.
+/* Skinny matrix products: a few rows times a weight, at the memory bandwidth.
  *
- * MLX's CPU backend computes every matrix product with cblas_sgemm, also the one-row
- * products of a decoding step (x (1 x k) times a weight). Debian's OpenBLAS 0.3.21 and
- * BLIS 0.9 run that case through their general GEMM path, which streams the weight
- * well below the memory bandwidth; their cblas_sgemv reads it at close to the
- * bandwidth (bench/blas.md). Preloaded before the BLAS, this library takes
- * cblas_sgemm, forwards row-major calls with m == 1 to the next library's cblas_sgemv
- * and every other call to the next library's cblas_sgemm unchanged.
+ * MLX's CPU backend computes every matrix product with cblas_sgemm, also the products of
+ * a decoding step (1 row times a weight) and of a speculative tree pass (2-40 rows).
+ * Debian's OpenBLAS 0.3.21 and BLIS 0.9 run those through their general GEMM path, which
+ * packs the weight and streams it well below the memory bandwidth (bench/blas.md): at 8
+ * rows a SmolLM2 step's products took 64-74 ms against a 15-17 ms floor.
+ *
+ * Preloaded before the BLAS, this library takes cblas_sgemm. A row-major product of
+ * m <= SKINNY_MAX_ROWS rows by a weight stored (n x k) -- what a linear layer is, b
+ * transposed -- runs here: every weight row is read once from memory and dotted with all
+ * m rows of a while it sits in the L1 cache, so m rows cost about what one costs until
+ * the arithmetic (m FMAs per weight) catches up with the reads. The n outputs are split
+ * between a small pool of threads that spin briefly between products (a step issues
+ * ~200 of them back to back) and then sleep. Other one-row products go to the next
+ * library's cblas_sgemv, every other call to its cblas_sgemm unchanged, as does every
+ * call on a CPU without AVX2 and FMA.
+ *
+ * Settings (read once): SPECSTREAM_SKINNY_THREADS (default: the online CPUs, at most 8),
+ * SPECSTREAM_SKINNY_ROWS (default SKINNY_MAX_ROWS; 0 turns the kernel off).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#else
+#define HAVE_X86 0
+#endif
 
 enum { ROW_MAJOR = 101 };
 enum { NO_TRANS = 111, TRANS = 112 };
+enum { SKINNY_MAX_ROWS = 48, MAX_THREADS = 8 };
+/* Products smaller than this many weight elements run on the calling thread alone:
+ * waking the pool costs more than it saves (attention's per-head products). */
+enum { PARALLEL_MIN_WEIGHTS = 64 * 1024 };
+/* Outputs per work item: threads take items from a shared counter. */
+enum { ITEM_ROWS = 64 };
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
                          float *, int);
@@ -38,10 +68,275 @@ static void *next_symbol(const char *name) {
       f = dlsym(h, name);
   }
   if (!f) {
-    fprintf(stderr, "specstream-mlx: the one-row forwarder found no %s to forward to\n", name);
+    fprintf(stderr, "specstream-mlx: the product forwarder found no %s to forward to\n", name);
     abort();
   }
   return f;
+}
+
+/* ---- the kernel --------------------------------------------------------------------- */
+
+/* One product: c[i, j] = alpha * sum_k a[i, k] * b'[k, j] + beta * c[i, j], where b' is
+ * b[j, k] (trans_b: a weight stored (n x k), a linear layer) or b[k, j] (attention's
+ * probabilities times values). */
+typedef struct {
+  int trans_b;
+  int m, n, k, lda, ldb, ldc;
+  float alpha, beta;
+  const float *a, *b;
+  float *c;
+} product_t;
+
+#if HAVE_X86
+__attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+static inline void store(const product_t *p, int i, int j, float v) {
+  float *dst = p->c + (size_t)i * p->ldc + j;
+  *dst = p->beta == 0.0f ? p->alpha * v : p->alpha * v + p->beta * *dst; /* beta 0: c may be garbage */
+}
+
+/* Rows i0..i0+mr-1 of a against weight rows j0..j0+nr-1: mr*nr accumulators of 8 lanes,
+ * the weight vectors loaded once per step for all rows. Always inlined with constant
+ * mr and nr, so the accumulators live in registers. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void tile(const product_t *p, int i0, int j0,
+                                                                          const int mr, const int nr) {
+  __m256 acc[4][4];
+  const float *ar[4], *br[4];
+  for (int r = 0; r < mr; r++) {
+    ar[r] = p->a + (size_t)(i0 + r) * p->lda;
+    for (int s = 0; s < nr; s++)
+      acc[r][s] = _mm256_setzero_ps();
+  }
+  for (int s = 0; s < nr; s++)
+    br[s] = p->b + (size_t)(j0 + s) * p->ldb;
+  int k8 = p->k & ~7, kk = 0;
+  for (; kk < k8; kk += 8) {
+    __m256 bv[4];
+    for (int s = 0; s < nr; s++)
+      bv[s] = _mm256_loadu_ps(br[s] + kk);
+    for (int r = 0; r < mr; r++) {
+      __m256 av = _mm256_loadu_ps(ar[r] + kk);
+      for (int s = 0; s < nr; s++)
+        acc[r][s] = _mm256_fmadd_ps(av, bv[s], acc[r][s]);
+    }
+  }
+  for (int r = 0; r < mr; r++)
+    for (int s = 0; s < nr; s++) {
+      float v = hsum(acc[r][s]);
+      for (int t = kk; t < p->k; t++)
+        v += ar[r][t] * br[s][t];
+      store(p, i0 + r, j0 + s, v);
+    }
+}
+
+/* Tiles of 3 rows x 4 weight rows: measured fastest of 2x4, 3x4, 4x3 and 4x2 at 1-32 rows
+ * on SmolLM2's shapes (12 accumulators + 4 weight vectors: the 16 AVX registers, one
+ * spilled row vector, which L1 serves). */
+enum { MR = 3, NR = 4 };
+
+__attribute__((target("avx2,fma"))) static void rows_of(const product_t *p, int j, const int nr) {
+  int i = 0;
+  for (; i + MR <= p->m; i += MR)
+    tile(p, i, j, MR, nr);
+  switch (p->m - i) {
+  case 3: tile(p, i, j, 3, nr); break;
+  case 2: tile(p, i, j, 2, nr); break;
+  case 1: tile(p, i, j, 1, nr); break;
+  }
+}
+
+__attribute__((target("avx2,fma"))) static void rows_nr(const product_t *p, int j) { rows_of(p, j, NR); }
+__attribute__((target("avx2,fma"))) static void rows_1(const product_t *p, int j) { rows_of(p, j, 1); }
+
+/* b stored (k x n): rows i0..i0+mr-1 times columns j0..j0+8*nv-1, each column block a
+ * vector accumulator, every a value broadcast (mr*nv accumulators + nv b vectors). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void tile_kn(const product_t *p, int i0, int j0,
+                                                                             const int mr, const int nv) {
+  __m256 acc[2][4];
+  for (int r = 0; r < mr; r++)
+    for (int s = 0; s < nv; s++)
+      acc[r][s] = _mm256_setzero_ps();
+  for (int kk = 0; kk < p->k; kk++) {
+    const float *brow = p->b + (size_t)kk * p->ldb + j0;
+    __m256 bv[4];
+    for (int s = 0; s < nv; s++)
+      bv[s] = _mm256_loadu_ps(brow + 8 * s);
+    for (int r = 0; r < mr; r++) {
+      __m256 av = _mm256_broadcast_ss(p->a + (size_t)(i0 + r) * p->lda + kk);
+      for (int s = 0; s < nv; s++)
+        acc[r][s] = _mm256_fmadd_ps(av, bv[s], acc[r][s]);
+    }
+  }
+  float out[8];
+  for (int r = 0; r < mr; r++)
+    for (int s = 0; s < nv; s++) {
+      _mm256_storeu_ps(out, acc[r][s]);
+      for (int t = 0; t < 8; t++)
+        store(p, i0 + r, j0 + 8 * s + t, out[t]);
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void kn_block(const product_t *p, int j, const int nv) {
+  int i = 0;
+  for (; i + 2 <= p->m; i += 2)
+    tile_kn(p, i, j, 2, nv);
+  if (i < p->m)
+    tile_kn(p, i, j, 1, nv);
+}
+
+__attribute__((target("avx2,fma"))) static void kn_block4(const product_t *p, int j) { kn_block(p, j, 4); }
+__attribute__((target("avx2,fma"))) static void kn_block1(const product_t *p, int j) { kn_block(p, j, 1); }
+
+/* Output columns [j0, j1) for every row of a. */
+static void product_columns(const product_t *p, int j0, int j1) {
+  int j = j0;
+  if (p->trans_b) {
+    for (; j + NR <= j1; j += NR)
+      rows_nr(p, j);
+    for (; j < j1; j++)
+      rows_1(p, j);
+    return;
+  }
+  for (; j + 32 <= j1; j += 32)
+    kn_block4(p, j);
+  for (; j + 8 <= j1; j += 8)
+    kn_block1(p, j);
+  for (; j < j1; j++) /* the last columns, one at a time */
+    for (int i = 0; i < p->m; i++) {
+      float v = 0.0f;
+      for (int kk = 0; kk < p->k; kk++)
+        v += p->a[(size_t)i * p->lda + kk] * p->b[(size_t)kk * p->ldb + j];
+      store(p, i, j, v);
+    }
+}
+
+/* ---- the thread pool ---------------------------------------------------------------- */
+
+static struct {
+  pthread_mutex_t lock; /* one product at a time; a second caller computes alone */
+  int threads;
+  const product_t *job;
+  atomic_int generation; /* bumped for every product; workers wait on it */
+  atomic_int next_item;  /* work items handed out */
+  atomic_int busy;       /* workers still on the current product */
+  int items;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static long futex(atomic_int *addr, int op, int val) { return syscall(SYS_futex, addr, op, val, NULL, NULL, 0); }
+
+static double now_us(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1e6 + t.tv_nsec * 1e-3;
+}
+
+static void run_items(const product_t *p) {
+  for (;;) {
+    int it = atomic_fetch_add(&pool.next_item, 1);
+    if (it >= pool.items)
+      return;
+    int j0 = it * ITEM_ROWS, j1 = j0 + ITEM_ROWS < p->n ? j0 + ITEM_ROWS : p->n;
+    product_columns(p, j0, j1);
+  }
+}
+
+static void *worker(void *arg) {
+  (void)arg;
+  int seen = 0;
+  for (;;) {
+    /* Spin ~200 us for the next product (a decoding step issues them back to back),
+     * then sleep until woken. */
+    double t0 = now_us();
+    int g;
+    while ((g = atomic_load(&pool.generation)) == seen) {
+      for (int s = 0; s < 64; s++)
+        _mm_pause();
+      if (now_us() - t0 > 200.0) {
+        futex(&pool.generation, FUTEX_WAIT_PRIVATE, seen);
+        t0 = now_us();
+      }
+    }
+    seen = g;
+    run_items(pool.job);
+    atomic_fetch_sub(&pool.busy, 1);
+  }
+  return NULL;
+}
+
+static int skinny_rows = -1; /* -1: settings not read yet */
+
+static void setup(void) {
+  const char *rows = getenv("SPECSTREAM_SKINNY_ROWS");
+  int want_rows = rows ? atoi(rows) : SKINNY_MAX_ROWS;
+  if (want_rows > SKINNY_MAX_ROWS)
+    want_rows = SKINNY_MAX_ROWS;
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
+    want_rows = 0;
+  const char *th = getenv("SPECSTREAM_SKINNY_THREADS");
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  int threads = th ? atoi(th) : (int)(cpus > 0 ? cpus : 1);
+  if (threads < 1)
+    threads = 1;
+  if (threads > MAX_THREADS)
+    threads = MAX_THREADS;
+  pool.threads = 1;
+  for (int t = 1; t < threads && want_rows > 0; t++) {
+    pthread_t id;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&id, &attr, worker, NULL) == 0)
+      pool.threads++;
+    pthread_attr_destroy(&attr);
+  }
+  skinny_rows = want_rows;
+}
+
+static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
+
+static void skinny_product(const product_t *p) {
+  int items = (p->n + ITEM_ROWS - 1) / ITEM_ROWS;
+  if (pool.threads == 1 || items < 2 || (long)p->n * p->k < PARALLEL_MIN_WEIGHTS ||
+      pthread_mutex_trylock(&pool.lock) != 0) {
+    product_columns(p, 0, p->n);
+    return;
+  }
+  pool.job = p;
+  pool.items = items;
+  atomic_store(&pool.next_item, 0);
+  atomic_store(&pool.busy, pool.threads - 1);
+  atomic_fetch_add(&pool.generation, 1);
+  futex(&pool.generation, FUTEX_WAKE_PRIVATE, pool.threads - 1);
+  run_items(p);
+  while (atomic_load(&pool.busy) > 0)
+    _mm_pause();
+  pthread_mutex_unlock(&pool.lock);
+}
+#endif /* HAVE_X86 */
+
+/* Reports the most rows the kernel takes (0: off), for `specstream-mlx doctor`. */
+int specstream_skinny_rows(void) {
+#if HAVE_X86
+  pthread_once(&setup_once, setup);
+  return skinny_rows;
+#else
+  return 0;
+#endif
+}
+
+/* Reports the kernel's thread count, for `specstream-mlx doctor`. */
+int specstream_skinny_threads(void) {
+#if HAVE_X86
+  pthread_once(&setup_once, setup);
+  return skinny_rows > 0 ? pool.threads : 0;
+#else
+  return 0;
+#endif
 }
 
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
@@ -50,6 +345,14 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
     next_sgemv = (sgemv_fn)next_symbol("cblas_sgemv");
     next_sgemm = (sgemm_fn)next_symbol("cblas_sgemm");
   }
+#if HAVE_X86
+  if (order == ROW_MAJOR && ta == NO_TRANS && (tb == TRANS || tb == NO_TRANS) && m >= 1 && k >= 1 && n >= 1 &&
+      m <= specstream_skinny_rows()) {
+    product_t p = {tb == TRANS, m, n, k, lda, ldb, ldc, alpha, beta, a, b, c};
+    skinny_product(&p);
+    return;
+  }
+#endif
   if (order == ROW_MAJOR && m == 1 && next_sgemv) {
     /* a is one row: contiguous (no transpose), or one column of a (k x 1) with stride lda. */
     int inc_a = ta == NO_TRANS ? 1 : lda;

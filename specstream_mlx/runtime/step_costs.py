@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..io.files import cache_root
-from ..platform_info import blas_in_use, gemv_forwarding
+from ..platform_info import blas_in_use, forwarder_words
 
 Arm = Tuple[int, int]  # (budget, hosting mode)
 
@@ -163,7 +163,7 @@ def model_key(model, streams, kind: str, compiled: bool) -> str:
         streams.config.stream_layers,
         str(mx.default_device()),
         blas_in_use(),
-        "gemv" if gemv_forwarding() else "gemm",  # one-row products: the plain step's speed
+        forwarder_words(),  # the forwarder and its kernel set the plain step's and the passes' speed
         str(model.model.norm.weight.dtype),
         "quantized" if "Quantized" in str(type(model.layers[0].mlp.down_proj)) else "float",
         "compiled" if compiled else "eager",
