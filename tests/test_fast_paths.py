@@ -118,7 +118,8 @@ for m in (2, 3, 4, 5, 7, 9, 13, 16, 31, 48, 49, 80):
         wt = np.ascontiguousarray(w.T)  # b stored (k x n), as attention's values are
         cases.append((mx.array(a) @ mx.array(wt), a @ wt))
         c0 = rng.standard_normal((m, n)).astype(np.float32)
-        cases.append((mx.addmm(mx.array(c0), mx.array(a), mx.array(w).T, alpha=0.5, beta=-1.5), -1.5 * c0 + 0.5 * (a @ w.T)))
+        got = mx.addmm(mx.array(c0), mx.array(a), mx.array(w).T, alpha=0.5, beta=-1.5)
+        cases.append((got, -1.5 * c0 + 0.5 * (a @ w.T)))
 for got, want in cases:
     worst = max(worst, float(np.abs(np.array(got) - want).max() / (np.abs(want).max() + 1e-6)))
 print(json.dumps({"forwarding": gemv_forwarding(), "skinny": skinny_kernel(), "worst": worst}))

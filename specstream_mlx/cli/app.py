@@ -641,7 +641,8 @@ def bench_blas(
         name, _, threads = spec.partition(":")
         if name not in LIBRARIES or not threads.isdigit() or int(threads) < 1 or extra not in ("", "gemv", "skinny"):
             _err(
-                f"--libraries: {item!r} is not LIBRARY:THREADS[+gemv|+skinny] with LIBRARY one of {', '.join(LIBRARIES)}"
+                f"--libraries: {item!r} is not LIBRARY:THREADS[+gemv|+skinny] "
+                f"with LIBRARY one of {', '.join(LIBRARIES)}"
             )
         configs.append(SweepConfig(name, int(threads), gemv=extra == "gemv", skinny=extra == "skinny"))
     if rounds < 1 or reps < 1:
