@@ -23,6 +23,7 @@
 #include <dlfcn.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,7 +40,7 @@
 
 enum { ROW_MAJOR = 101 };
 enum { NO_TRANS = 111, TRANS = 112 };
-enum { SKINNY_MAX_ROWS = 48, MAX_THREADS = 8 };
+enum { SKINNY_MAX_ROWS = 32, MAX_THREADS = 8 };
 /* Products smaller than this many weight elements run on the calling thread alone:
  * waking the pool costs more than it saves (attention's per-head products). */
 enum { PARALLEL_MIN_WEIGHTS = 64 * 1024 };
@@ -100,6 +101,9 @@ static inline void store(const product_t *p, int i, int j, float v) {
   *dst = p->beta == 0.0f ? p->alpha * v : p->alpha * v + p->beta * *dst; /* beta 0: c may be garbage */
 }
 
+#ifndef PREFETCH
+#define PREFETCH 4
+#endif
 /* Rows i0..i0+mr-1 of a against weight rows j0..j0+nr-1: mr*nr accumulators of 8 lanes,
  * the weight vectors loaded once per step for all rows. Always inlined with constant
  * mr and nr, so the accumulators live in registers. */
@@ -117,8 +121,11 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void tile(const
   int k8 = p->k & ~7, kk = 0;
   for (; kk < k8; kk += 8) {
     __m256 bv[4];
-    for (int s = 0; s < nr; s++)
+    for (int s = 0; s < nr; s++) {
       bv[s] = _mm256_loadu_ps(br[s] + kk);
+      if (PREFETCH)
+        _mm_prefetch((const char *)(br[s] + kk + PREFETCH * p->ldb), _MM_HINT_T0);
+    }
     for (int r = 0; r < mr; r++) {
       __m256 av = _mm256_loadu_ps(ar[r] + kk);
       for (int s = 0; s < nr; s++)
@@ -254,8 +261,10 @@ static void *worker(void *arg) {
     double t0 = now_us();
     int g;
     while ((g = atomic_load(&pool.generation)) == seen) {
-      for (int s = 0; s < 64; s++)
-        _mm_pause();
+      /* Yield, not pause: on a machine with as many cores as busy threads, the thread
+       * that will issue the next product (or the host building the next step) needs
+       * this core more than the wait does. */
+      sched_yield();
       if (now_us() - t0 > 200.0) {
         futex(&pool.generation, FUTEX_WAIT_PRIVATE, seen);
         t0 = now_us();
