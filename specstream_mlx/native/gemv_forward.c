@@ -23,7 +23,6 @@
 #include <dlfcn.h>
 #include <linux/futex.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,7 +42,10 @@ enum { NO_TRANS = 111, TRANS = 112 };
 enum { SKINNY_MAX_ROWS = 32, MAX_THREADS = 8 };
 /* Products smaller than this many weight elements run on the calling thread alone:
  * waking the pool costs more than it saves (attention's per-head products). */
-enum { PARALLEL_MIN_WEIGHTS = 64 * 1024 };
+enum { PARALLEL_MIN_WEIGHTS = 256 * 1024 };
+#ifndef SPIN_US
+#define SPIN_US 50.0
+#endif
 /* Outputs per work item: threads take items from a shared counter. */
 enum { ITEM_ROWS = 64 };
 
@@ -256,16 +258,15 @@ static void *worker(void *arg) {
   (void)arg;
   int seen = 0;
   for (;;) {
-    /* Spin ~200 us for the next product (a decoding step issues them back to back),
-     * then sleep until woken. */
+    /* Spin briefly for the next product (a decoding step issues them back to back,
+     * some tens of microseconds apart), then sleep until woken: a longer spin takes
+     * the core from the thread that builds the next step. */
     double t0 = now_us();
     int g;
     while ((g = atomic_load(&pool.generation)) == seen) {
-      /* Yield, not pause: on a machine with as many cores as busy threads, the thread
-       * that will issue the next product (or the host building the next step) needs
-       * this core more than the wait does. */
-      sched_yield();
-      if (now_us() - t0 > 200.0) {
+      for (int s = 0; s < 16; s++)
+        _mm_pause();
+      if (now_us() - t0 > SPIN_US) {
         futex(&pool.generation, FUTEX_WAIT_PRIVATE, seen);
         t0 = now_us();
       }
