@@ -384,7 +384,7 @@ def forwarder_words() -> str:
     skinny = skinny_kernel()
     if skinny is None:
         return ", one-row products as GEMV"
-    return f", products of <= {skinny[0]} rows by the skinny kernel ({skinny[1]} threads)"
+    return f", one-row products as GEMV, 2-{skinny[0]} rows by the skinny kernel ({skinny[1]} threads)"
 
 
 def blas_words() -> str:

@@ -167,6 +167,51 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
         assert res["skinny"] is not None and res["skinny"][0] >= 16 and res["skinny"][1] >= 1, res
 
 
+FORK_CHECK = r"""
+import ctypes, os
+import numpy as np
+# MLX itself does not survive a fork (its stream threads stay behind), so the products
+# are called through the preloaded cblas_sgemm directly, as MLX calls it.
+sgemm = ctypes.CDLL(None).cblas_sgemm
+P = ctypes.POINTER(ctypes.c_float)
+w = np.random.default_rng(0).standard_normal((4096, 576)).astype(np.float32)
+x = np.ones((3, 576), np.float32)
+
+
+def product():
+    c = np.zeros((3, 4096), np.float32)
+    f, i = ctypes.c_float, ctypes.c_int
+    sgemm(i(101), i(111), i(112), i(3), i(4096), i(576), f(1.0), x.ctypes.data_as(P), i(576),
+          w.ctypes.data_as(P), i(576), f(0.0), c.ctypes.data_as(P), i(4096))
+    return float(np.abs(c - x @ w.T).max())
+
+
+assert product() < 1e-3  # the pool's workers start in this process
+pid = os.fork()
+if pid == 0:  # the child has no workers: its products must still finish, and be right
+    os._exit(0 if product() < 1e-3 else 3)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_forwarded_products_in_a_forked_child():
+    """A child forked after the kernel's threads started has none of them; its products
+    run on its own thread instead of waiting forever for workers that do not exist."""
+    import os
+    import subprocess
+    import sys
+
+    from specstream_mlx import platform_info as P
+
+    choice = P.choose_blas("openblas")
+    assert choice.forwarder is not None, "the forwarder did not build (no C compiler?)"
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("SPECSTREAM_SKINNY")}
+    env.update(choice.env())
+    out = subprocess.run([sys.executable, "-c", FORK_CHECK], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "0", (out.stdout, out.stderr)
+
+
 _IN_PROCESS = """
 import sys
 if sys.argv[1] == "mlx-first":

@@ -7,17 +7,17 @@
  * rows a SmolLM2 step's products took 64-74 ms against a 15-17 ms floor.
  *
  * Preloaded before the BLAS, this library takes cblas_sgemm. A row-major product of
- * m <= SKINNY_MAX_ROWS rows by a weight stored (n x k) -- what a linear layer is, b
- * transposed -- runs here: every weight row is read once from memory and dotted with all
- * m rows of a while it sits in the L1 cache, so m rows cost about what one costs until
+ * 2 <= m <= SKINNY_MAX_ROWS rows by a weight stored (n x k) -- a linear layer, b
+ * transposed -- or (k x n) -- attention's values -- runs here: every weight row is read
+ * once from memory and used for all m rows of a while it sits in the L1 cache, so m rows cost about what one costs until
  * the arithmetic (m FMAs per weight) catches up with the reads. The n outputs are split
  * between a small pool of threads that spin briefly between products (a step issues
- * ~200 of them back to back) and then sleep. Other one-row products go to the next
- * library's cblas_sgemv, every other call to its cblas_sgemm unchanged, as does every
- * call on a CPU without AVX2 and FMA.
+ * ~200 of them back to back) and then sleep. One-row products go to the next library's
+ * cblas_sgemv, every other call to its cblas_sgemm unchanged, as does every call on a
+ * CPU without AVX2 and FMA.
  *
  * Settings (read once): SPECSTREAM_SKINNY_THREADS (default: the online CPUs, at most 8),
- * SPECSTREAM_SKINNY_ROWS (default SKINNY_MAX_ROWS; 0 turns the kernel off).
+ * SPECSTREAM_SKINNY_ROWS (default SKINNY_MAX_ROWS; 0 or 1 turns the kernel off).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -280,9 +280,19 @@ static void *worker(void *arg) {
 
 static int skinny_rows = -1; /* -1: settings not read yet */
 
+/* A forked child has none of the workers: it computes alone (its products are correct,
+ * just not parallel), and a lock held at the fork is not held in it. */
+static void child_after_fork(void) {
+  pool.threads = 1;
+  pthread_mutex_init(&pool.lock, NULL);
+}
+
 static void setup(void) {
+  pthread_atfork(NULL, NULL, child_after_fork);
   const char *rows = getenv("SPECSTREAM_SKINNY_ROWS");
   int want_rows = rows ? atoi(rows) : SKINNY_MAX_ROWS;
+  if (want_rows < 2) /* one row is never the kernel's: 0 and 1 both mean off */
+    want_rows = 0;
   if (want_rows > SKINNY_MAX_ROWS)
     want_rows = SKINNY_MAX_ROWS;
   if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
@@ -356,7 +366,9 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
     next_sgemm = (sgemm_fn)next_symbol("cblas_sgemm");
   }
 #if HAVE_X86
-  if (order == ROW_MAJOR && ta == NO_TRANS && (tb == TRANS || tb == NO_TRANS) && m >= 1 && k >= 1 && n >= 1 &&
+  /* One row goes to the library's GEMV: Debian's OpenBLAS streams it as fast on two
+   * threads, and with less per-call overhead (bench/blas.md). */
+  if (order == ROW_MAJOR && ta == NO_TRANS && (tb == TRANS || tb == NO_TRANS) && m >= 2 && k >= 1 && n >= 1 &&
       m <= specstream_skinny_rows()) {
     product_t p = {tb == TRANS, m, n, k, lda, ldb, ldc, alpha, beta, a, b, c};
     skinny_product(&p);
