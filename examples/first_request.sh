@@ -17,12 +17,18 @@ from specstream_mlx.io.loading import resolve_model_path
 rows = load_bench_prompts(resolve_model_path('$model'), $n)
 print(json.dumps([r['prompt'] if isinstance(r['prompt'], str) else r['prompt'][-1]['content'] for r in rows]))")
 out=$(mktemp -d)
+cache=$("$PWD/.venv/bin/python" -c "from specstream_mlx.settings import current; print(current().cache_dir)")
 for i in $(seq 0 $((n - 1))); do
   prompt=$(echo "$prompts" | "$PWD/.venv/bin/python" -c "import json,sys; print(json.load(sys.stdin)[$i])")
   order="ss ar"; [ $((i % 2)) = 1 ] && order="ar ss"
   for mode in $order; do
-    store=$(mktemp -d)  # an empty cost store: what a first process has
-    SPECSTREAM_CACHE_DIR=$store "$cli" generate --model "$model" --mode "$mode" --tree auto --temp 0 \
+    # The user cache without its learned step costs: what a first process has (the
+    # converted models and the compiled forwarder are linked in, not rebuilt).
+    store=$(mktemp -d)
+    for entry in "$cache"/*; do
+      [ "$(basename "$entry")" = step_costs.json ] || ln -s "$entry" "$store/"
+    done
+    SPECSTREAM_MLX_CACHE=$store "$cli" generate --model "$model" --mode "$mode" --tree auto --temp 0 \
       -m "$max" --prompt "$prompt" --json > "$out/$mode-$i.json" 2>/dev/null
     rm -rf "$store"
   done

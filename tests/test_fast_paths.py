@@ -168,7 +168,7 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
 
 
 FORK_CHECK = r"""
-import ctypes, os
+import ctypes, os, time
 import numpy as np
 # MLX itself does not survive a fork (its stream threads stay behind), so the products
 # are called through the preloaded cblas_sgemm directly, as MLX calls it.
@@ -190,8 +190,16 @@ assert product() < 1e-3  # the pool's workers start in this process
 pid = os.fork()
 if pid == 0:  # the child has no workers: its products must still finish, and be right
     os._exit(0 if product() < 1e-3 else 3)
-_, status = os.waitpid(pid, 0)
-print(os.waitstatus_to_exitcode(status))
+for _ in range(300):  # 30 s; a child that hangs is killed, never left spinning
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print(os.waitstatus_to_exitcode(status))
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    print("hung")
 """
 
 
