@@ -17,20 +17,18 @@ the CLI then re-executes itself with ``LD_PRELOAD`` set (:func:`maybe_reexec_wit
 
 MLX multiplies even one row by a weight with ``cblas_sgemm``, which these
 libraries run through their general GEMM path, well below the memory bandwidth, also
-at the 2-48 rows of a speculative tree pass. A small library of our own,
+at the 2-32 rows of a speculative tree pass. A small library of our own,
 ``native/gemv_forward.c`` (compiled once with the system C compiler into the user
-cache, :func:`gemv_forwarder`), is preloaded in front of the BLAS: products of a few
+cache, :func:`gemv_forwarder`), is preloaded in front of the BLAS: products of 2-32
 rows by a weight run in its own AVX2 kernel, which reads each weight once for all rows
-on a small thread pool; other one-row products go to ``cblas_sgemv``, everything else
-to the library unchanged.
+on a small thread pool; one-row products go to ``cblas_sgemv``, everything else to the
+library unchanged.
 
 Settings: ``SPECSTREAM_BLAS`` = ``openblas`` | ``blis`` |
 ``none`` | a library path, optionally ``:THREADS`` (``openblas:2``); the older
 ``SPECSTREAM_NO_OPENBLAS=1`` means ``none``. ``SPECSTREAM_BLAS_GEMV=0`` preloads the
-library without the forwarder. The forwarder's own kernel for products of a few rows
-(a tree pass's, and a plain step's) reads ``SPECSTREAM_SKINNY_ROWS`` (the most rows it
-takes; 0: off, one-row products then go to the library's GEMV) and
-``SPECSTREAM_SKINNY_THREADS``.
+library without the forwarder. The forwarder's kernel reads ``SPECSTREAM_SKINNY_ROWS``
+(the most rows it takes, default 32; 0: off) and ``SPECSTREAM_SKINNY_THREADS``.
 """
 
 from __future__ import annotations
