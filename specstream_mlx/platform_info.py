@@ -28,7 +28,8 @@ Settings: ``SPECSTREAM_BLAS`` = ``openblas`` | ``blis`` |
 ``none`` | a library path, optionally ``:THREADS`` (``openblas:2``); the older
 ``SPECSTREAM_NO_OPENBLAS=1`` means ``none``. ``SPECSTREAM_BLAS_GEMV=0`` preloads the
 library without the forwarder. The forwarder's kernel reads ``SPECSTREAM_SKINNY_ROWS``
-(the most rows it takes, default 32; 0: off) and ``SPECSTREAM_SKINNY_THREADS``.
+(the most rows it takes, default 48 with AVX-512, else 32; 0: off),
+``SPECSTREAM_SKINNY_THREADS`` and ``SPECSTREAM_SKINNY_ISA=avx2``.
 """
 
 from __future__ import annotations
@@ -364,15 +365,16 @@ def gemv_forwarding() -> bool:
     return _symbol("specstream_gemv_forward") is not None
 
 
-def skinny_kernel() -> Optional[Tuple[int, int]]:
-    """(most rows, threads) of the forwarder's own skinny-product kernel when it serves
-    this process's products, else None (not preloaded, turned off, or no AVX2/FMA)."""
-    rows, threads = _symbol("specstream_skinny_rows"), _symbol("specstream_skinny_threads")
-    if rows is None or threads is None:
+def skinny_kernel() -> Optional[Tuple[int, int, int]]:
+    """(most rows, threads, vector bits) of the forwarder's own skinny-product kernel when
+    it serves this process's products, else None (not preloaded, off, or no AVX2/FMA)."""
+    fns = [_symbol(f"specstream_skinny_{what}") for what in ("rows", "threads", "bits")]
+    if any(f is None for f in fns):
         return None
-    rows.restype = threads.restype = ctypes.c_int
-    r = int(rows())
-    return (r, int(threads())) if r > 0 else None
+    for f in fns:
+        f.restype = ctypes.c_int
+    rows, threads, bits = (int(f()) for f in fns)
+    return (rows, threads, bits) if rows > 0 else None
 
 
 def forwarder_words() -> str:
@@ -382,7 +384,8 @@ def forwarder_words() -> str:
     skinny = skinny_kernel()
     if skinny is None:
         return ", one-row products as GEMV"
-    return f", one-row products as GEMV, 2-{skinny[0]} rows by the skinny kernel ({skinny[1]} threads)"
+    isa = "AVX-512" if skinny[2] == 512 else "AVX2"
+    return f", one-row products as GEMV, 2-{skinny[0]} rows by the skinny kernel ({isa}, {skinny[1]} threads)"
 
 
 def blas_words() -> str:

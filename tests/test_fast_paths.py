@@ -110,7 +110,7 @@ for k, n in ((64, 96), (576, 192), (1536, 576), (7, 3)):
 # A few rows (a tree pass): every row-tile remainder, columns not a multiple of the tile,
 # depths not a multiple of the vector, rows and weights with a leading stride, more rows
 # than the kernel takes (GEMM), alpha/beta, and a product large enough for the pool.
-for m in (2, 3, 4, 5, 7, 9, 13, 16, 31, 32, 33, 80):
+for m in (2, 3, 4, 5, 6, 7, 9, 13, 16, 31, 32, 33, 47, 48, 49, 80):
     for k, n in ((576, 197), (13, 70), (1536, 576), (576, 4099)):
         w = rng.standard_normal((n, k + 5)).astype(np.float32)[:, 2 : k + 2]  # ldb > k
         a = rng.standard_normal((m, k + 3)).astype(np.float32)[:, 1 : k + 1]  # lda > k
@@ -126,22 +126,21 @@ print(json.dumps({"forwarding": gemv_forwarding(), "skinny": skinny_kernel(), "w
 """
 
 
-def _cpu_has_avx2_fma() -> bool:
+def _cpu_flags() -> set:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
+            return set(next((line.split() for line in f if line.startswith("flags")), []))
     except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
+        return set()
 
 
 @pytest.mark.parametrize("library", ["blis", "openblas"])
-@pytest.mark.parametrize("kernel", ["skinny", "gemv"])
+@pytest.mark.parametrize("kernel", ["avx512", "avx2", "gemv"])
 def test_forwarded_products_compute_what_gemm_does(library, kernel):
     """With the forwarder preloaded in front of each installed BLAS, products of one and
     of a few rows (both weight layouts, strided rows and weights, every tile remainder,
-    alpha/beta) equal NumPy's, through its own kernel and with the kernel off (one-row
-    products then go to the library's GEMV)."""
+    alpha/beta) equal NumPy's, through its own kernel's AVX-512 and AVX2 tiles and with
+    the kernel off (one-row products then go to the library's GEMV)."""
     import json
     import os
     import subprocess
@@ -157,14 +156,18 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
     env.update(choice.env())
     if kernel == "gemv":
         env["SPECSTREAM_SKINNY_ROWS"] = "0"
+    elif kernel == "avx2":
+        env["SPECSTREAM_SKINNY_ISA"] = "avx2"
     out = subprocess.run([sys.executable, "-c", GEMV_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["forwarding"] is True and res["worst"] < 1e-5, res
-    if kernel == "gemv" or not _cpu_has_avx2_fma():
+    flags = _cpu_flags()
+    if kernel == "gemv" or not {"avx2", "fma"} <= flags:
         assert res["skinny"] is None, res
-    else:
-        assert res["skinny"] is not None and res["skinny"][0] >= 16 and res["skinny"][1] >= 1, res
+    else:  # AVX-512 tiles where the CPU has them (and they were not declined), else AVX2
+        bits = 512 if kernel == "avx512" and "avx512f" in flags else 256
+        assert res["skinny"] is not None and res["skinny"][0] >= 32 and res["skinny"][2] == bits, res
 
 
 FORK_CHECK = r"""
