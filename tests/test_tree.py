@@ -163,6 +163,14 @@ def test_tree_specs_that_would_draft_nothing_are_refused(text, rule):
         TreeSpec("dynamic", budget=0)
 
 
+def test_suffixes_in_the_wrong_order_are_refused_with_the_right_order():
+    """`dynamic:8@1+lookup` used to say only that @M needs a positive number."""
+    with pytest.raises(ValueError, match=re.escape("+lookup goes before @M ('dynamic:8+lookup@1')")):
+        TreeSpec.parse("dynamic:8@1+lookup")
+    spec = TreeSpec.parse("dynamic:8+lookup@1")
+    assert spec.hosting == 1 and spec.lookup and spec.budget == 8
+
+
 def test_hosting_policy_buffers():
     """Endpoint probabilities, the hosting nodes, their mask rows and stream sources."""
     from specstream_mlx.method.msa import stream_sources

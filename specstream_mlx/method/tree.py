@@ -202,6 +202,9 @@ class TreeSpec:
                 m = int(count)
             except ValueError:
                 m = -1
+            if m < 1 and "+" in count:  # dynamic:8@1+lookup: the suffixes in the wrong order
+                fixed = f"{body}+{count.partition('+')[2]}@{count.partition('+')[0]}"
+                raise ValueError(f"bad tree spec {text!r}: +lookup goes before @M ({fixed!r})")
             if m < 1:
                 raise ValueError(f"bad tree spec {text!r}: @M needs a positive number of hosting nodes")
             return replace(TreeSpec.parse(body), hosting=m)
