@@ -346,6 +346,7 @@ static void child_after_fork(void) {
 }
 
 static void setup(void) {
+  __builtin_cpu_init(); /* the first product may come from another library's constructor */
   pthread_atfork(NULL, NULL, child_after_fork);
   const char *rows = getenv("SPECSTREAM_SKINNY_ROWS");
   const char *isa = getenv("SPECSTREAM_SKINNY_ISA");
