@@ -368,13 +368,12 @@ def gemv_forwarding() -> bool:
 def skinny_kernel() -> Optional[Tuple[int, int, int]]:
     """(most rows, threads, vector bits) of the forwarder's own skinny-product kernel when
     it serves this process's products, else None (not preloaded, off, or no AVX2/FMA)."""
-    fns = [_symbol(f"specstream_skinny_{what}") for what in ("rows", "threads", "bits")]
-    if any(f is None for f in fns):
+    info = _symbol("specstream_skinny_info")
+    if info is None:
         return None
-    for f in fns:
-        f.restype = ctypes.c_int
-    rows, threads, bits = (int(f()) for f in fns)
-    return (rows, threads, bits) if rows > 0 else None
+    rows, threads, bits = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    info(ctypes.byref(rows), ctypes.byref(threads), ctypes.byref(bits))
+    return (rows.value, threads.value, bits.value) if rows.value > 0 else None
 
 
 def forwarder_words() -> str:

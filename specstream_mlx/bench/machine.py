@@ -220,12 +220,13 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9) -
 class SweepConfig:
     library: str  # a key of platform_info.LIBRARIES
     threads: int
-    gemv: bool = False  # the forwarder in front, one-row products to GEMV (platform_info.gemv_forwarder)
-    skinny: bool = False  # the forwarder in front with its skinny-product kernel on
+    # The forwarder in front (platform_info.gemv_forwarder): "" none, "gemv" one-row products
+    # to the library's GEMV only, "skinny" with its own kernel for 2-48 rows as well.
+    forwarder: str = ""
 
     @property
     def label(self) -> str:
-        return f"{self.library}:{self.threads}" + ("+skinny" if self.skinny else "+gemv" if self.gemv else "")
+        return f"{self.library}:{self.threads}" + (f"+{self.forwarder}" if self.forwarder else "")
 
 
 @dataclass
@@ -274,9 +275,8 @@ def run_sweep(
 
     envs = {}
     for c in configs:
-        forward = c.gemv or c.skinny
-        choice = choose_blas(f"{c.library}:{c.threads}", gemv=forward)  # raises for a library not installed
-        if forward and choice.forwarder is None:
+        choice = choose_blas(f"{c.library}:{c.threads}", gemv=bool(c.forwarder))  # raises if not installed
+        if c.forwarder and choice.forwarder is None:
             raise RuntimeError(f"{c.label}: the forwarder cannot be built here (no C compiler?)")
         env = {
             k: v
@@ -284,7 +284,7 @@ def run_sweep(
             if k != "LD_PRELOAD" and not k.endswith("_NUM_THREADS") and not k.startswith("SPECSTREAM_SKINNY")
         }
         env.update(choice.env())
-        if not c.skinny:
+        if c.forwarder != "skinny":
             env["SPECSTREAM_SKINNY_ROWS"] = "0"
         env.update({lib.threads_env: str(c.threads) for lib in LIBRARIES.values()})
         env["OMP_NUM_THREADS"] = str(c.threads)

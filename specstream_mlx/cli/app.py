@@ -644,7 +644,7 @@ def bench_blas(
                 f"--libraries: {item!r} is not LIBRARY:THREADS[+gemv|+skinny] "
                 f"with LIBRARY one of {', '.join(LIBRARIES)}"
             )
-        configs.append(SweepConfig(name, int(threads), gemv=extra == "gemv", skinny=extra == "skinny"))
+        configs.append(SweepConfig(name, int(threads), forwarder=extra))
     if rounds < 1 or reps < 1:
         _err("--rounds and --reps must be at least 1")
     try:

@@ -110,111 +110,72 @@ static inline void store(const product_t *p, int i, int j, float v) {
 /* Weight rows ahead to prefetch: the next tile's. Without it, 4-8 rows took 1.5-1.8x
  * as long (the reads of one tile and the arithmetic of the last did not overlap). */
 enum { PREFETCH = 4 };
-/* Rows i0..i0+mr-1 of a against weight rows j0..j0+nr-1: mr*nr accumulators of 8 lanes,
- * the weight vectors loaded once per step for all rows. Always inlined with constant
- * mr and nr, so the accumulators live in registers. */
-__attribute__((target("avx2,fma"), always_inline)) static inline void tile(const product_t *p, int i0, int j0,
-                                                                          const int mr, const int nr) {
-  __m256 acc[4][4];
-  const float *ar[4], *br[4];
-  for (int r = 0; r < mr; r++) {
-    ar[r] = p->a + (size_t)(i0 + r) * p->lda;
-    for (int s = 0; s < nr; s++)
-      acc[r][s] = _mm256_setzero_ps();
-  }
-  for (int s = 0; s < nr; s++)
-    br[s] = p->b + (size_t)(j0 + s) * p->ldb;
-  int k8 = p->k & ~7, kk = 0;
-  for (; kk < k8; kk += 8) {
-    __m256 bv[4];
-    for (int s = 0; s < nr; s++) {
-      bv[s] = _mm256_loadu_ps(br[s] + kk);
-      _mm_prefetch((const char *)(br[s] + kk + PREFETCH * p->ldb), _MM_HINT_T0);
-    }
-    for (int r = 0; r < mr; r++) {
-      __m256 av = _mm256_loadu_ps(ar[r] + kk);
-      for (int s = 0; s < nr; s++)
-        acc[r][s] = _mm256_fmadd_ps(av, bv[s], acc[r][s]);
-    }
-  }
-  for (int r = 0; r < mr; r++)
-    for (int s = 0; s < nr; s++) {
-      float v = hsum(acc[r][s]);
-      for (int t = kk; t < p->k; t++)
-        v += ar[r][t] * br[s][t];
-      store(p, i0 + r, j0 + s, v);
-    }
-}
+/* Weight rows per tile. */
+enum { NR = 4 };
 
-/* Tiles of 3 rows x 4 weight rows: measured fastest of 2x4, 3x4, 4x3 and 4x2 at 1-32 rows
- * on SmolLM2's shapes (12 accumulators + 4 weight vectors: the 16 AVX registers, one
- * spilled row vector, which L1 serves). */
-enum { MR = 3, NR = 4 };
+/* The kernel for one vector width: the loop is the same for AVX2 and AVX-512, only the
+ * vector type and its intrinsics differ, so one macro writes both.
+ *
+ * tile_ISA: rows i0..i0+mr-1 of a against weight rows j0..j0+nr-1, mr*nr accumulators,
+ * the weight vectors loaded once per step for all rows. Always inlined with constant mr
+ * and nr, so the accumulators live in registers.
+ * rows_ISA: every row of a against weight rows j..j+nr-1, in tiles of MR rows. Tiles of
+ * 3 x 4 were the fastest AVX2 shape of 2x4, 3x4, 4x3 and 4x2 at 1-32 rows on SmolLM2's
+ * shapes (12 accumulators + 4 weight vectors: the 16 registers); AVX-512's 32 registers
+ * take 6 x 4 (24 accumulators). */
+#define DEFINE_TILES(ISA, TARGET, VEC, LANES, MR, ZERO, LOAD, FMA, SUM)                                    \
+  __attribute__((target(TARGET), always_inline)) static inline void tile_##ISA(const product_t *p, int i0,    \
+                                                                                int j0, const int mr,       \
+                                                                                const int nr) {             \
+    VEC acc[6][NR];                                                                                         \
+    const float *ar[6], *br[NR];                                                                            \
+    for (int r = 0; r < mr; r++) {                                                                          \
+      ar[r] = p->a + (size_t)(i0 + r) * p->lda;                                                             \
+      for (int s = 0; s < nr; s++)                                                                          \
+        acc[r][s] = ZERO();                                                                                 \
+    }                                                                                                       \
+    for (int s = 0; s < nr; s++)                                                                            \
+      br[s] = p->b + (size_t)(j0 + s) * p->ldb;                                                             \
+    int kv = p->k & ~(LANES - 1), kk = 0;                                                                   \
+    for (; kk < kv; kk += LANES) {                                                                          \
+      VEC bv[NR];                                                                                           \
+      for (int s = 0; s < nr; s++) {                                                                        \
+        bv[s] = LOAD(br[s] + kk);                                                                           \
+        _mm_prefetch((const char *)(br[s] + kk + PREFETCH * p->ldb), _MM_HINT_T0);                          \
+      }                                                                                                     \
+      for (int r = 0; r < mr; r++) {                                                                        \
+        VEC av = LOAD(ar[r] + kk);                                                                          \
+        for (int s = 0; s < nr; s++)                                                                        \
+          acc[r][s] = FMA(av, bv[s], acc[r][s]);                                                            \
+      }                                                                                                     \
+    }                                                                                                       \
+    for (int r = 0; r < mr; r++)                                                                            \
+      for (int s = 0; s < nr; s++) {                                                                        \
+        float v = SUM(acc[r][s]);                                                                           \
+        for (int t = kk; t < p->k; t++)                                                                     \
+          v += ar[r][t] * br[s][t];                                                                         \
+        store(p, i0 + r, j0 + s, v);                                                                        \
+      }                                                                                                     \
+  }                                                                                                         \
+  __attribute__((target(TARGET), always_inline)) static inline void rows_##ISA(const product_t *p, int j,     \
+                                                                                const int nr) {             \
+    int i = 0;                                                                                              \
+    for (; i + MR <= p->m; i += MR)                                                                         \
+      tile_##ISA(p, i, j, MR, nr);                                                                          \
+    switch (p->m - i) { /* fewer than MR rows left */                                                       \
+    case 5: tile_##ISA(p, i, j, 5, nr); break;                                                              \
+    case 4: tile_##ISA(p, i, j, 4, nr); break;                                                              \
+    case 3: tile_##ISA(p, i, j, 3, nr); break;                                                              \
+    case 2: tile_##ISA(p, i, j, 2, nr); break;                                                              \
+    case 1: tile_##ISA(p, i, j, 1, nr); break;                                                              \
+    }                                                                                                       \
+  }                                                                                                         \
+  __attribute__((target(TARGET))) static void rows4_##ISA(const product_t *p, int j) { rows_##ISA(p, j, NR); } \
+  __attribute__((target(TARGET))) static void rows1_##ISA(const product_t *p, int j) { rows_##ISA(p, j, 1); }
 
-__attribute__((target("avx2,fma"))) static void rows_of(const product_t *p, int j, const int nr) {
-  int i = 0;
-  for (; i + MR <= p->m; i += MR)
-    tile(p, i, j, MR, nr);
-  switch (p->m - i) {
-  case 3: tile(p, i, j, 3, nr); break;
-  case 2: tile(p, i, j, 2, nr); break;
-  case 1: tile(p, i, j, 1, nr); break;
-  }
-}
-
-__attribute__((target("avx2,fma"))) static void rows_nr(const product_t *p, int j) { rows_of(p, j, NR); }
-__attribute__((target("avx2,fma"))) static void rows_1(const product_t *p, int j) { rows_of(p, j, 1); }
-
-/* The same tile with 16-lane AVX-512 vectors: twice the floats per instruction and 32
- * registers, so tiles of 6 rows x 4 weight rows fit (24 accumulators). */
-__attribute__((target("avx512f"), always_inline)) static inline void tile16(const product_t *p, int i0, int j0,
-                                                                           const int mr, const int nr) {
-  __m512 acc[6][4];
-  const float *ar[6], *br[4];
-  for (int r = 0; r < mr; r++) {
-    ar[r] = p->a + (size_t)(i0 + r) * p->lda;
-    for (int s = 0; s < nr; s++)
-      acc[r][s] = _mm512_setzero_ps();
-  }
-  for (int s = 0; s < nr; s++)
-    br[s] = p->b + (size_t)(j0 + s) * p->ldb;
-  int k16 = p->k & ~15, kk = 0;
-  for (; kk < k16; kk += 16) {
-    __m512 bv[4];
-    for (int s = 0; s < nr; s++) {
-      bv[s] = _mm512_loadu_ps(br[s] + kk);
-      _mm_prefetch((const char *)(br[s] + kk + PREFETCH * p->ldb), _MM_HINT_T0);
-    }
-    for (int r = 0; r < mr; r++) {
-      __m512 av = _mm512_loadu_ps(ar[r] + kk);
-      for (int s = 0; s < nr; s++)
-        acc[r][s] = _mm512_fmadd_ps(av, bv[s], acc[r][s]);
-    }
-  }
-  for (int r = 0; r < mr; r++)
-    for (int s = 0; s < nr; s++) {
-      float v = _mm512_reduce_add_ps(acc[r][s]);
-      for (int t = kk; t < p->k; t++)
-        v += ar[r][t] * br[s][t];
-      store(p, i0 + r, j0 + s, v);
-    }
-}
-
-__attribute__((target("avx512f"))) static void rows16_of(const product_t *p, int j, const int nr) {
-  int i = 0;
-  for (; i + 6 <= p->m; i += 6)
-    tile16(p, i, j, 6, nr);
-  switch (p->m - i) {
-  case 5: tile16(p, i, j, 5, nr); break;
-  case 4: tile16(p, i, j, 4, nr); break;
-  case 3: tile16(p, i, j, 3, nr); break;
-  case 2: tile16(p, i, j, 2, nr); break;
-  case 1: tile16(p, i, j, 1, nr); break;
-  }
-}
-
-__attribute__((target("avx512f"))) static void rows16_nr(const product_t *p, int j) { rows16_of(p, j, NR); }
-__attribute__((target("avx512f"))) static void rows16_1(const product_t *p, int j) { rows16_of(p, j, 1); }
+DEFINE_TILES(avx2, "avx2,fma", __m256, 8, 3, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, hsum)
+DEFINE_TILES(avx512, "avx512f", __m512, 16, 6, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
+             _mm512_reduce_add_ps)
 
 static int use_avx512;
 
@@ -261,8 +222,8 @@ __attribute__((target("avx2,fma"))) static void kn_block1(const product_t *p, in
 static void product_columns(const product_t *p, int j0, int j1) {
   int j = j0;
   if (p->trans_b) {
-    void (*many)(const product_t *, int) = use_avx512 ? rows16_nr : rows_nr;
-    void (*one)(const product_t *, int) = use_avx512 ? rows16_1 : rows_1;
+    void (*many)(const product_t *, int) = use_avx512 ? rows4_avx512 : rows4_avx2;
+    void (*one)(const product_t *, int) = use_avx512 ? rows1_avx512 : rows1_avx2;
     for (; j + NR <= j1; j += NR)
       many(p, j);
     for (; j < j1; j++)
@@ -402,8 +363,8 @@ static void skinny_product(const product_t *p) {
 }
 #endif /* HAVE_X86 */
 
-/* Reports the most rows the kernel takes (0: off), for `specstream-mlx doctor`. */
-int specstream_skinny_rows(void) {
+/* The most rows the kernel takes (0: off), settings read on first use. */
+static int kernel_rows(void) {
 #if HAVE_X86
   pthread_once(&setup_once, setup);
   return skinny_rows;
@@ -412,23 +373,16 @@ int specstream_skinny_rows(void) {
 #endif
 }
 
-/* Reports the kernel's vector width in bits (512: AVX-512, 256: AVX2), for `doctor`. */
-int specstream_skinny_bits(void) {
+/* Reports the kernel for `specstream-mlx doctor`: the most rows it takes (0: off), its
+ * threads and its vector width in bits (512: AVX-512, 256: AVX2). */
+void specstream_skinny_info(int *rows, int *threads, int *bits) {
+  *rows = kernel_rows();
+  *threads = *bits = 0;
 #if HAVE_X86
-  pthread_once(&setup_once, setup);
-  return skinny_rows > 0 ? (use_avx512 ? 512 : 256) : 0;
-#else
-  return 0;
-#endif
-}
-
-/* Reports the kernel's thread count, for `specstream-mlx doctor`. */
-int specstream_skinny_threads(void) {
-#if HAVE_X86
-  pthread_once(&setup_once, setup);
-  return skinny_rows > 0 ? pool.threads : 0;
-#else
-  return 0;
+  if (*rows > 0) {
+    *threads = pool.threads;
+    *bits = use_avx512 ? 512 : 256;
+  }
 #endif
 }
 
@@ -442,7 +396,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
   /* One row goes to the library's GEMV: Debian's OpenBLAS streams it as fast on two
    * threads, and with less per-call overhead (bench/blas.md). */
   if (order == ROW_MAJOR && ta == NO_TRANS && (tb == TRANS || tb == NO_TRANS) && m >= 2 && k >= 1 && n >= 1 &&
-      m <= specstream_skinny_rows()) {
+      m <= kernel_rows()) {
     product_t p = {tb == TRANS, m, n, k, lda, ldb, ldc, alpha, beta, a, b, c};
     skinny_product(&p);
     return;
