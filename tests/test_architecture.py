@@ -149,3 +149,25 @@ def test_one_decoder_block():
         if ".post_attention_layernorm(" in src or ".input_layernorm(" in src or ".self_attn.project(" in src:
             offenders.append(str(f.relative_to(ROOT)))
     assert not offenders, offenders
+
+
+def test_every_setting_the_docs_and_scripts_name_is_read_by_the_software():
+    """examples/first_request.sh set SPECSTREAM_CACHE_DIR after the package had stopped
+    reading it, so its "empty cost store" was the user's own. Every SPECSTREAM_* variable
+    that a script, the Makefile, CI or the docs name must be one the package (Python or the
+    native forwarder) or the Swift client reads."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    name = re.compile(r"SPECSTREAM_[A-Z][A-Z_]*[A-Z]")
+
+    def names(paths):
+        return {n for p in paths if p.is_file() for n in name.findall(p.read_text(errors="replace"))}
+
+    readers = [*(root / "specstream_mlx").rglob("*.py"), *(root / "specstream_mlx").rglob("*.c")]
+    readers += [*(root / "examples" / "swift" / "Sources").rglob("*.swift")]
+    readers += [*(root / "examples" / "swift" / "Tests").rglob("*.swift")]
+    named = [root / "Makefile", root / ".ci" / "run", root / "README.md", *(root / "docs").glob("*.md")]
+    named += [p for p in (root / "examples").iterdir() if p.suffix in (".py", ".sh")]
+    unread = names(named) - names(readers)
+    assert not unread, f"named but read nowhere: {sorted(unread)}"
