@@ -365,15 +365,16 @@ def gemv_forwarding() -> bool:
     return _symbol("specstream_gemv_forward") is not None
 
 
-def skinny_kernel() -> Optional[Tuple[int, int, int]]:
-    """(most rows, threads, vector bits) of the forwarder's own skinny-product kernel when
-    it serves this process's products, else None (not preloaded, off, or no AVX2/FMA)."""
+def skinny_kernel() -> Optional[Tuple[int, int, int, int]]:
+    """(fewest rows, most rows, threads, vector bits) of the forwarder's own skinny-product
+    kernel when it serves this process's products, else None (not preloaded, off, or no
+    AVX2/FMA)."""
     info = _symbol("specstream_skinny_info")
     if info is None:
         return None
-    rows, threads, bits = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-    info(ctypes.byref(rows), ctypes.byref(threads), ctypes.byref(bits))
-    return (rows.value, threads.value, bits.value) if rows.value > 0 else None
+    least, rows, threads, bits = ctypes.c_int(), ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    info(ctypes.byref(least), ctypes.byref(rows), ctypes.byref(threads), ctypes.byref(bits))
+    return (least.value, rows.value, threads.value, bits.value) if rows.value > 0 else None
 
 
 def forwarder_words() -> str:
@@ -383,8 +384,10 @@ def forwarder_words() -> str:
     skinny = skinny_kernel()
     if skinny is None:
         return ", one-row products as GEMV"
-    isa = "AVX-512" if skinny[2] == 512 else "AVX2"
-    return f", one-row products as GEMV, 2-{skinny[0]} rows by the skinny kernel ({isa}, {skinny[1]} threads)"
+    least, most, threads, bits = skinny
+    isa = "AVX-512" if bits == 512 else "AVX2"
+    gemv = ", one-row products as GEMV" if least > 1 else ""
+    return f"{gemv}, {least}-{most} rows by the skinny kernel ({isa}, {threads} threads)"
 
 
 def blas_words() -> str:

@@ -288,18 +288,36 @@ def _auto_model(tiny_model_dir):
     return model, tok
 
 
-def test_the_first_token_does_not_wait_for_calibration(tiny_model_dir, tmp_path, monkeypatch):
-    """With nothing stored, --tree auto runs exactly the forward passes a fixed tree runs
-    before its first token (the prompt and one pass): costs are learned from the
-    generation itself, not measured up front."""
+def test_pass_costs_are_timed_once_per_machine_and_model_before_the_first_pass(tiny_model_dir, tmp_path, monkeypatch):
+    """With nothing stored, the first --tree auto policy times bare passes of each hosting
+    mode against plain steps (the cost prior), stores them, and a later process reads them
+    instead of timing again; before its first token the generation itself then runs exactly
+    what a fixed tree runs (the prompt and one pass)."""
     import mlx.core as mx
 
+    from specstream_mlx.runtime import step_costs
     from specstream_mlx.runtime.compiled_pass import SSPass
+    from specstream_mlx.runtime.loaded_model import SpeculativeModel
     from specstream_mlx.runtime.sampling import SamplingParams
     from specstream_mlx.runtime.speculative import ss_steps
 
     monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))  # step_costs.json there
     model, _ = _auto_model(tiny_model_dir)
+    timings = []
+    real = step_costs.calibrate
+
+    def counted(*a, **k):
+        timings.append(real(*a, **k))
+        return timings[-1]
+
+    monkeypatch.setattr(A, "calibrate", counted)
+    auto = model.tuner(SamplingParams())
+    want = {(b, h) for b in step_costs.CALIBRATION_BUDGETS for h in (0, A.HOSTING) if not (h and b <= h)}
+    assert len(timings) == 1 and set(timings[0]) == want and all(c > 0 for c in timings[0].values())
+    assert auto.costs.stored == pytest.approx(timings[0])
+    again = SpeculativeModel(model.base, model.streams).tuner(SamplingParams())  # the next process
+    assert len(timings) == 1 and again.costs.stored == pytest.approx(timings[0])
+
     calls = {"base": 0, "ss": 0}
     base_call, pass_call = type(model.base).__call__, SSPass.__call__
 
@@ -337,10 +355,12 @@ def test_learned_costs_are_stored_when_a_generation_ends_and_read_by_the_next_pr
     learned = {a: costs.measured(a) for a in costs.timed if costs.measured(a) is not None}
     assert learned and (tmp_path / "step_costs.json").exists()
     fresh = SpeculativeModel(model.base, model.streams)  # what the next process starts with
-    assert fresh.tuner(SamplingParams()).costs.stored == pytest.approx(learned)
+    stored = fresh.tuner(SamplingParams()).costs.stored  # the calibration's arms, the learned ones replaced
+    assert {a: stored[a] for a in learned} == pytest.approx(learned)
+    key = costs.key
     (tmp_path / "step_costs.json").write_text("{not json")  # a damaged file is only a cold start
-    assert SpeculativeModel(model.base, model.streams).tuner(SamplingParams()).costs.stored == {}
-    key = costs.key  # ... and so are damaged entries, a bad arm or cost skipped alone
+    assert PassCosts.load(key).stored == {}
+    # ... and so are damaged entries, a bad arm or cost skipped alone
     for entry, want in (({"costs": [1, 2]}, {}), ({"costs": {"4,0": None, "x": 1, "8,1": 2.5}}, {(8, 1): 2.5})):
         (tmp_path / "step_costs.json").write_text(json.dumps({key: entry}))
         assert PassCosts.load(key).stored == want
@@ -380,6 +400,7 @@ def test_no_tree_pass_runs_when_the_prior_says_plain(tiny_model_dir, tmp_path, m
     from specstream_mlx.runtime.speculative import ss_steps
 
     monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))  # step_costs.json there
+    monkeypatch.setattr(A, "calibrate", lambda *a, **k: {})  # the generic prior costs
     model, _ = _auto_model(tiny_model_dir)
     _with_prior(model, {b: 0.05 for b in A.CANDIDATE_BUDGETS})
     passes = {"n": 0}
@@ -416,6 +437,7 @@ def test_a_prior_that_pays_starts_on_its_best_arm(tiny_model_dir, tmp_path, monk
     from specstream_mlx.runtime.sampling import SamplingParams
 
     monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))  # step_costs.json there
+    monkeypatch.setattr(A, "calibrate", lambda *a, **k: {})  # the generic prior costs
     model, _ = _auto_model(tiny_model_dir)
     # At the prior costs 1.2 + 0.15 b: b2 (1+1.4)/1.5 = 1.6, b4 (1+2.6)/1.8 = 2.0, b8 (1+3)/2.4 = 1.67.
     _with_prior(model, {2: 1.4, 4: 2.6, 8: 3.0, 12: 3.0, 16: 3.0, 24: 3.0})
@@ -432,6 +454,23 @@ def test_a_prior_that_pays_starts_on_its_best_arm(tiny_model_dir, tmp_path, monk
     sampled = model.tuner(SamplingParams(temperature=0.7))
     sampled.new_request()
     assert sampled.pending is None and (sampled.budget, sampled.hosting) == A.START
+
+
+def test_calibrated_costs_decide_the_first_request(tiny_model_dir, tmp_path, monkeypatch):
+    """An acceptance that pays at the generic prior costs (b4: (1 + 2.6) / 1.8 = 2.0) but
+    not at this machine's measured ones (passes of 4-5 plain steps, as on a 3M-parameter
+    model here): the first request decodes plainly, no pass explored."""
+    from specstream_mlx.runtime.sampling import SamplingParams
+
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))
+    slow = {(2, 0): 4.0, (8, 0): 5.5, (2, 1): 3.8, (8, 1): 4.6}
+    monkeypatch.setattr(A, "calibrate", lambda *a, **k: dict(slow))
+    model, _ = _auto_model(tiny_model_dir)
+    _with_prior(model, {2: 1.4, 4: 2.6, 8: 3.0, 12: 3.0, 16: 3.0, 24: 3.0})
+    auto = model.tuner(SamplingParams())
+    auto.new_request()
+    assert auto.pending and A.PRIOR_REASON in auto.pending
+    assert isinstance(auto.plan(), A.Plain)
 
 
 def test_acceptance_priors_that_cannot_be_read_are_ignored():

@@ -110,7 +110,7 @@ for k, n in ((64, 96), (576, 192), (1536, 576), (7, 3)):
 # A few rows (a tree pass): every row-tile remainder, columns not a multiple of the tile,
 # depths not a multiple of the vector, rows and weights with a leading stride, more rows
 # than the kernel takes (GEMM), alpha/beta, and a product large enough for the pool.
-for m in (2, 3, 4, 5, 6, 7, 9, 13, 16, 31, 32, 33, 47, 48, 49, 80):
+for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 16, 31, 32, 33, 47, 48, 49, 80):
     for k, n in ((576, 197), (13, 70), (1536, 576), (576, 4099)):
         w = rng.standard_normal((n, k + 5)).astype(np.float32)[:, 2 : k + 2]  # ldb > k
         a = rng.standard_normal((m, k + 3)).astype(np.float32)[:, 1 : k + 1]  # lda > k
@@ -135,12 +135,12 @@ def _cpu_flags() -> set:
 
 
 @pytest.mark.parametrize("library", ["blis", "openblas"])
-@pytest.mark.parametrize("kernel", ["avx512", "avx2", "gemv"])
+@pytest.mark.parametrize("kernel", ["avx512", "avx2", "two-rows-up", "gemv"])
 def test_forwarded_products_compute_what_gemm_does(library, kernel):
     """With the forwarder preloaded in front of each installed BLAS, products of one and
     of a few rows (both weight layouts, strided rows and weights, every tile remainder,
-    alpha/beta) equal NumPy's, through its own kernel's AVX-512 and AVX2 tiles and with
-    the kernel off (one-row products then go to the library's GEMV)."""
+    alpha/beta) equal NumPy's, through its own kernel's AVX-512 and AVX2 tiles, with one-row
+    products left to the library's GEMV, and with the kernel off."""
     import json
     import os
     import subprocess
@@ -158,6 +158,8 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
         env["SPECSTREAM_SKINNY_ROWS"] = "0"
     elif kernel == "avx2":
         env["SPECSTREAM_SKINNY_ISA"] = "avx2"
+    elif kernel == "two-rows-up":
+        env["SPECSTREAM_SKINNY_MIN_ROWS"] = "2"
     out = subprocess.run([sys.executable, "-c", GEMV_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
@@ -166,8 +168,10 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
     if kernel == "gemv" or not {"avx2", "fma"} <= flags:
         assert res["skinny"] is None, res
     else:  # AVX-512 tiles where the CPU has them (and they were not declined), else AVX2
-        bits = 512 if kernel == "avx512" and "avx512f" in flags else 256
-        assert res["skinny"] is not None and res["skinny"][0] >= 32 and res["skinny"][2] == bits, res
+        bits = 512 if kernel != "avx2" and "avx512f" in flags else 256
+        least = 2 if kernel == "two-rows-up" else 1
+        assert res["skinny"] is not None and res["skinny"][0] == least and res["skinny"][1] >= 32, res
+        assert res["skinny"][3] == bits, res
 
 
 FORK_CHECK = r"""

@@ -994,7 +994,16 @@ def train(
         64, "--stream-positions", help="Completion positions per sequence hosting streams."
     ),
     stream_embedding_rms: Optional[float] = typer.Option(
-        None, "--stream-embedding-rms", help="Draw fresh stream embeddings at this x the stream layer's hidden RMS."
+        None,
+        "--stream-embedding-rms",
+        help="Draw fresh stream embeddings at this x the stream layer's hidden RMS "
+        "(default: 1.0 in shared mode, a fixed 0.02 draw in lossless mode).",
+    ),
+    embedding_lr: Optional[float] = typer.Option(
+        None,
+        "--embedding-lr",
+        help="The stream embeddings' learning rate as a multiple of --learning-rate "
+        "(default: the hidden state's RMS where they are drawn at its scale, else 1).",
     ),
     save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps."),
     steps_per_eval: int = typer.Option(200, "--steps-per-eval", help="Validate every N steps."),

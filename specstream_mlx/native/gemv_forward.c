@@ -251,9 +251,14 @@ static struct {
   const product_t *job;
   atomic_int generation; /* bumped for every product; workers wait on it */
   atomic_int next_item;  /* work items handed out */
-  atomic_int busy;       /* workers still on the current product */
+  atomic_int gate;       /* workers that joined the current product; CLOSED once the caller is done */
+  atomic_int finished;   /* joined workers that are done with it */
   int items;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+/* The caller never waits for a worker that has not started: on a loaded machine a woken
+ * worker may get no core for milliseconds, while the caller takes every item itself. */
+enum { CLOSED = 1 << 20 };
 
 static long futex(atomic_int *addr, int op, int val) { return syscall(SYS_futex, addr, op, val, NULL, NULL, 0); }
 
@@ -291,13 +296,16 @@ static void *worker(void *arg) {
       }
     }
     seen = g;
+    if (atomic_fetch_add(&pool.gate, 1) & CLOSED)
+      continue; /* the caller finished this product alone */
     run_items(pool.job);
-    atomic_fetch_sub(&pool.busy, 1);
+    atomic_fetch_add(&pool.finished, 1);
   }
   return NULL;
 }
 
 static int skinny_rows = -1; /* -1: settings not read yet */
+static int skinny_min_rows = 1; /* SPECSTREAM_SKINNY_MIN_ROWS=2: one row to the library's GEMV */
 
 /* A forked child has none of the workers: it computes alone (its products are correct,
  * just not parallel), and a lock held at the fork is not held in it. */
@@ -321,6 +329,9 @@ static void setup(void) {
     want_rows = SKINNY_MAX_ROWS;
   if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
     want_rows = 0;
+  const char *mn = getenv("SPECSTREAM_SKINNY_MIN_ROWS");
+  if (mn && atoi(mn) >= 1)
+    skinny_min_rows = atoi(mn) > 2 ? 2 : atoi(mn);
   const char *th = getenv("SPECSTREAM_SKINNY_THREADS");
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   int threads = th ? atoi(th) : (int)(cpus > 0 ? cpus : 1);
@@ -353,11 +364,13 @@ static void skinny_product(const product_t *p) {
   pool.job = p;
   pool.items = items;
   atomic_store(&pool.next_item, 0);
-  atomic_store(&pool.busy, pool.threads - 1);
+  atomic_store(&pool.finished, 0);
+  atomic_store(&pool.gate, 0); /* opens the product (after job, items and counters are set) */
   atomic_fetch_add(&pool.generation, 1);
   futex(&pool.generation, FUTEX_WAKE_PRIVATE, pool.threads - 1);
   run_items(p);
-  while (atomic_load(&pool.busy) > 0)
+  int joined = atomic_fetch_or(&pool.gate, CLOSED) & (CLOSED - 1);
+  while (atomic_load(&pool.finished) < joined) /* only workers busy with an item remain */
     _mm_pause();
   pthread_mutex_unlock(&pool.lock);
 }
@@ -373,13 +386,14 @@ static int kernel_rows(void) {
 #endif
 }
 
-/* Reports the kernel for `specstream-mlx doctor`: the most rows it takes (0: off), its
- * threads and its vector width in bits (512: AVX-512, 256: AVX2). */
-void specstream_skinny_info(int *rows, int *threads, int *bits) {
+/* Reports the kernel for `specstream-mlx doctor`: the fewest and most rows it takes (most
+ * 0: off), its threads and its vector width in bits (512: AVX-512, 256: AVX2). */
+void specstream_skinny_info(int *min_rows, int *rows, int *threads, int *bits) {
   *rows = kernel_rows();
-  *threads = *bits = 0;
+  *min_rows = *threads = *bits = 0;
 #if HAVE_X86
   if (*rows > 0) {
+    *min_rows = skinny_min_rows;
     *threads = pool.threads;
     *bits = use_avx512 ? 512 : 256;
   }
@@ -393,10 +407,11 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
     next_sgemm = (sgemm_fn)next_symbol("cblas_sgemm");
   }
 #if HAVE_X86
-  /* One row goes to the library's GEMV: Debian's OpenBLAS streams it as fast on two
-   * threads, and with less per-call overhead (bench/blas.md). */
-  if (order == ROW_MAJOR && ta == NO_TRANS && (tb == TRANS || tb == NO_TRANS) && m >= 2 && k >= 1 && n >= 1 &&
-      m <= kernel_rows()) {
+  /* One row too: as fast as OpenBLAS's two-thread GEMV on a quiet machine, and on a
+   * loaded one the pool's caller never waits for a worker without a core, where
+   * OpenBLAS's GEMV took 2-3x as long (docs/DESIGN.md decision 15). */
+  if (order == ROW_MAJOR && ta == NO_TRANS && (tb == TRANS || tb == NO_TRANS) && k >= 1 && n >= 1 &&
+      m <= kernel_rows() && m >= skinny_min_rows) {
     product_t p = {tb == TRANS, m, n, k, lda, ldb, ldc, alpha, beta, a, b, c};
     skinny_product(&p);
     return;

@@ -118,6 +118,7 @@ def measure_acceptance(
             reply.extend(step.tokens)
             if len(reply) >= max_tokens or stop.intersection(step.tokens):
                 break
+        ended = bool(stop.intersection(reply[:max_tokens]))
         reply = reply[:max_tokens]
         # The reply as a chain rooted at the last prompt token: node d is reply token d-1.
         tokens = (int(ids[-1].item()), *reply)
@@ -130,9 +131,13 @@ def measure_acceptance(
         cand = cand.to_host()  # (nodes, γ, K)
         gamma = cand.top.shape[1]
         # Had node n been the last accepted one, the pass's bonus token is reply token n + 1
-        # (the next tree's root) and node n's streams draft the tokens after it. Only
-        # positions whose continuation is known γ deep count (a shorter one would undercount).
-        for node in range(0, len(tokens) - gamma - 1):
+        # (the next tree's root) and node n's streams draft the tokens after it. A reply that
+        # stopped has its continuation known to the end: the positions before the stop count
+        # too, accepting no more than is left, as the passes that end a real reply do (on
+        # demo-sql's 15-token replies leaving them out overstated a pass's acceptance 1.5x).
+        # A reply cut at max_tokens counts only positions whose continuation is known γ deep.
+        last = len(tokens) - 1 if ended else len(tokens) - gamma - 1
+        for node in range(0, last):
             cont = tokens[node + 2 : node + 2 + gamma]
             for b in budgets:
                 spec = TreeSpec("dynamic", budget=b, depth=gamma)

@@ -48,7 +48,7 @@ import numpy as np
 from ..method.tree import LOOKUP_LEN, TreeSpec
 from .acceptance_prior import AcceptancePrior
 from .drafting import Draft, Forecast, num_candidates
-from .step_costs import TIME_MIN, Arm, PassCosts, model_key
+from .step_costs import TIME_MIN, Arm, PassCosts, calibrate, model_key
 
 CANDIDATE_BUDGETS = (2, 4, 8, 12, 16, 24)
 HOSTING = 1
@@ -385,7 +385,9 @@ def auto_policy_for(model, streams, sampled: bool, compiled: bool, log=None) -> 
     The caller keeps it (:class:`~specstream_mlx.runtime.loaded_model.SpeculativeModel` does,
     per decoding kind), so what it learns carries over between requests."""
     costs = PassCosts.load(model_key(model, streams, "sampled" if sampled else "greedy", compiled))
-    if log and not costs.stored:
-        log("--tree auto: no pass costs stored for this model here yet; timing them while decoding")
+    if not costs.stored:
+        if log:
+            log("--tree auto: timing tree passes for this model on this machine (once; stored in the user cache)")
+        costs.save(calibrate(model, streams, sampled, compiled, (0, HOSTING)))
     prior = AcceptancePrior.from_extra(streams.config.extra)
     return AutoPolicy(costs, streams.num_streams, compiled, prior=prior, prior_picks_arm=not sampled)

@@ -26,7 +26,11 @@ Arm = Tuple[int, int]  # (budget, hosting mode)
 
 # Cost of a budget-b pass in plain tokens before any pass is timed: base + slope * b (SmolLM2
 # on a 2-core CPU measured 1.46 / 1.98 / 2.36 at b = 2 / 4 / 8; `examples/step_cost.py`).
+# Used only where nothing is stored and no calibration ran (:func:`calibrate`).
 PRIOR = (1.2, 0.15)
+# What :func:`calibrate` times: these budgets at each hosting mode, best of REPS runs.
+CALIBRATION_BUDGETS = (2, 8)
+CALIBRATION_REPS = 3
 # Timings: EMA weight, samples before a timing counts.
 TIME_EMA = 0.1
 TIME_MIN = 3
@@ -85,8 +89,10 @@ class PassCosts:
                 continue  # a hand-edited or foreign entry: ignored
         return cls(key, stored)
 
-    def save(self) -> None:
+    def save(self, extra: Optional[Dict[Arm, float]] = None) -> None:
+        """Store the timed arms' costs (and ``extra`` ones, e.g. a calibration's) under the key."""
         measured = {a: c for a in self.timed if (c := self.measured(a)) is not None}
+        measured.update(extra or {})
         if self.key is None or not measured:
             return
         self.stored.update(measured)
@@ -124,7 +130,7 @@ class PassCosts:
     def table(self, arms) -> Dict[Arm, float]:
         """Costs of ``arms`` in plain tokens: timed where they have been; else the stored
         cost scaled by what the timed arms show against theirs; else a line through the
-        timed arms of the same hosting mode (of any, if it has none). Computed once per
+        timed arms of the same hosting mode, or its stored ones (of any mode, if it has none). Computed once per
         choice, not per arm: the policy chooses after every pass."""
         timed = {a: c for a in self.timed if (c := self.measured(a)) is not None}
         ratios = [np.log(c / self.stored[a]) for a, c in timed.items() if a in self.stored]
@@ -138,8 +144,12 @@ class PassCosts:
                 out[arm] = self.stored[arm] * scale
             else:
                 if h not in lines:
+                    # Through the timed arms of this hosting mode, else its stored ones (a
+                    # calibration's budgets), else those of any mode.
+                    known = {**{a: c * scale for a, c in self.stored.items()}, **timed}
                     same = {bb: c for (bb, hh), c in timed.items() if hh == h}
-                    lines[h] = cost_line(same or {bb: c for (bb, _), c in timed.items()})
+                    same = same or {bb: c for (bb, hh), c in known.items() if hh == h}
+                    lines[h] = cost_line(same or {bb: c for (bb, _), c in known.items()})
                 x0, y0, slope = lines[h]
                 out[arm] = max(1.0, y0 + slope * (b - x0))
         return out
@@ -169,3 +179,27 @@ def model_key(model, streams, kind: str, compiled: bool) -> str:
         "compiled" if compiled else "eager",
     ]
     return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
+
+
+def calibrate(model, streams, sampled: bool, compiled: bool, hosting_modes=(0, 1)) -> Dict[Arm, float]:
+    """Pass costs in plain steps measured on this machine, before any pass of a generation:
+    bare passes of ``CALIBRATION_BUDGETS`` nodes at each hosting mode over bare plain steps
+    on a synthetic prefix (:mod:`.offline_costs`). The generic line ``PRIOR`` was 2x too
+    cheap for a 3M-parameter model, whose passes are host work (docs/DESIGN.md decision 22);
+    this takes ~0.1 s there and ~1 s for SmolLM2, once per machine and model."""
+    from .offline_costs import measure_step_costs
+
+    out: Dict[Arm, float] = {}
+    for h in hosting_modes:
+        costs = measure_step_costs(
+            model,
+            streams,
+            context=64,
+            reps=CALIBRATION_REPS,
+            budgets=CALIBRATION_BUDGETS,
+            sampled=sampled,
+            hosting=h,
+            compiled=compiled,
+        )
+        out.update({(b, h): c for b, c in costs.items() if b and not (h and b <= h)})
+    return out

@@ -32,7 +32,12 @@ class TrainConfig:
             (several processes under ``accelerate launch``).
         stream_embedding_rms: draw fresh stream embeddings with this RMS relative to the
             RMS of the hidden state they are added to (measured on the train split at the
-            stream layer); None keeps the fixed 0.02 draw (docs/DESIGN.md decision 27).
+            stream layer); None: 1.0 in shared mode, the fixed 0.02 draw in lossless mode
+            (docs/DESIGN.md decision 27).
+        embedding_lr: the stream embeddings' learning rate as a multiple of
+            ``learning_rate``; None: the hidden state's RMS where they were drawn at its
+            scale (Adam's steps are about ``lr`` in absolute size, so this is the rate of
+            ``RMS · P'`` with ``P'`` at unit scale), else 1.
         pruning_keep: calibrate the early-exit pruning threshold on the valid split so that
             this share of would-be-accepted children survives (0: keep ``pruning_threshold``).
         cached_features: lossless, torch backend: compute the frozen features (the hidden
@@ -59,6 +64,7 @@ class TrainConfig:
     distill_weight: float = 1.0
     stream_positions: int = 64
     stream_embedding_rms: Optional[float] = None
+    embedding_lr: Optional[float] = None
     segment: int = 32
     # "float32", "bfloat16" (torch backend, frozen base: the frozen weights are held in
     # bfloat16 and the matmuls run in it; trained weights and softmaxes stay float32), or
@@ -101,6 +107,8 @@ class TrainConfig:
             raise ValueError("--precision bfloat16 needs --backend torch and a frozen base (not --full)")
         if self.stream_embedding_rms is not None and not self.stream_embedding_rms > 0:
             raise ValueError(f"stream_embedding_rms must be > 0, got {self.stream_embedding_rms}")
+        if self.embedding_lr is not None and not self.embedding_lr > 0:
+            raise ValueError(f"embedding_lr must be > 0, got {self.embedding_lr}")
         if self.loss_chunk < 1:
             raise ValueError(f"loss_chunk must be >= 1, got {self.loss_chunk}")
         if self.segment < 1:

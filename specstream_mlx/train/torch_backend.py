@@ -200,7 +200,12 @@ class TorchRun:
         for k in self.base_names:
             hf_params[k[len("base.") :]].requires_grad_(True)
         self.trained = [p for p in list(self.params.parameters()) + list(self.hf.parameters()) if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trained, lr=cfg.learning_rate, weight_decay=0.0)
+        # The stream embeddings at their own rate (TrainConfig.embedding_lr), as the MLX backend.
+        emb = self.params.get("streams.embeddings") if cfg.streams else None
+        groups = [{"params": [p for p in self.trained if p is not emb], "lr_scale": 1.0}]
+        if emb is not None:
+            groups.append({"params": [emb], "lr_scale": cfg.embedding_lr or 1.0})
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, weight_decay=0.0)
         self.schedule = tobj.lr_lambda(data.total_steps, cfg.warmup)
         self.s0 = len(model.layers) - cfg.stream_layers
         self.features = self._feature_cache() if cfg.cached_features else None
@@ -288,7 +293,7 @@ class TorchRun:
             release_free_memory()
         self._all_reduce_grads()
         for g in self.optimizer.param_groups:
-            g["lr"] = cfg.learning_rate * self.schedule(step - 1)
+            g["lr"] = cfg.learning_rate * g["lr_scale"] * self.schedule(step - 1)
         self.optimizer.step()
         after_step(self, step, metrics["loss"], lambda: metrics, int(batch.lengths.sum()))
 

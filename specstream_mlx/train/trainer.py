@@ -69,12 +69,28 @@ def _load_data(data_dir: str, tokenizer, cfg: TrainConfig, log) -> TrainData:
     return TrainData(train_ds, valid_ds, seq_len, steps_per_epoch, total)
 
 
-def _optimizer(cfg: TrainConfig, total: int) -> optim.Optimizer:
-    schedule = optim.linear_schedule(cfg.learning_rate, 0.0, total)
+EMBEDDINGS = "streams.embeddings"
+# Fresh shared-mode stream embeddings are drawn at this x the hidden state's RMS unless
+# --stream-embedding-rms says otherwise: at the fixed 0.02 draw a stream row is its main
+# row and the shared LoRA cannot tell them apart (bench/stream-embedding-scale.md).
+SHARED_EMBEDDING_RMS = 1.0  # the stream embeddings' name in the trainable's flattened tree
+
+
+def _schedule(peak: float, cfg: TrainConfig, total: int):
+    schedule = optim.linear_schedule(peak, 0.0, total)
     if cfg.warmup:
-        warm = optim.linear_schedule(1e-8, cfg.learning_rate, cfg.warmup)
+        warm = optim.linear_schedule(1e-8 * peak / cfg.learning_rate, peak, cfg.warmup)
         schedule = optim.join_schedules([warm, schedule], [cfg.warmup])
-    return optim.AdamW(learning_rate=schedule, weight_decay=0.0)
+    return schedule
+
+
+def _optimizer(cfg: TrainConfig, total: int) -> optim.Optimizer:
+    adam = optim.AdamW(learning_rate=_schedule(cfg.learning_rate, cfg, total), weight_decay=0.0)
+    if not cfg.streams or (cfg.embedding_lr or 1.0) == 1.0:
+        return adam
+    # The stream embeddings at their own rate (TrainConfig.embedding_lr), everything else at the base rate.
+    emb = optim.AdamW(learning_rate=_schedule(cfg.learning_rate * cfg.embedding_lr, cfg, total), weight_decay=0.0)
+    return optim.MultiOptimizer([emb, adam], [lambda path, _: path == EMBEDDINGS])
 
 
 def _step_function(model, trainable: Trainable, optimizer, cfg: TrainConfig):
@@ -226,14 +242,18 @@ def _adopt_existing_streams(streams, cfg: TrainConfig, log):
     return streams
 
 
-def _draw_stream_embeddings(model, streams, data, cfg: TrainConfig, log) -> None:
-    """Fresh stream embeddings at ``cfg.stream_embedding_rms`` of the stream layer's hidden RMS."""
+def _hidden_rms(model, streams, data) -> float:
+    """RMS of the hidden state the stream embeddings are added to (train split, 8 sequences)."""
     from .objective import stream_layer_rms
 
     try:
-        h_rms = stream_layer_rms(model, data.train.examples[:8], streams.first_layer)
+        return stream_layer_rms(model, data.train.examples[:8], streams.first_layer)
     except ValueError as e:
         raise TrainError(f"stream embeddings: {e}") from None
+
+
+def _draw_stream_embeddings(model, streams, h_rms: float, cfg: TrainConfig, log) -> None:
+    """Fresh stream embeddings at ``cfg.stream_embedding_rms`` of the stream layer's hidden RMS."""
     target = cfg.stream_embedding_rms * h_rms
     streams.scale_embeddings(target, seed=cfg.seed)
     log(
@@ -308,8 +328,23 @@ def train(
     trainable = Trainable(model, cfg)
     if existing is not None:
         trainable.streams.update(existing.parameters())
-    elif cfg.streams and cfg.stream_embedding_rms is not None and not resume:
-        _draw_stream_embeddings(model, trainable.streams, data, cfg, log)
+    if cfg.mode == "shared" and cfg.streams and cfg.stream_embedding_rms is None and existing is None:
+        cfg.stream_embedding_rms = SHARED_EMBEDDING_RMS
+    h_rms = None
+    if existing is None and cfg.streams and cfg.stream_embedding_rms is not None and not resume:
+        h_rms = _hidden_rms(model, trainable.streams, data)
+        _draw_stream_embeddings(model, trainable.streams, h_rms, cfg, log)
+    auto_lr = cfg.streams and cfg.embedding_lr is None
+    if auto_lr:
+        # Embeddings drawn at the hidden state's scale learn at it too: Adam moves every
+        # parameter by about the learning rate per step, whatever its scale, so this is the
+        # rate of P = RMS * P' with P' at unit scale (docs/DESIGN.md decision 27). The fixed
+        # small draw keeps the base rate.
+        drawn = cfg.stream_embedding_rms is not None
+        cfg.embedding_lr = round(h_rms or _hidden_rms(model, trainable.streams, data), 3) if drawn else 1.0
+    if cfg.streams and cfg.embedding_lr != 1.0:
+        why = " (the RMS of the hidden state they are added to)" if auto_lr else ""
+        log(f"[train] stream embeddings learn at {cfg.embedding_lr:g} x the learning rate{why}")
     # Lossless streams are tied to the frozen base they learned: record its fingerprint, so
     # they are never attached to another base. (Shared mode writes a new base of its own.)
     from ..io.fingerprint import base_fingerprint

@@ -17,12 +17,12 @@ import numpy as np
 from ..method.acceptance import greedy_accepted_node
 from ..method.msa import stream_logits
 from ..method.tree import Tree, dynamic_tree, tree_buffers
-from ..runtime.cache import make_cache
-from ..runtime.compiled_pass import SSPass
-from ..runtime.drafting import stream_candidates
-from ..runtime.plain_step import plain_step
-from ..runtime.sampling import KeyStream, SamplingParams
-from ..runtime.verification import verification_target
+from .cache import make_cache
+from .compiled_pass import SSPass
+from .drafting import stream_candidates
+from .plain_step import plain_step
+from .sampling import KeyStream, SamplingParams
+from .verification import verification_target
 
 BUDGETS = (2, 4, 8, 12, 16, 24)
 
