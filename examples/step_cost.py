@@ -127,12 +127,12 @@ def main():
     from bench_plain import build_dir
 
     from specstream_mlx import load
-    from specstream_mlx.runtime.offline_costs import measure_step_costs
     from specstream_mlx.method.streams import StreamConfig, new_streams
     from specstream_mlx.method.tree import TreeSpec
     from specstream_mlx.platform_info import runtime_info
     from specstream_mlx.runtime.generation import generate
     from specstream_mlx.runtime.loaded_model import SpeculativeModel
+    from specstream_mlx.runtime.offline_costs import measure_step_costs
     from specstream_mlx.runtime.sampling import SamplingParams
 
     if args.model:
