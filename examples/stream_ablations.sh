@@ -13,7 +13,8 @@
 # them all. Variants: base (the build's settings), ce (data tokens only, no teacher KL:
 # what the reference trains on), positions (every completion position hosts streams, as
 # the reference trains every position), lr / lr6 / lr10 (peak learning rate 3e-3 / 6e-3 / 1e-2),
-# rank (LoRA rank 64).
+# rank (LoRA rank 64), embrms (stream embeddings drawn at the hidden state's RMS, learning at
+# that many times the rate: what made the shared-mode streams learn, docs/DESIGN.md decision 27).
 set -euo pipefail
 ITERS=${1:-80}
 OUT=${2:-runs/ablations}
@@ -33,7 +34,8 @@ extra_args() {
     lr6) echo "--learning-rate 6e-3" ;;
     lr10) echo "--learning-rate 1e-2" ;;
     rank) echo "--lora-rank 64" ;;
-    *) echo "unknown variant: $1 (base ce positions lr lr6 lr10 rank)" >&2; exit 2 ;;
+    embrms) echo "--stream-embedding-rms 1.0" ;;
+    *) echo "unknown variant: $1 (base ce positions lr lr6 lr10 rank embrms)" >&2; exit 2 ;;
   esac
 }
 for v in $VARIANTS; do

@@ -221,7 +221,8 @@ class SweepConfig:
     library: str  # a key of platform_info.LIBRARIES
     threads: int
     # The forwarder in front (platform_info.gemv_forwarder): "" none, "gemv" one-row products
-    # to the library's GEMV only, "skinny" with its own kernel for 2-48 rows as well.
+    # to the library's GEMV only, "skinny" its own kernel for 1-48 rows, "skinny2" the kernel
+    # for 2-48 rows and one-row products to the GEMV.
     forwarder: str = ""
 
     @property
@@ -284,8 +285,10 @@ def run_sweep(
             if k != "LD_PRELOAD" and not k.endswith("_NUM_THREADS") and not k.startswith("SPECSTREAM_SKINNY")
         }
         env.update(choice.env())
-        if c.forwarder != "skinny":
+        if not c.forwarder.startswith("skinny"):
             env["SPECSTREAM_SKINNY_ROWS"] = "0"
+        if c.forwarder == "skinny2":
+            env["SPECSTREAM_SKINNY_MIN_ROWS"] = "2"
         env.update({lib.threads_env: str(c.threads) for lib in LIBRARIES.values()})
         env["OMP_NUM_THREADS"] = str(c.threads)
         envs[c.label] = env

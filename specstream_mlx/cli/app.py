@@ -621,8 +621,9 @@ def bench_blas(
     libraries: str = typer.Option(
         "blis:1,blis:2,openblas:1,openblas:2,openblas:2+gemv,openblas:2+skinny,blis:1+skinny",
         "--libraries",
-        help="LIBRARY:THREADS[+gemv|+skinny] list to time (installed ones; +gemv: one-row products forwarded to "
-        "GEMV; +skinny: products of a few rows by the forwarder's own kernel).",
+        help="LIBRARY:THREADS[+gemv|+skinny|+skinny2] list to time (installed ones; +gemv: one-row products "
+        "forwarded to GEMV; +skinny: products of 1-48 rows by the forwarder's own kernel; +skinny2: 2-48 rows, "
+        "one row to GEMV).",
     ),
     models: str = typer.Option("smollm2,demo-sql,demo-chat", "--models", help="Models whose shapes are timed."),
     rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds (each configuration once per round)."),
@@ -639,9 +640,9 @@ def bench_blas(
     for item in (x.strip() for x in libraries.split(",") if x.strip()):
         spec, _, extra = item.partition("+")
         name, _, threads = spec.partition(":")
-        if name not in LIBRARIES or not threads.isdigit() or int(threads) < 1 or extra not in ("", "gemv", "skinny"):
+        if name not in LIBRARIES or not threads.isdigit() or int(threads) < 1 or extra not in ("", "gemv", "skinny", "skinny2"):
             _err(
-                f"--libraries: {item!r} is not LIBRARY:THREADS[+gemv|+skinny] "
+                f"--libraries: {item!r} is not LIBRARY:THREADS[+gemv|+skinny|+skinny2] "
                 f"with LIBRARY one of {', '.join(LIBRARIES)}"
             )
         configs.append(SweepConfig(name, int(threads), forwarder=extra))

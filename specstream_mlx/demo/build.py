@@ -552,7 +552,7 @@ FC_TRAIN = dict(
     warmup=10,
     # Stream embeddings drawn at the scale of the hidden state they are added to (RMS ~20 at
     # layer 26): at the fixed 0.02 draw a stream row is the main row, and the shared LoRA
-    # cannot tell them apart (stream-1 top-1 0.05 against 0.44; docs/DESIGN.md decision 31).
+    # cannot tell them apart (stream-1 top-1 0.05 against 0.44; docs/DESIGN.md decision 27).
     stream_embedding_rms=1.0,
 )
 

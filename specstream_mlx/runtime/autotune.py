@@ -7,16 +7,17 @@ before every step — a :class:`TreePass`, a :class:`Probe` of timed plain token
 (:class:`FixedPolicy`); ``--tree auto`` is :class:`AutoPolicy`, which picks an
 *arm* — a dynamic-tree budget ``b`` and a hosting mode (streams at every node, or at
 the root and ``HOSTING`` likely endpoints) — by expected tokens per unit time,
-(1 + E_b) / cost(b), plain decoding scoring 1. Everything it knows comes from the
-generations it runs; nothing is measured before the first token.
+(1 + E_b) / cost(b), plain decoding scoring 1. What it knows comes from the generations
+it runs, from the acceptance measured with the streams, and from one timing of bare passes
+per machine and model (:func:`~.step_costs.calibrate`, stored) before its first pass.
 
 * **Costs** (:class:`~.step_costs.PassCosts`, a machine fact shared by every client of a model): the
   wall time of each tree pass, from its start to the start of the next (the consumer's
   work included), per arm, over the wall time of a plain token timed the same way on
   short plain *probes* (``PLAIN_PROBE`` tokens every ``PLAIN_EVERY`` passes; lossless
   like any plain step). Arms not yet timed take the costs an earlier process stored,
-  scaled by what the timed arms show, or else a line through the timed arms
-  (``PRIOR`` before any). Costs are stored when a generation ends.
+  scaled by what the timed arms show, or else a line through the timed (or stored) arms
+  (``PRIOR`` where there are none). Costs are stored when a generation ends.
 * **Acceptance** (:class:`Acceptance`, per client): the expected accepted length of
   budget ``b`` is the sum of the ``b`` highest path scores (products of stream
   probabilities), times a running calibration (accepted / predicted), per hosting mode
