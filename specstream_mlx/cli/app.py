@@ -640,7 +640,12 @@ def bench_blas(
     for item in (x.strip() for x in libraries.split(",") if x.strip()):
         spec, _, extra = item.partition("+")
         name, _, threads = spec.partition(":")
-        if name not in LIBRARIES or not threads.isdigit() or int(threads) < 1 or extra not in ("", "gemv", "skinny", "skinny2"):
+        if (
+            name not in LIBRARIES
+            or not threads.isdigit()
+            or int(threads) < 1
+            or extra not in ("", "gemv", "skinny", "skinny2")
+        ):
             _err(
                 f"--libraries: {item!r} is not LIBRARY:THREADS[+gemv|+skinny|+skinny2] "
                 f"with LIBRARY one of {', '.join(LIBRARIES)}"
@@ -972,6 +977,12 @@ class TrainBackend(str, Enum):
     torch = "torch"
 
 
+EMBEDDING_LR_HELP = (
+    "The stream embeddings' learning rate as a multiple of --learning-rate "
+    "(default: the hidden state's RMS where they are drawn at its scale, else 1)."
+)
+
+
 @app.command()
 def train(
     model: str = typer.Option(..., "--model", help="Base model directory (or bundled name)."),
@@ -1000,12 +1011,7 @@ def train(
         help="Draw fresh stream embeddings at this x the stream layer's hidden RMS "
         "(default: 1.0 in shared mode, a fixed 0.02 draw in lossless mode).",
     ),
-    embedding_lr: Optional[float] = typer.Option(
-        None,
-        "--embedding-lr",
-        help="The stream embeddings' learning rate as a multiple of --learning-rate "
-        "(default: the hidden state's RMS where they are drawn at its scale, else 1).",
-    ),
+    embedding_lr: Optional[float] = typer.Option(None, "--embedding-lr", help=EMBEDDING_LR_HELP),
     save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps."),
     steps_per_eval: int = typer.Option(200, "--steps-per-eval", help="Validate every N steps."),
     seed: int = typer.Option(0, "--seed", help="Seed for initialisation and shuffling."),

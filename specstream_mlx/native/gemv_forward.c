@@ -7,20 +7,21 @@
  * rows a SmolLM2 step's products took 64-74 ms against a 15-17 ms floor.
  *
  * Preloaded before the BLAS, this library takes cblas_sgemm. A row-major product of
- * 2 <= m <= SKINNY_MAX_ROWS rows by a weight stored (n x k) -- a linear layer, b
+ * 1 <= m <= SKINNY_MAX_ROWS rows by a weight stored (n x k) -- a linear layer, b
  * transposed -- or (k x n) -- attention's values -- runs here: every weight row is read
  * once from memory and used for all m rows of a while it sits in the L1 cache, so m
  * rows cost about what one costs until the arithmetic (m FMAs per weight) catches up
  * with the reads (on SmolLM2's shapes, 2-4 rows took what one row takes, 8 rows 1.3x). The n outputs are split
  * between a small pool of threads that spin briefly between products (a step issues
- * ~200 of them back to back) and then sleep. One-row products go to the next library's
- * cblas_sgemv, every other call to its cblas_sgemm unchanged, as does every call on a
- * CPU without AVX2 and FMA.
+ * ~200 of them back to back) and then sleep. Every other call goes to the next library's
+ * cblas_sgemm unchanged, as does every call on a CPU without AVX2 and FMA (one-row
+ * products then to its cblas_sgemv).
  *
  * Where the CPU has AVX-512 the tiles use 16-lane vectors and take up to 48 rows.
  *
  * Settings (read once): SPECSTREAM_SKINNY_THREADS (default: the online CPUs, at most 8),
  * SPECSTREAM_SKINNY_ROWS (default 48 with AVX-512, else 32; 0 or 1 turns the kernel off),
+ * SPECSTREAM_SKINNY_MIN_ROWS=2 (one-row products to the library's GEMV),
  * SPECSTREAM_SKINNY_ISA=avx2 (AVX2 tiles even where AVX-512 is there).
  */
 #define _GNU_SOURCE

@@ -262,6 +262,29 @@ def _draw_stream_embeddings(model, streams, h_rms: float, cfg: TrainConfig, log)
     )
 
 
+def _embedding_settings(model, streams, adopted: bool, data, cfg: TrainConfig, resume: bool, log) -> None:
+    """Fresh stream embeddings' draw and learning rate (``cfg.stream_embedding_rms`` and
+    ``cfg.embedding_lr``, their defaults resolved here); ``adopted``: the model's own
+    streams are trained further, so nothing is drawn."""
+    if cfg.mode == "shared" and cfg.stream_embedding_rms is None and not adopted:
+        cfg.stream_embedding_rms = SHARED_EMBEDDING_RMS
+    h_rms = None
+    if not adopted and cfg.stream_embedding_rms is not None and not resume:
+        h_rms = _hidden_rms(model, streams, data)
+        _draw_stream_embeddings(model, streams, h_rms, cfg, log)
+    auto_lr = cfg.embedding_lr is None
+    if auto_lr:
+        # Embeddings drawn at the hidden state's scale learn at it too: Adam moves every
+        # parameter by about the learning rate per step, whatever its scale, so this is the
+        # rate of P = RMS * P' with P' at unit scale (docs/DESIGN.md decision 27). The fixed
+        # small draw keeps the base rate.
+        drawn = cfg.stream_embedding_rms is not None
+        cfg.embedding_lr = round(h_rms or _hidden_rms(model, streams, data), 3) if drawn else 1.0
+    if cfg.embedding_lr != 1.0:
+        why = " (the RMS of the hidden state they are added to)" if auto_lr else ""
+        log(f"[train] stream embeddings learn at {cfg.embedding_lr:g} x the learning rate{why}")
+
+
 def _torch_accelerator():
     from .torch_backend import make_accelerator
 
@@ -328,23 +351,8 @@ def train(
     trainable = Trainable(model, cfg)
     if existing is not None:
         trainable.streams.update(existing.parameters())
-    if cfg.mode == "shared" and cfg.streams and cfg.stream_embedding_rms is None and existing is None:
-        cfg.stream_embedding_rms = SHARED_EMBEDDING_RMS
-    h_rms = None
-    if existing is None and cfg.streams and cfg.stream_embedding_rms is not None and not resume:
-        h_rms = _hidden_rms(model, trainable.streams, data)
-        _draw_stream_embeddings(model, trainable.streams, h_rms, cfg, log)
-    auto_lr = cfg.streams and cfg.embedding_lr is None
-    if auto_lr:
-        # Embeddings drawn at the hidden state's scale learn at it too: Adam moves every
-        # parameter by about the learning rate per step, whatever its scale, so this is the
-        # rate of P = RMS * P' with P' at unit scale (docs/DESIGN.md decision 27). The fixed
-        # small draw keeps the base rate.
-        drawn = cfg.stream_embedding_rms is not None
-        cfg.embedding_lr = round(h_rms or _hidden_rms(model, trainable.streams, data), 3) if drawn else 1.0
-    if cfg.streams and cfg.embedding_lr != 1.0:
-        why = " (the RMS of the hidden state they are added to)" if auto_lr else ""
-        log(f"[train] stream embeddings learn at {cfg.embedding_lr:g} x the learning rate{why}")
+    if cfg.streams:
+        _embedding_settings(model, trainable.streams, existing is not None, data, cfg, resume, log)
     # Lossless streams are tied to the frozen base they learned: record its fingerprint, so
     # they are never attached to another base. (Shared mode writes a new base of its own.)
     from ..io.fingerprint import base_fingerprint
