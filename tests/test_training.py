@@ -857,6 +857,7 @@ def test_stream_embeddings_learn_at_their_own_rate(tmp_path, corpus, base_dir, b
             **mx.load(str(tmp_path / f"{backend}{k}" / "streams.safetensors")),
             **mx.load(str(tmp_path / f"{backend}{k}" / "adapters.safetensors")),
         }
+
     def moved(k):
         return out[k]["embeddings"].astype(mx.float32) - out[1.0]["embeddings"].astype(mx.float32)
 
