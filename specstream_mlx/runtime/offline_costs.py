@@ -1,9 +1,10 @@
 """Offline pass costs: one bare speculative pass of a ``b``-node tree over one bare
 pipelined plain step, on a synthetic prefix (``examples/step_cost.py`` prints them).
 
-``--tree auto`` does not use these: it times the passes of real generations, which
-include what a generation adds per step (sampling, syncs, the consumer). They are the
-tool for comparing pass kinds, hosting policies and machines without a workload.
+``--tree auto`` takes a few of these once per machine and model as its cost prior
+(:func:`~.step_costs.calibrate`) and from then on times the passes of real generations,
+which include what a generation adds per step (sampling, syncs, the consumer). They are
+also the tool for comparing pass kinds, hosting policies and machines without a workload.
 """
 
 from __future__ import annotations
