@@ -10,7 +10,7 @@ also the tool for comparing pass kinds, hosting policies and machines without a 
 from __future__ import annotations
 
 import time
-from typing import Dict
+from typing import Dict, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -117,14 +117,19 @@ def measure_step_costs(
     compiled: bool = False,
 ) -> Dict[int, float]:
     """Cost of one pass with ``b`` draft nodes relative to one plain step, per budget."""
+    arms = [(b, hosting) for b in budgets if not (hosting and b <= hosting)]  # else every node hosts anyway
+    costs = measure_arm_costs(model, streams, arms, context, reps, sampled, compiled)
+    return {0: 1.0, **{b: c for (b, _), c in costs.items()}}
+
+
+def measure_arm_costs(
+    model, streams, arms, context: int = 128, reps: int = 7, sampled: bool = False, compiled: bool = False
+) -> Dict[Tuple[int, int], float]:
+    """Cost of one pass of each (budget, hosting mode) in ``arms`` relative to one plain
+    step, all against the same timing of the plain step."""
     forward = SSPass(model, streams, compiled)
     cache = make_cache(model)
     model(mx.array([[1] * context]), cache=cache)
     mx.eval([c.keys for c in cache])
     base = plain_step_seconds(model, cache, context, reps)
-    costs = {0: 1.0}
-    for b in budgets:
-        if hosting and b <= hosting:
-            continue  # every node hosts anyway
-        costs[b] = timed(pass_fn(forward, cache, context, b, sampled, hosting), reps) / base
-    return costs
+    return {(b, h): timed(pass_fn(forward, cache, context, b, sampled, h), reps) / base for b, h in arms}

@@ -186,20 +186,10 @@ def calibrate(model, streams, sampled: bool, compiled: bool, hosting_modes=(0, 1
     bare passes of ``CALIBRATION_BUDGETS`` nodes at each hosting mode over bare plain steps
     on a synthetic prefix (:mod:`.offline_costs`). The generic line ``PRIOR`` was 2x too
     cheap for a 3M-parameter model, whose passes are host work (docs/DESIGN.md decision 22);
-    this takes ~0.1 s there and ~1 s for SmolLM2, once per machine and model."""
-    from .offline_costs import measure_step_costs
+    this took 0.9 s there and 6 s for SmolLM2 on a loaded 2-core CPU, once per machine and model."""
+    from .offline_costs import measure_arm_costs
 
-    out: Dict[Arm, float] = {}
-    for h in hosting_modes:
-        costs = measure_step_costs(
-            model,
-            streams,
-            context=64,
-            reps=CALIBRATION_REPS,
-            budgets=CALIBRATION_BUDGETS,
-            sampled=sampled,
-            hosting=h,
-            compiled=compiled,
-        )
-        out.update({(b, h): c for b, c in costs.items() if b and not (h and b <= h)})
-    return out
+    arms = [(b, h) for h in hosting_modes for b in CALIBRATION_BUDGETS if not (h and b <= h)]
+    return measure_arm_costs(
+        model, streams, arms, context=64, reps=CALIBRATION_REPS, sampled=sampled, compiled=compiled
+    )
