@@ -79,7 +79,7 @@ SHARED_EMBEDDING_RMS = 1.0  # the stream embeddings' name in the trainable's fla
 def _schedule(peak: float, cfg: TrainConfig, total: int):
     schedule = optim.linear_schedule(peak, 0.0, total)
     if cfg.warmup:
-        warm = optim.linear_schedule(1e-8 * peak / cfg.learning_rate, peak, cfg.warmup)
+        warm = optim.linear_schedule(1e-8, peak, cfg.warmup)
         schedule = optim.join_schedules([warm, schedule], [cfg.warmup])
     return schedule
 
