@@ -186,7 +186,7 @@ def calibrate(model, streams, sampled: bool, compiled: bool, hosting_modes=(0, 1
     bare passes of ``CALIBRATION_BUDGETS`` nodes at each hosting mode over bare plain steps
     on a synthetic prefix (:mod:`.offline_costs`). The generic line ``PRIOR`` was 2x too
     cheap for a 3M-parameter model, whose passes are host work (docs/DESIGN.md decision 22);
-    this took 0.9 s there and 6 s for SmolLM2 on a loaded 2-core CPU, once per machine and model."""
+    run once per machine and model, its result stored."""
     from .offline_costs import measure_arm_costs
 
     arms = [(b, h) for h in hosting_modes for b in CALIBRATION_BUDGETS if not (h and b <= h)]
