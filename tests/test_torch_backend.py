@@ -43,8 +43,10 @@ def _randomize(trainable, seed: int) -> None:
     trainable.update(tree_unflatten(flat))
 
 
-def _trainable(loaded, mode: str, gamma=3, layers=2, seed=0):
-    cfg = TrainConfig(mode=mode, num_streams=gamma, stream_layers=layers, lora_rank=4, segment=3, stream_positions=8)
+def _trainable(loaded, mode: str, gamma=3, layers=2, seed=0, **kw):
+    cfg = TrainConfig(
+        mode=mode, num_streams=gamma, stream_layers=layers, lora_rank=4, segment=3, stream_positions=8, **kw
+    )
     model = loaded.model
     model.freeze()
     t = Trainable(model, cfg)
@@ -91,15 +93,18 @@ def _batch(loaded, seed=2):
     return make_batch(exs, 24, 8, None)
 
 
-@pytest.mark.parametrize("variant,mode", [("qwen2", "lossless"), ("qwen2", "shared"), ("gemma3", "shared")])
-def test_torch_objective_matches_mlx_loss_and_gradients(hf_models, variant, mode):
+@pytest.mark.parametrize(
+    "variant,mode,isolate",
+    [("qwen2", "lossless", False), ("qwen2", "shared", False), ("gemma3", "shared", False), ("qwen2", "shared", True)],
+)
+def test_torch_objective_matches_mlx_loss_and_gradients(hf_models, variant, mode, isolate):
     """Same loss terms and the same gradients (segment-wise in torch, one graph in MLX);
     gemma3's sequences (14-20 tokens) outrun its window (6)."""
     import mlx.nn as nn
 
     _, _, mlx_dir = hf_models(variant)
     loaded = _load(mlx_dir)
-    t, cfg = _trainable(loaded, mode)
+    t, cfg = _trainable(loaded, mode, isolate_streams=isolate)
     b = _batch(loaded)
     arrays = [mx.array(a) for a in (b.tokens, b.loss_mask, b.stream_pos, b.stream_weight, b.lengths)]
     (loss, m), grads = nn.value_and_grad(t, lambda *a: compute_loss(loaded.model, t, cfg, *a))(*arrays)

@@ -667,6 +667,51 @@ def test_segmented_gradients_equal_the_one_graph_gradients(base_dir, mode):
         assert np.abs(np.array(got[k]) - np.array(ref[k])).max() <= 1e-5 * scale, k
 
 
+def test_isolated_streams_leave_the_main_pass_to_the_main_loss(base_dir):
+    """Shared mode with ``isolate_streams``: the LoRA below the stream layers gets exactly the
+    main loss's gradient (the streams read the main pass but do not train it), the stream
+    layers' LoRA still learns from the streams, and segment-wise gradients equal the one graph's."""
+    import mlx.nn as nn
+
+    from specstream_mlx.io.loading import load_model_dir
+    from specstream_mlx.train.data import Example, make_batch
+    from specstream_mlx.train.objective import Trainable, compute_loss
+    from specstream_mlx.train.segmented import SegmentedStep
+
+    model = load_model_dir(str(base_dir), warn=False).model
+    model.freeze()
+    kw = dict(mode="shared", num_streams=3, stream_layers=1, lora_rank=4, segment=3, stream_positions=8)
+    rng = np.random.default_rng(0)
+    V = model.args.vocab_size
+    exs = [Example(list(rng.integers(3, V, n)), completion_start=c) for n, c in ((20, 6), (14, 3), (17, 9))]
+    b = make_batch(exs, 24, 8, None)
+    arrays = [mx.array(a) for a in (b.tokens, b.loss_mask, b.stream_pos, b.stream_weight, b.lengths)]
+
+    def grads(**over):
+        cfg = TrainConfig(**dict(kw, **over))
+        t = Trainable(model, cfg)
+        flat = tree_flatten(t.trainable_parameters())
+        r = np.random.default_rng(1)
+        t.update(tree_unflatten([(k, mx.array(r.normal(0, 0.05, v.shape).astype(np.float32))) for k, v in flat]))
+        g = nn.value_and_grad(t, lambda *a: compute_loss(model, t, cfg, *a))(*arrays)[1]
+        return t, cfg, {k: np.array(v) for k, v in tree_flatten(g) if k.startswith("base_lora.")}
+
+    t, cfg, iso = grads(isolate_streams=True)
+    _, _, main_only = grads(alpha_stream=0.0)
+    _, _, coupled = grads()
+    s0 = len(model.layers) - cfg.stream_layers
+    below = [k for k in iso if int(k.split(".")[1][len("layer") :]) < s0]
+    above = [k for k in iso if k not in below]
+    assert below and above
+    for k in below:
+        np.testing.assert_allclose(iso[k], main_only[k], atol=1e-6, err_msg=k)
+    assert max(np.abs(coupled[k] - main_only[k]).max() for k in below) > 1e-4  # coupled: streams reach below
+    assert max(np.abs(iso[k] - main_only[k]).max() for k in above) > 1e-4  # the stream layers still learn
+    seg = {k: np.array(v) for k, v in tree_flatten(SegmentedStep(model, t, None, cfg).loss_and_grad(*arrays)[2])}
+    for k in iso:
+        assert np.abs(seg[k] - iso[k]).max() <= 1e-5 * max(1.0, np.abs(iso[k]).max()), k
+
+
 def test_loop_start_finds_where_a_reply_starts_repeating():
     from specstream_mlx.train.distill import loop_start
 

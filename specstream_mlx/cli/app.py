@@ -1039,6 +1039,11 @@ def train(
     no_streams: bool = typer.Option(
         False, "--no-streams", help="Shared mode: a next-token-only LoRA baseline (no streams, no stream losses)."
     ),
+    isolate_streams: bool = typer.Option(
+        False,
+        "--isolate-streams",
+        help="Shared mode: the stream losses train the stream rows only, not the main pass they read.",
+    ),
     pruning_keep: float = typer.Option(
         0.98,
         "--pruning-keep",

@@ -38,6 +38,10 @@ class TrainConfig:
             ``learning_rate``; None: the hidden state's RMS where they were drawn at its
             scale (Adam's steps are about ``lr`` in absolute size, so this is the rate of
             ``RMS · P'`` with ``P'`` at unit scale), else 1.
+        isolate_streams: shared mode: the stream losses train only what the stream rows
+            compute with (their embeddings, the stream layers' shared LoRA as applied to
+            them), not the main pass they read (its hidden state and keys/values are held
+            fixed for them); the main loss alone trains the main rows.
         pruning_keep: calibrate the early-exit pruning threshold on the valid split so that
             this share of would-be-accepted children survives (0: keep ``pruning_threshold``).
         cached_features: lossless, torch backend: compute the frozen features (the hidden
@@ -81,6 +85,7 @@ class TrainConfig:
     # Calibrate the pruning threshold on the valid split at the end (see train/calibrate.py):
     # keep this share of the children greedy verification would accept; 0 leaves the threshold as set.
     pruning_keep: float = 0.98
+    isolate_streams: bool = False
     compile: bool = True
     # Shared mode only: train every base weight (from-scratch demo models) instead of a LoRA.
     full: bool = False
@@ -101,6 +106,8 @@ class TrainConfig:
             raise ValueError(f"mode must be lossless or shared, got {self.mode!r}")
         if self.full and self.mode != "shared":
             raise ValueError("full training of the base is only meaningful in shared mode")
+        if self.isolate_streams and self.mode != "shared":
+            raise ValueError("--isolate-streams is for shared mode (in lossless mode the main pass is frozen)")
         if self.precision not in ("float32", "bfloat16", "auto"):
             raise ValueError(f"precision must be float32, bfloat16 or auto, got {self.precision!r}")
         if self.precision == "bfloat16" and (self.backend != "torch" or self.full):

@@ -258,6 +258,8 @@ def compute_loss(model, trainable: Trainable, cfg: TrainConfig, tokens, loss_mas
     if not cfg.streams:
         metrics["loss"] = total
         return total, metrics
+    if cfg.isolate_streams:  # the streams read the main pass but do not train it
+        h_s0, tapes = mx.stop_gradient(h_s0), [t.frozen() for t in tapes]
     n = stream_counts(spos, sweight, lengths, trainable.streams.num_streams)
     sums = None
     for s in range(0, spos.shape[1], cfg.segment):

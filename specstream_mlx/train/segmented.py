@@ -55,8 +55,10 @@ class SegmentedStep:
     def __init__(self, model, trainable: Trainable, optimizer, cfg: TrainConfig):
         self.model, self.trainable, self.optimizer, self.cfg = model, trainable, optimizer, cfg
         self.shared = cfg.mode != "lossless"
-        # Shared mode also needs the gradient w.r.t. the main outputs (argument 1).
-        self.seg_grad = mx.value_and_grad(self._segment, argnums=(0, 1) if self.shared else 0)
+        # Shared mode also needs the gradient w.r.t. the main outputs (argument 1), unless the
+        # streams are isolated from the main pass (then the main loss alone trains it).
+        self.through_main = self.shared and not cfg.isolate_streams
+        self.seg_grad = mx.value_and_grad(self._segment, argnums=(0, 1) if self.through_main else 0)
         self.main_grad = mx.grad(self._main_surrogate)
 
     def _segment(self, params, main: list, tokens, sp, w, lengths, n, prune_at):
@@ -100,7 +102,7 @@ class SegmentedStep:
             prune_at = (spos, sweight) if s == 0 else None
             args = (params, main, tokens, spos[:, sl], sweight[:, sl], lengths, n, prune_at)
             (loss, (parts, prune_ce)), g = self.seg_grad(*args)
-            if self.shared:
+            if self.through_main:
                 g, g_main = g
                 cots = _add(cots, g_main)
             grads = _add(grads, g)
@@ -110,7 +112,7 @@ class SegmentedStep:
                 metrics["prune_ce"] = prune_ce
             mx.eval(grads, cots, sums, total)  # frees this segment's graph
         if self.shared:
-            grads = _add(grads, self.main_grad(params, tokens, loss_mask, cots))
+            grads = _add(grads, self.main_grad(params, tokens, loss_mask, cots or []))
         trainable.update(params)
         metrics.update(stream_metrics(sums, n, cfg))
         metrics["loss"] = total

@@ -447,7 +447,8 @@ def _backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str
     else:
         main = main_pass(hf_model, trainable, tokens, s0)
         leaves = MainPass.from_tensors(
-            [t.detach().requires_grad_(train) for t in main.tensors()], main.h_final.detach()
+            [t.detach().requires_grad_(train and not cfg.isolate_streams) for t in main.tensors()],
+            main.h_final.detach(),
         )
     lm = loss_mask[:, :-1]
     n_main = lm.sum().clamp(min=1.0)
