@@ -1,6 +1,8 @@
 """--tree auto: the arm follows timed costs and observed acceptance; nothing is measured
 before the first token; what it learns about costs outlives the process."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -535,3 +537,24 @@ def test_measured_acceptance_is_bounded_and_grows_with_the_budget(tiny_model_dir
     assert prior.positions == 2 * (16 - model.streams.num_streams) and prior.prompts == 2
     assert all(0.0 <= e <= model.streams.num_streams for e in es)
     assert all(a <= b + 1e-9 for a, b in zip(es, es[1:]))
+
+
+def test_costs_are_written_only_after_new_timed_passes(tmp_path, monkeypatch):
+    """A request decoded plainly times no pass: the stored costs stay as they are, without a
+    file write after every request; a newly timed pass is stored again."""
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))
+    path = tmp_path / "step_costs.json"
+    costs = PassCosts("machine|model")
+    for _ in range(C.TIME_MIN):
+        costs.observe_plain(0.01)
+        costs.observe_pass((4, 0), 0.02)
+    costs.save()
+    assert json.loads(path.read_text())["machine|model"]["costs"] == {"4,0": pytest.approx(2.0)}
+    path.unlink()
+    for _ in range(5):
+        costs.observe_plain(0.012)  # plain tokens only
+    costs.save()
+    assert not path.exists()
+    costs.observe_pass((4, 0), 0.024)
+    costs.save()
+    assert path.exists()

@@ -75,6 +75,9 @@ class PassCosts:
     timed: Dict[Arm, int] = field(default_factory=dict)
     plain: float = 0.0
     plain_n: int = 0
+    # The pass counts at the last save: a request decoded plainly times no pass and leaves
+    # the stored costs as they are (no write after every request).
+    saved_timed: Dict[Arm, int] = field(default_factory=dict)
 
     @classmethod
     def load(cls, key: str) -> "PassCosts":
@@ -91,10 +94,13 @@ class PassCosts:
 
     def save(self, extra: Optional[Dict[Arm, float]] = None) -> None:
         """Store the timed arms' costs (and ``extra`` ones, e.g. a calibration's) under the key."""
+        if not extra and self.timed == self.saved_timed:
+            return  # no pass timed since the last save
         measured = {a: c for a in self.timed if (c := self.measured(a)) is not None}
         measured.update(extra or {})
         if self.key is None or not measured:
             return
+        self.saved_timed = dict(self.timed)
         self.stored.update(measured)
         table = _read_table()
         table[self.key] = {"costs": {f"{b},{h}": c for (b, h), c in sorted(self.stored.items())}}
