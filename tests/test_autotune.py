@@ -315,6 +315,7 @@ def test_pass_costs_are_timed_once_per_machine_and_model_before_the_first_pass(t
     monkeypatch.setattr(A, "calibrate", counted)
     auto = model.tuner(SamplingParams())
     want = {(b, h) for b in step_costs.CALIBRATION_BUDGETS for h in (0, A.HOSTING) if not (h and b <= h)}
+    want.add(A.LOOKUP_ARM)  # greedy: the lookup arm's chain pass too
     assert len(timings) == 1 and set(timings[0]) == want and all(c > 0 for c in timings[0].values())
     assert auto.costs.stored == pytest.approx(timings[0])
     again = SpeculativeModel(model.base, model.streams).tuner(SamplingParams())  # the next process
@@ -558,3 +559,66 @@ def test_costs_are_written_only_after_new_timed_passes(tmp_path, monkeypatch):
     costs.observe_pass((4, 0), 0.024)
     costs.save()
     assert path.exists()
+
+
+def test_the_lookup_arm_wins_where_continuations_are_accepted():
+    """Greedy: passes that host no streams and verify the n-gram continuation alone compete
+    with the stream arms, scored by the continuations' path scores over their own cost."""
+    scores = [0.3, 0.2, 0.1, 0.05]
+    costs = costs_of({2: 2.0, 4: 2.3, 8: 2.8})
+    costs.stored[A.LOOKUP_ARM] = 1.3
+    auto = AutoPolicy(costs, depth=4, budget=4, hosting=0)
+    observe_many(auto, WARMUP_STEPS, accepted=0.6, scores=scores)  # streams: best (1 + 0.6) / 2.3 < 1
+    for _ in range(30):
+        auto.observe_chain([0.9, 0.8, 0.7, 0.6, 0.5])  # a copied span: (1 + 3.5) / 1.3
+    auto._choose()
+    assert (auto.budget, auto.hosting) == A.LOOKUP_ARM and auto.pending is None
+    plans = [auto.plan() for _ in range(A.LOOKUP_EXPLORE_EVERY)]
+    assert all(p.label == "auto:lookup" for p in plans)
+    lookup = [p for p in plans if p.hosting == A.NO_STREAMS]
+    assert len(lookup) == A.LOOKUP_EXPLORE_EVERY - 1 and all(p.threshold == 0.0 for p in lookup)
+    assert plans[-1].hosting == 0 and plans[-1].streams_per_host == 4  # the streams' evidence, now and then
+    # Nothing to copy any more: neither source pays, plain decoding.
+    for _ in range(60):
+        auto.observe_chain([])
+    auto._choose()
+    assert auto.pending is not None
+    # Sampling: the arm is not offered (a sampled draft must be drawn from its proposal).
+    sampled = AutoPolicy(costs, depth=4, budget=4, hosting=0, lookup_arm=False)
+    observe_many(sampled, WARMUP_STEPS, accepted=0.6, scores=scores)
+    for _ in range(30):
+        sampled.observe_chain([0.9, 0.8, 0.7, 0.6, 0.5])
+    assert A.LOOKUP_ARM not in sampled.arms()
+
+
+def test_lookup_arm_passes_decode_exactly_what_plain_decoding_does(tiny_model_dir, tmp_path, monkeypatch):
+    """On the lookup arm (greedy) passes host no streams and verify the continuation alone,
+    with an all-stream pass every LOOKUP_EXPLORE_EVERY: the output equals plain decoding's
+    and the continuations are accepted where the text repeats."""
+    import mlx.core as mx
+
+    from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.runtime.speculative import ss_steps
+    from specstream_mlx.runtime.steps import ar_steps
+
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))
+    model, _ = _auto_model(tiny_model_dir)
+    auto = model.tuner(SamplingParams())
+    auto.prior, (auto.budget, auto.hosting) = None, A.LOOKUP_ARM
+    monkeypatch.setattr(auto, "_choose", lambda: None)  # pinned to the arm
+    prompt = mx.array([5, 9, 40, 77, 12, 5, 9, 40, 77, 12, 5, 9, 40])
+    got, lookup_accepted = [], 0
+    for step in ss_steps(model, prompt, SamplingParams(), tree="auto", policy=auto):
+        got += step.tokens
+        if step.info.tree == "auto:lookup":
+            lookup_accepted += step.info.accepted
+        if len(got) >= 60:
+            break
+    want = []
+    for step in ar_steps(model.base, prompt, SamplingParams()):
+        want += step.tokens
+        if len(want) >= len(got):
+            break
+    assert got[:60] == want[:60]
+    assert lookup_accepted > 0
+    assert auto.costs.timed.get(A.LOOKUP_ARM, 0) > 0

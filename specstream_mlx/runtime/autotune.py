@@ -48,12 +48,17 @@ import numpy as np
 
 from ..method.tree import LOOKUP_LEN, TreeSpec
 from .acceptance_prior import AcceptancePrior
-from .drafting import Draft, Forecast, num_candidates
+from .drafting import NO_STREAMS, Draft, Forecast, num_candidates
 from .step_costs import TIME_MIN, Arm, PassCosts, calibrate, model_key
 
 CANDIDATE_BUDGETS = (2, 4, 8, 12, 16, 24)
 HOSTING = 1
 START: Arm = (4, HOSTING)  # cheap to run while nothing is known; evidence moves it
+# Greedy: passes that host no streams and verify an n-gram continuation alone (prompt
+# lookup's draft, up to LOOKUP_LEN tokens), scored by the continuations' measured hit rates.
+LOOKUP_ARM: Arm = (LOOKUP_LEN, NO_STREAMS)
+LOOKUP_EXPLORE_EVERY = 16  # on the lookup arm, every 16th pass hosts all streams (their evidence)
+CHAIN_EMA = 0.1
 WARMUP_STEPS = 6
 EXPLORE_EVERY = 4
 MAX_BACKOFF = 16
@@ -126,6 +131,8 @@ class DecodingPolicy(Protocol):
 
     def observe_plain(self, seconds: float) -> None: ...
 
+    def observe_chain(self, scores) -> None: ...
+
     def finish(self) -> None: ...
 
 
@@ -142,6 +149,9 @@ class FixedPolicy:
         pass
 
     def observe_plain(self, seconds: float) -> None:
+        pass
+
+    def observe_chain(self, scores) -> None:
         pass
 
     def finish(self) -> None:
@@ -270,6 +280,12 @@ class AutoPolicy:
     # Greedy: the prior also picks the first arm. Sampled: it is an upper bound only
     # (sampled drafts are accepted less often than greedy ones), so it can only say plain.
     prior_picks_arm: bool = True
+    # Greedy: lookup-only passes (LOOKUP_ARM) compete with the stream arms. ``chain``: EMA of
+    # the expected accepted tokens of such a pass (the continuation's summed path scores, 0
+    # where there is none), observed after every pass; ``lookup_passes``: its passes timed.
+    lookup_arm: bool = True
+    chain: Optional[float] = None
+    lookup_passes: float = 0.0
 
     def __post_init__(self):
         if self.evidence is None:
@@ -287,29 +303,37 @@ class AutoPolicy:
             pruning=Alternatives(self.pruning.options),
             prior=self.prior,
             prior_picks_arm=self.prior_picks_arm,
+            lookup_arm=self.lookup_arm,
         )
 
     def spec(self) -> TreeSpec:
         # Lookup branches ride along (docs/DESIGN.md decision 28): greedy, they replace only
         # stream nodes their measured hit rate outscores, in a pass of the same shape.
-        return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosting=self.hosting, lookup=LOOKUP_LEN)
+        hosting = max(self.hosting, 0)  # the lookup arm's exploring passes host at every node
+        return TreeSpec("dynamic", budget=self.budget, depth=self.depth, hosting=hosting, lookup=LOOKUP_LEN)
+
+    def stream_arms(self):
+        """Every (budget, hosting mode) whose passes host streams."""
+        return [(b, h) for b in CANDIDATE_BUDGETS for h in (0, HOSTING) if not (h and b <= h)]
 
     def arms(self):
-        """Every (budget, hosting mode) the policy chooses between."""
-        return [(b, h) for b in CANDIDATE_BUDGETS for h in (0, HOSTING) if not (h and b <= h)]
+        """Every arm the policy chooses between: the stream arms, and the lookup arm (greedy)."""
+        return self.stream_arms() + ([LOOKUP_ARM] if self.lookup_arm else [])
 
     def rate(self, arm: Arm, cost: Optional[float] = None) -> Optional[float]:
         """Expected tokens per plain-token time of ``arm`` (plain decoding: 1)."""
-        e = self.evidence.expected(*arm)
+        e = self.chain if arm == LOOKUP_ARM else self.evidence.expected(*arm)
         return None if e is None else (1.0 + e) / (self.costs.cost(arm) if cost is None else cost)
 
     def prior_rates(self) -> Dict[Arm, float]:
-        """Predicted tokens per plain-token time of every arm from the prior alone."""
-        costs = self.costs.table(self.arms())
+        """Predicted tokens per plain-token time of every stream arm from the prior alone
+        (how often a request's text repeats, which the lookup arm needs, is not known before it)."""
+        costs = self.costs.table(self.stream_arms())
         return {arm: (1.0 + self.prior.expected(arm[0])) / c for arm, c in costs.items()}
 
     def new_request(self, pruning_levels=(0.0,)) -> None:
         self.evidence.halve()
+        self.lookup_passes /= 2
         self.pruning.offer(pruning_levels)
         self.pending = None
         if self.skip > 0:
@@ -329,7 +353,8 @@ class AutoPolicy:
 
     def plan(self) -> Plan:
         spec = self.spec()
-        label = "auto:" + spec.describe()
+        lookup = self.hosting == NO_STREAMS
+        label = "auto:lookup" if lookup else "auto:" + spec.describe()
         if self.pending is not None:
             return Plain(self.pending, label)
         # Without a prior, plain tokens are timed early (after TIME_MIN passes), since every
@@ -340,6 +365,10 @@ class AutoPolicy:
             self.since_probe = 0
             return Probe(PLAIN_PROBE, label)
         self.passes += 1
+        if lookup:  # no stream rows; now and then all streams at every node, for their evidence
+            if self.passes % LOOKUP_EXPLORE_EVERY == 0:
+                return self._tree_pass(spec, self.depth, 0, label)
+            return TreePass(spec, 0, NO_STREAMS, 0.0, label, self.candidates, self.score_budget, self.compiled)
         if self.passes % EXPLORE_EVERY == 0:  # all streams at every node: honest deep evidence
             return self._tree_pass(spec, self.depth, 0, label)
         return self._tree_pass(spec, min(self.depth, self.budget), self.hosting, label)
@@ -350,18 +379,35 @@ class AutoPolicy:
 
     def observe_pass(self, plan: TreePass, draft: Draft, accepted: int, seconds: float) -> None:
         """A pass over ``draft`` accepted ``accepted`` tokens in ``seconds`` of wall time;
-        booked to the arm that drafted it (its exploring passes included)."""
+        booked to the arm that drafted it (its exploring passes included). A lookup pass over
+        a continuation is booked to the lookup arm (root-only ones too: that arm's average pass
+        includes them); passes between the two kinds are booked to neither."""
+        lookup_pass = plan.hosting == NO_STREAMS
+        if draft.forecast.from_hosting == NO_STREAMS:
+            if lookup_pass:
+                self.costs.observe_pass(LOOKUP_ARM, seconds)
+                self.since_probe += 1
+                self.lookup_passes += 1
+                if self.lookup_passes >= WARMUP_STEPS:
+                    self._choose()
+            return
         if len(draft.tree) <= 1:
             return  # a root-only pass after a probe or the prompt: no arm's
-        self.costs.observe_pass((draft.forecast.budget, plan.next_tree.hosting), seconds)
+        if not lookup_pass:
+            self.costs.observe_pass((draft.forecast.budget, plan.next_tree.hosting), seconds)
+            self.pruning.record(plan.threshold, seconds, accepted + 1)
         self.since_probe += 1
-        self.pruning.record(plan.threshold, seconds, accepted + 1)
         self.evidence.observe(draft.forecast, accepted)
         if self.evidence.steps >= WARMUP_STEPS:
             self._choose()
 
     def observe_plain(self, seconds: float) -> None:
         self.costs.observe_plain(seconds)
+
+    def observe_chain(self, scores) -> None:
+        """The continuation the next draft can use, by its path scores (none: 0)."""
+        e = float(sum(scores))
+        self.chain = e if self.chain is None else self.chain + CHAIN_EMA * (e - self.chain)
 
     def finish(self) -> None:
         self.costs.save()
@@ -389,6 +435,9 @@ def auto_policy_for(model, streams, sampled: bool, compiled: bool, log=None) -> 
     if not costs.stored:
         if log:
             log("--tree auto: timing tree passes for this model on this machine (once; stored in the user cache)")
-        costs.save(calibrate(model, streams, sampled, compiled, (0, HOSTING)))
+        extra = () if sampled else (LOOKUP_ARM,)
+        costs.save(calibrate(model, streams, sampled, compiled, (0, HOSTING), extra))
     prior = AcceptancePrior.from_extra(streams.config.extra)
-    return AutoPolicy(costs, streams.num_streams, compiled, prior=prior, prior_picks_arm=not sampled)
+    return AutoPolicy(
+        costs, streams.num_streams, compiled, prior=prior, prior_picks_arm=not sampled, lookup_arm=not sampled
+    )

@@ -181,6 +181,19 @@ def draft_tree(root: int, cand: Candidates, spec: TreeSpec, sampling: SamplingPa
     return Draft(tree, cand.q[:depth], node_reach(tree, top, ptop), forecast=forecast)
 
 
+# A hosting mode: no node hosts streams. --tree auto's lookup arm runs such passes: they
+# verify an n-gram continuation alone, as prompt lookup does, at the cost of its rows.
+NO_STREAMS = -1
+
+
+def chain_draft(root: int, chain: List[int], chain_scores: List[float], budget: int) -> Draft:
+    """The next draft of a pass that hosted no streams: the n-gram continuation alone (a
+    root-only tree when there is none); ``chain_scores`` are its path scores."""
+    tree = Tree.chain([root] + [int(t) for t in chain])
+    reach = np.array([1.0] + [float(s) for s in chain_scores])
+    return Draft(tree, reach=reach, forecast=Forecast(float(sum(chain_scores)), budget=budget, from_hosting=NO_STREAMS))
+
+
 def with_lookup(draft: Draft, chain: List[int], chain_scores: List[float], budget: int) -> Draft:
     """``draft`` (greedy, dynamic) with an n-gram continuation merged in under the same
     node budget (:func:`~specstream_mlx.method.tree.merge_chain`); the node scores become

@@ -20,7 +20,7 @@ from ..method.msa import stream_logits
 from ..method.tree import Tree, dynamic_tree, tree_buffers
 from .cache import make_cache
 from .compiled_pass import SSPass
-from .drafting import stream_candidates
+from .drafting import NO_STREAMS, stream_candidates
 from .plain_step import plain_step
 from .sampling import KeyStream, SamplingParams
 from .verification import verification_target
@@ -69,13 +69,17 @@ def plain_step_seconds(model, cache, context: int, reps: int) -> float:
 
 def pass_fn(forward: SSPass, cache, context: int, b: int, sampled: bool, hosting: int = 0):
     """One pass of budget ``b`` as the engine runs it: forward, its syncs, commit, next
-    tree. ``hosting``: streams at the root and this many other nodes (0: every node)."""
+    tree. ``hosting``: streams at the root and this many other nodes (0: every node;
+    ``NO_STREAMS``: none, over a ``b``-token chain: a lookup pass)."""
     model, streams = forward.model, forward.streams
     depth = streams.num_streams
-    tree = synthetic_tree(b, depth)
+    lookup = hosting == NO_STREAMS
+    tree = Tree.chain(range(1, b + 2)) if lookup else synthetic_tree(b, depth)
     kind = SamplingParams(temperature=1.0 if sampled else 0.0)
     hosts = None
-    if hosting:
+    if lookup:
+        hosts = np.zeros(0, dtype=np.int64)
+    elif hosting:
         deepest = np.argsort(-tree_buffers(tree.parents).depths, kind="stable")[:hosting]
         hosts = np.unique(np.concatenate([[0], deepest]))
 
@@ -84,6 +88,15 @@ def pass_fn(forward: SSPass, cache, context: int, b: int, sampled: bool, hosting
 
     def step():
         out = forward(tree, context, cache, num_streams=min(depth, b), hosts=hosts)
+        if lookup:  # verification only: the next draft is the host's n-gram continuation
+            am = mx.argmax(out.main_logits, axis=-1)
+            node = greedy_accepted_node(out.tree.tokens, out.buffers, am)
+            mx.eval(am, node)
+            np.array(am)
+            for c in cache:
+                c.commit([0, len(tree) - 1] if len(tree) > 2 else [0])
+                c.trim(c.offset - context)
+            return
         if sampled:
             # Verification and draws on the device; per-node decisions and draws come back.
             dec = verification_target(out.main_logits, kind, out.tree, out.buffers, q, keys.next())

@@ -27,8 +27,10 @@ from ..method.tree import Tree, TreeSpec, hosting_nodes
 from .autotune import AutoPolicy, DecodingPolicy, FixedPolicy, Plain, Probe, TreePass
 from .cache import make_cache
 from .drafting import (
+    NO_STREAMS,
     Candidates,
     Draft,
+    chain_draft,
     draft_tree,
     max_draws,
     sampled_lookup_length,
@@ -205,6 +207,8 @@ def _next_draft(sm, res: PassResult, plan: TreePass, sampling, hosted: bool, cha
     (sampling: its share of the budget fixed before the draws are seen). ``hosted``: this
     pass hosted streams at some nodes only (the draft remembers the hosting mode it came from)."""
     bonus, spec, scored, cand = res.verdict.bonus, plan.next_tree, plan.score_budget, res.candidates
+    if plan.hosting == NO_STREAMS:  # --tree auto's lookup arm (greedy): the continuation alone
+        return chain_draft(bonus, chain, chain_scores, spec.budget)
     from_hosting = plan.hosting if hosted else 0
     if not chain:
         nxt = draft_tree(bonus, cand, spec, sampling, scored)
@@ -233,6 +237,8 @@ def _recorded(steps: Generator[Step, None, int], decided: list) -> Generator[Ste
 
 def _hosts(draft: Draft, hosting: int) -> Optional[np.ndarray]:
     """The nodes that host streams under hosting mode ``hosting`` (None: every node)."""
+    if hosting == NO_STREAMS:
+        return np.zeros(0, dtype=np.int64)
     if hosting and draft.reach is not None and len(draft.tree) > hosting + 1:
         return hosting_nodes(draft.tree.parents, draft.reach, hosting)
     return None
@@ -322,6 +328,8 @@ def _ss_loop(
         if plan.next_tree.lookup and (lookup is None or lookup.length != plan.next_tree.lookup):
             lookup = LookupBranch(plan.next_tree.lookup)
         chain, chain_scores = lookup.propose(decided) if plan.next_tree.lookup else ([], [])
+        if plan.next_tree.lookup:
+            policy.observe_chain(chain_scores)
         nxt = _next_draft(sm, res, plan, sampling, hosts is not None, chain, chain_scores)
         yield step
         policy.observe_pass(plan, draft, res.verdict.accepted, time.perf_counter() - t)

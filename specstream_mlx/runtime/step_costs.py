@@ -35,7 +35,7 @@ CALIBRATION_REPS = 3
 TIME_EMA = 0.1
 TIME_MIN = 3
 # Bump when a pass changes what it computes: stored costs are then ignored.
-COST_VERSION = 10
+COST_VERSION = 11
 
 
 def cost_cache_file() -> Path:
@@ -187,7 +187,7 @@ def model_key(model, streams, kind: str, compiled: bool) -> str:
     return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
 
 
-def calibrate(model, streams, sampled: bool, compiled: bool, hosting_modes=(0, 1)) -> Dict[Arm, float]:
+def calibrate(model, streams, sampled: bool, compiled: bool, hosting_modes=(0, 1), extra_arms=()) -> Dict[Arm, float]:
     """Pass costs in plain steps measured on this machine, before any pass of a generation:
     bare passes of ``CALIBRATION_BUDGETS`` nodes at each hosting mode over bare plain steps
     on a synthetic prefix (:mod:`.offline_costs`). The generic line ``PRIOR`` was 2x too
@@ -195,7 +195,7 @@ def calibrate(model, streams, sampled: bool, compiled: bool, hosting_modes=(0, 1
     run once per machine and model, its result stored."""
     from .offline_costs import measure_arm_costs
 
-    arms = [(b, h) for h in hosting_modes for b in CALIBRATION_BUDGETS if not (h and b <= h)]
+    arms = [(b, h) for h in hosting_modes for b in CALIBRATION_BUDGETS if not (h and b <= h)] + list(extra_arms)
     return measure_arm_costs(
         model, streams, arms, context=64, reps=CALIBRATION_REPS, sampled=sampled, compiled=compiled
     )
