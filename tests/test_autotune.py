@@ -37,8 +37,9 @@ def observe_many(auto, n, accepted, scores):
 
 
 def _reason(plan):
-    """Why a plan decodes plainly to the end (None: it does not)."""
-    return plan.reason if isinstance(plan, A.Plain) else None
+    """Why a plan decodes plainly (None: it does not): to the end of the request, or in
+    chunks over which lookup passes are replayed (greedy)."""
+    return plan.reason if isinstance(plan, (A.Plain, A.Probe)) else None
 
 
 def choose(auto):
@@ -473,7 +474,7 @@ def test_calibrated_costs_decide_the_first_request(tiny_model_dir, tmp_path, mon
     auto = model.tuner(SamplingParams())
     auto.new_request()
     assert auto.pending and A.PRIOR_REASON in auto.pending
-    assert isinstance(auto.plan(), A.Plain)
+    assert A.PRIOR_REASON in _reason(auto.plan())  # plain tokens, no pass
 
 
 def test_acceptance_priors_that_cannot_be_read_are_ignored():
@@ -570,7 +571,7 @@ def test_the_lookup_arm_wins_where_continuations_are_accepted():
     auto = AutoPolicy(costs, depth=4, budget=4, hosting=0)
     observe_many(auto, WARMUP_STEPS, accepted=0.6, scores=scores)  # streams: best (1 + 0.6) / 2.3 < 1
     for _ in range(30):
-        auto.observe_chain([0.9, 0.8, 0.7, 0.6, 0.5])  # a copied span: (1 + 3.5) / 1.3
+        auto.observe_lookup(3.5)  # a copied span: (1 + 3.5) / 1.3
     auto._choose()
     assert (auto.budget, auto.hosting) == A.LOOKUP_ARM and auto.pending is None
     plans = [auto.plan() for _ in range(A.LOOKUP_EXPLORE_EVERY)]
@@ -580,14 +581,14 @@ def test_the_lookup_arm_wins_where_continuations_are_accepted():
     assert plans[-1].hosting == 0 and plans[-1].streams_per_host == 4  # the streams' evidence, now and then
     # Nothing to copy any more: neither source pays, plain decoding.
     for _ in range(60):
-        auto.observe_chain([])
+        auto.observe_lookup(0.0)
     auto._choose()
     assert auto.pending is not None
     # Sampling: the arm is not offered (a sampled draft must be drawn from its proposal).
     sampled = AutoPolicy(costs, depth=4, budget=4, hosting=0, lookup_arm=False)
     observe_many(sampled, WARMUP_STEPS, accepted=0.6, scores=scores)
     for _ in range(30):
-        sampled.observe_chain([0.9, 0.8, 0.7, 0.6, 0.5])
+        sampled.observe_lookup(3.5)
     assert A.LOOKUP_ARM not in sampled.arms()
 
 
@@ -622,3 +623,42 @@ def test_lookup_arm_passes_decode_exactly_what_plain_decoding_does(tiny_model_di
     assert got[:60] == want[:60]
     assert lookup_accepted > 0
     assert auto.costs.timed.get(A.LOOKUP_ARM, 0) > 0
+
+
+def test_lookup_passes_are_replayed_exactly_over_plain_tokens():
+    """Greedy decoding decides the same tokens however it drafts: a replayed lookup pass
+    accepts what a real one would have (the repeated prefix of the continuation)."""
+    from specstream_mlx.runtime.lookup import LookupReplay
+
+    r = LookupReplay(3)
+    decided = [1, 2, 3, 4, 9, 1, 2, 3, 4, 5, 6, 7]
+    # From position 5 (decided[:5] ends in 9, never seen before 9: no continuation): 0, then
+    # from 6 (after "1"): "2 3 4" repeated, all 3 accepted and one decided beyond; from 10 ("5"
+    # is new): 0 -- its tokens are not all decided yet, so it waits.
+    assert r.replay(decided, 5) == [0, 3]
+    assert r.pos == 10
+    assert r.replay(decided + [8, 8, 8], 5) == [0, 0]  # "5" then "6": nothing to continue
+
+
+def test_plain_decoding_switches_to_the_lookup_arm_when_replayed_passes_pay():
+    costs = costs_of({2: 3.0, 4: 3.5})
+    costs.stored[A.LOOKUP_ARM] = 1.4
+    auto = AutoPolicy(costs, depth=4, budget=4, hosting=0)
+    observe_many(auto, WARMUP_STEPS, accepted=0.2, scores=[0.2, 0.1])
+    auto._choose()
+    assert auto.pending and _reason(auto.plan()) == auto.pending  # plain, in chunks
+    for _ in range(A.WATCH_PASSES):
+        auto.observe_replayed(0)  # nothing repeats: (1 + 0) / 1.4
+    assert _reason(auto.plan()) is not None
+    auto.new_request()
+    auto.skip = 0
+    auto.pending = "plain decoding: test"
+    for _ in range(A.WATCH_PASSES - 1):
+        auto.observe_replayed(4)  # a copied span: (1 + 4) / 1.4
+    assert _reason(auto.plan()) is not None  # not before WATCH_PASSES of this request
+    auto.observe_replayed(4)
+    plan = auto.plan()
+    assert _reason(plan) is None and plan.hosting == A.NO_STREAMS and plan.label == "auto:lookup"
+    # Sampling offers no lookup arm: plain decoding to the end, no chunks.
+    sampled = AutoPolicy(costs, depth=4, budget=4, hosting=0, lookup_arm=False, pending="plain decoding: test")
+    assert isinstance(sampled.plan(), A.Plain)

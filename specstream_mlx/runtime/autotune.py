@@ -59,6 +59,11 @@ START: Arm = (4, HOSTING)  # cheap to run while nothing is known; evidence moves
 LOOKUP_ARM: Arm = (LOOKUP_LEN, NO_STREAMS)
 LOOKUP_EXPLORE_EVERY = 16  # on the lookup arm, every 16th pass hosts all streams (their evidence)
 CHAIN_EMA = 0.1
+# Greedy plain decoding runs in chunks of WATCH_TOKENS tokens, over which the lookup arm's
+# passes are replayed (what they would have accepted); it switches to that arm once
+# WATCH_PASSES replayed passes of the request say it pays.
+WATCH_TOKENS = 8
+WATCH_PASSES = 4
 WARMUP_STEPS = 6
 EXPLORE_EVERY = 4
 MAX_BACKOFF = 16
@@ -102,10 +107,12 @@ class TreePass:
 
 @dataclass(frozen=True)
 class Probe:
-    """Instead of a pass: decode ``tokens`` timed plain tokens (the policy's plain-step cost)."""
+    """Instead of a pass: decode ``tokens`` timed plain tokens (the policy's plain-step cost).
+    ``reason``: set when they are plain decoding in chunks (why it decodes plainly)."""
 
     tokens: int
     label: str
+    reason: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +138,9 @@ class DecodingPolicy(Protocol):
 
     def observe_plain(self, seconds: float) -> None: ...
 
-    def observe_chain(self, scores) -> None: ...
+    def observe_lookup(self, expected: float) -> None: ...
+
+    def observe_replayed(self, accepted: int) -> None: ...
 
     def finish(self) -> None: ...
 
@@ -151,7 +160,10 @@ class FixedPolicy:
     def observe_plain(self, seconds: float) -> None:
         pass
 
-    def observe_chain(self, scores) -> None:
+    def observe_lookup(self, expected: float) -> None:
+        pass
+
+    def observe_replayed(self, accepted: int) -> None:
         pass
 
     def finish(self) -> None:
@@ -282,10 +294,12 @@ class AutoPolicy:
     prior_picks_arm: bool = True
     # Greedy: lookup-only passes (LOOKUP_ARM) compete with the stream arms. ``chain``: EMA of
     # the expected accepted tokens of such a pass (the continuation's summed path scores, 0
-    # where there is none), observed after every pass; ``lookup_passes``: its passes timed.
+    # where there is none), observed after every pass; ``lookup_passes``: its passes timed;
+    # ``watched``: this request's replayed lookup passes over plain tokens (count, accepted).
     lookup_arm: bool = True
     chain: Optional[float] = None
     lookup_passes: float = 0.0
+    watched: list = field(default_factory=lambda: [0, 0])
 
     def __post_init__(self):
         if self.evidence is None:
@@ -334,6 +348,7 @@ class AutoPolicy:
     def new_request(self, pruning_levels=(0.0,)) -> None:
         self.evidence.halve()
         self.lookup_passes /= 2
+        self.watched = [0, 0]
         self.pruning.offer(pruning_levels)
         self.pending = None
         if self.skip > 0:
@@ -355,7 +370,14 @@ class AutoPolicy:
         spec = self.spec()
         lookup = self.hosting == NO_STREAMS
         label = "auto:lookup" if lookup else "auto:" + spec.describe()
+        if self.pending is not None and self.lookup_arm and self._lookup_pays_by_replay():
+            self.pending, self.skip = None, 0
+            self.budget, self.hosting = LOOKUP_ARM
+            self.lookup_passes = 0
+            spec, lookup, label = self.spec(), True, "auto:lookup"
         if self.pending is not None:
+            if self.lookup_arm:  # in chunks, over which lookup passes are replayed
+                return Probe(WATCH_TOKENS, label, self.pending)
             return Plain(self.pending, label)
         # Without a prior, plain tokens are timed early (after TIME_MIN passes), since every
         # choice divides by them; with one, its costs stand in until the periodic probe, so
@@ -404,10 +426,22 @@ class AutoPolicy:
     def observe_plain(self, seconds: float) -> None:
         self.costs.observe_plain(seconds)
 
-    def observe_chain(self, scores) -> None:
-        """The continuation the next draft can use, by its path scores (none: 0)."""
-        e = float(sum(scores))
-        self.chain = e if self.chain is None else self.chain + CHAIN_EMA * (e - self.chain)
+    def observe_lookup(self, expected: float) -> None:
+        """A lookup pass's expected accepted tokens from here (the summed path scores of the
+        continuation the next draft can use; 0 without one)."""
+        self.chain = expected if self.chain is None else self.chain + CHAIN_EMA * (expected - self.chain)
+
+    def observe_replayed(self, accepted: int) -> None:
+        """What a replayed lookup pass over plainly decoded tokens accepted."""
+        self.watched[0] += 1
+        self.watched[1] += accepted
+        self.observe_lookup(float(accepted))
+
+    def _lookup_pays_by_replay(self) -> bool:
+        n, accepted = self.watched
+        if n < WATCH_PASSES:
+            return False
+        return (1.0 + accepted / n) / self.costs.cost(LOOKUP_ARM) >= 1.0 / FALLBACK_BELOW
 
     def finish(self) -> None:
         self.costs.save()

@@ -91,6 +91,33 @@ class LookupBranch:
         self.chain = []
 
 
+class LookupReplay:
+    """What lookup passes would have accepted over tokens decoded without them. Greedy
+    decoding decides the same tokens whichever way it drafts, so the passes can be replayed
+    exactly: a pass at position ``p`` drafts the continuation of ``decided[:p]``, accepts
+    its longest prefix that ``decided[p:]`` repeats (``a`` tokens) and decides ``a + 1``."""
+
+    def __init__(self, length: int):
+        self.length = length
+        self.index = NgramIndex()
+        self.pos = 0  # where the next replayed pass starts
+
+    def replay(self, decided: Sequence[int], start: int) -> List[int]:
+        """Accepted lengths of the passes whose tokens are all decided, from ``start`` (the
+        first token decided without passes) or where the last replayed pass ended."""
+        self.pos = max(self.pos, start)
+        out = []
+        while self.pos >= 1 and self.pos + self.length < len(decided):
+            self.index.extend(decided[len(self.index.history) : self.pos])
+            chain = self.index.draft(self.length)
+            a = 0
+            while a < len(chain) and chain[a] == decided[self.pos + a]:
+                a += 1
+            out.append(a)
+            self.pos += a + 1
+        return out
+
+
 def lookup_steps(
     model,
     prompt: mx.array,

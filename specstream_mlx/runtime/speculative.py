@@ -23,7 +23,7 @@ import numpy as np
 from ..method.acceptance import Verdict, greedy_accepted_node
 from ..method.msa import SSOutput, all_stream_logits, commit_ss, stream_logits
 from ..method.streams import NoStreamsError, StreamParams
-from ..method.tree import Tree, TreeSpec, hosting_nodes
+from ..method.tree import LOOKUP_LEN, Tree, TreeSpec, hosting_nodes
 from .autotune import AutoPolicy, DecodingPolicy, FixedPolicy, Plain, Probe, TreePass
 from .cache import make_cache
 from .drafting import (
@@ -39,7 +39,7 @@ from .drafting import (
     with_lookup_sampled,
 )
 from .loaded_model import SpeculativeModel, as_speculative
-from .lookup import LookupBranch
+from .lookup import LookupBranch, LookupReplay
 from .sampling import KeyStream, SamplingParams
 from .steps import Step, StepInfo, ar_steps, pipelined_tokens, prefill
 from .verification import verification_target, verify
@@ -224,6 +224,19 @@ def _next_draft(sm, res: PassResult, plan: TreePass, sampling, hosted: bool, cha
     return replace(nxt, forecast=replace(nxt.forecast, from_hosting=from_hosting))
 
 
+def _told(steps: Generator[Step, None, int], reason: str) -> Generator[Step, None, int]:
+    """``steps``, the first one carrying why decoding is plain."""
+    first = True
+    while True:
+        try:
+            step = next(steps)
+        except StopIteration as stop:
+            return stop.value
+        if first:
+            step.info.fallback, first = reason, False
+        yield step
+
+
 def _recorded(steps: Generator[Step, None, int], decided: list) -> Generator[Step, None, int]:
     """``steps``, their tokens appended to ``decided``; returns what ``steps`` returns."""
     while True:
@@ -298,6 +311,7 @@ def _ss_loop(
     prefill(sm.base, prompt[:-1], cache, prefill_chunk)
     decided = prompt.tolist()  # what n-gram lookup branches continue
     lookup: Optional[LookupBranch] = None
+    replay, told = LookupReplay(LOOKUP_LEN), False
     draft = Draft(Tree((decided[-1],), (-1,)))
     while True:
         plan = policy.plan()
@@ -307,10 +321,16 @@ def _ss_loop(
         if isinstance(plan, Probe):
             seed = int(rng.integers(2**31))
             probe = plain_probe(sm.base, draft.tree.tokens[0], plan.tokens, sampling, cache, seed, policy.observe_plain)
+            start = len(decided)
+            if plan.reason is not None and not told:
+                told, probe = True, _told(probe, plan.reason)
             root = yield from _recorded(probe, decided)
             draft = Draft(Tree((root,), (-1,)))  # plain steps leave no streams (nor lookup branch) to draft from
             if lookup is not None:
                 lookup.forget()
+            if plan.reason is not None:  # plain decoding in chunks: what lookup passes would have done
+                for accepted in replay.replay(decided, start):
+                    policy.observe_replayed(accepted)
             continue
         t = time.perf_counter()
         hosts = _hosts(draft, plan.hosting)
@@ -329,7 +349,7 @@ def _ss_loop(
             lookup = LookupBranch(plan.next_tree.lookup)
         chain, chain_scores = lookup.propose(decided) if plan.next_tree.lookup else ([], [])
         if plan.next_tree.lookup:
-            policy.observe_chain(chain_scores)
+            policy.observe_lookup(float(sum(chain_scores)))
         nxt = _next_draft(sm, res, plan, sampling, hosts is not None, chain, chain_scores)
         yield step
         policy.observe_pass(plan, draft, res.verdict.accepted, time.perf_counter() - t)
