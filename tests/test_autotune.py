@@ -427,6 +427,11 @@ def test_no_tree_pass_runs_when_the_prior_says_plain(tiny_model_dir, tmp_path, m
     first = request()
     assert passes["n"] == 0 and A.PRIOR_REASON in first[0].info.fallback
     assert all(len(s.tokens) == 1 for s in first)
+    assert sum(bool(s.info.fallback) for s in first) == 1  # said once, though decoded in chunks
+    from specstream_mlx.runtime.steps import ar_steps
+
+    want = [s.tokens[0] for s, _ in zip(ar_steps(model.base, prompt, SamplingParams()), range(24))]
+    assert [s.tokens[0] for s in first] == want
     second = request()  # the back-off request: plain as well
     assert passes["n"] == 0 and second[0].info.fallback == A.BACKOFF_REASON
     request()  # the re-try explores trees
