@@ -37,9 +37,8 @@ def observe_many(auto, n, accepted, scores):
 
 
 def _reason(plan):
-    """Why a plan decodes plainly (None: it does not): to the end of the request, or in
-    chunks over which lookup passes are replayed (greedy)."""
-    return plan.reason if isinstance(plan, (A.Plain, A.Probe)) else None
+    """Why a plan decodes plainly to the end (None: it does not)."""
+    return plan.reason if isinstance(plan, A.Plain) else None
 
 
 def choose(auto):
@@ -427,7 +426,7 @@ def test_no_tree_pass_runs_when_the_prior_says_plain(tiny_model_dir, tmp_path, m
     first = request()
     assert passes["n"] == 0 and A.PRIOR_REASON in first[0].info.fallback
     assert all(len(s.tokens) == 1 for s in first)
-    assert sum(bool(s.info.fallback) for s in first) == 1  # said once, though decoded in chunks
+    assert sum(bool(s.info.fallback) for s in first) == 1  # said once
     from specstream_mlx.runtime.steps import ar_steps
 
     want = [s.tokens[0] for s, _ in zip(ar_steps(model.base, prompt, SamplingParams()), range(24))]
@@ -479,7 +478,7 @@ def test_calibrated_costs_decide_the_first_request(tiny_model_dir, tmp_path, mon
     auto = model.tuner(SamplingParams())
     auto.new_request()
     assert auto.pending and A.PRIOR_REASON in auto.pending
-    assert A.PRIOR_REASON in _reason(auto.plan())  # plain tokens, no pass
+    assert A.PRIOR_REASON in _reason(auto.plan())  # plain decoding, no pass
 
 
 def test_acceptance_priors_that_cannot_be_read_are_ignored():
@@ -651,19 +650,21 @@ def test_plain_decoding_switches_to_the_lookup_arm_when_replayed_passes_pay():
     auto = AutoPolicy(costs, depth=4, budget=4, hosting=0)
     observe_many(auto, WARMUP_STEPS, accepted=0.2, scores=[0.2, 0.1])
     auto._choose()
-    assert auto.pending and _reason(auto.plan()) == auto.pending  # plain, in chunks
+    plan = auto.plan()
+    assert auto.pending and _reason(plan) == auto.pending and plan.watch  # plain, watching
     for _ in range(A.WATCH_PASSES):
         auto.observe_replayed(0)  # nothing repeats: (1 + 0) / 1.4
-    assert _reason(auto.plan()) is not None
+    assert not auto.resume_passes() and _reason(auto.plan()) is not None
     auto.new_request()
     auto.skip = 0
     auto.pending = "plain decoding: test"
     for _ in range(A.WATCH_PASSES - 1):
         auto.observe_replayed(4)  # a copied span: (1 + 4) / 1.4
-    assert _reason(auto.plan()) is not None  # not before WATCH_PASSES of this request
+    assert not auto.resume_passes()  # not before WATCH_PASSES of this request
     auto.observe_replayed(4)
+    assert auto.resume_passes()
     plan = auto.plan()
     assert _reason(plan) is None and plan.hosting == A.NO_STREAMS and plan.label == "auto:lookup"
-    # Sampling offers no lookup arm: plain decoding to the end, no chunks.
+    # Sampling offers no lookup arm: plain decoding to the end, not watched.
     sampled = AutoPolicy(costs, depth=4, budget=4, hosting=0, lookup_arm=False, pending="plain decoding: test")
-    assert isinstance(sampled.plan(), A.Plain)
+    assert not sampled.plan().watch

@@ -59,10 +59,9 @@ START: Arm = (4, HOSTING)  # cheap to run while nothing is known; evidence moves
 LOOKUP_ARM: Arm = (LOOKUP_LEN, NO_STREAMS)
 LOOKUP_EXPLORE_EVERY = 16  # on the lookup arm, every 16th pass hosts all streams (their evidence)
 CHAIN_EMA = 0.1
-# Greedy plain decoding runs in chunks of WATCH_TOKENS tokens, over which the lookup arm's
-# passes are replayed (what they would have accepted); it switches to that arm once
-# WATCH_PASSES replayed passes of the request say it pays.
-WATCH_TOKENS = 8
+# Greedy plain decoding replays the lookup arm's passes over its tokens as they come (what
+# they would have accepted) and switches to that arm once WATCH_PASSES replayed passes of
+# the request say it pays.
 WATCH_PASSES = 4
 WARMUP_STEPS = 6
 EXPLORE_EVERY = 4
@@ -107,20 +106,21 @@ class TreePass:
 
 @dataclass(frozen=True)
 class Probe:
-    """Instead of a pass: decode ``tokens`` timed plain tokens (the policy's plain-step cost).
-    ``reason``: set when they are plain decoding in chunks (why it decodes plainly)."""
+    """Instead of a pass: decode ``tokens`` timed plain tokens (the policy's plain-step cost)."""
 
     tokens: int
     label: str
-    reason: Optional[str] = None
 
 
 @dataclass(frozen=True)
 class Plain:
-    """Instead of a pass: decode plainly to the end of the request, and why."""
+    """Instead of a pass: decode plainly to the end of the request, and why. ``watch``
+    (greedy, with the lookup arm): replay lookup passes over the plain tokens and ask
+    ``resume_passes`` whether to leave plain decoding for them."""
 
     reason: str
     label: str
+    watch: bool = False
 
 
 Plan = Union[TreePass, Probe, Plain]
@@ -141,6 +141,8 @@ class DecodingPolicy(Protocol):
     def observe_lookup(self, expected: float) -> None: ...
 
     def observe_replayed(self, accepted: int) -> None: ...
+
+    def resume_passes(self) -> bool: ...
 
     def finish(self) -> None: ...
 
@@ -165,6 +167,9 @@ class FixedPolicy:
 
     def observe_replayed(self, accepted: int) -> None:
         pass
+
+    def resume_passes(self) -> bool:
+        return False
 
     def finish(self) -> None:
         pass
@@ -370,15 +375,8 @@ class AutoPolicy:
         spec = self.spec()
         lookup = self.hosting == NO_STREAMS
         label = "auto:lookup" if lookup else "auto:" + spec.describe()
-        if self.pending is not None and self.lookup_arm and self._lookup_pays_by_replay():
-            self.pending, self.skip = None, 0
-            self.budget, self.hosting = LOOKUP_ARM
-            self.lookup_passes = 0
-            spec, lookup, label = self.spec(), True, "auto:lookup"
         if self.pending is not None:
-            if self.lookup_arm:  # in chunks, over which lookup passes are replayed
-                return Probe(WATCH_TOKENS, label, self.pending)
-            return Plain(self.pending, label)
+            return Plain(self.pending, label, watch=self.lookup_arm)
         # Without a prior, plain tokens are timed early (after TIME_MIN passes), since every
         # choice divides by them; with one, its costs stand in until the periodic probe, so
         # a short first request is not spent on probes.
@@ -437,11 +435,18 @@ class AutoPolicy:
         self.watched[1] += accepted
         self.observe_lookup(float(accepted))
 
-    def _lookup_pays_by_replay(self) -> bool:
+    def resume_passes(self) -> bool:
+        """Asked during watched plain decoding after a replayed pass: True (and the arm is
+        the lookup arm from now on) once this request's replayed passes say it pays."""
         n, accepted = self.watched
-        if n < WATCH_PASSES:
+        if self.pending is None or n < WATCH_PASSES:
             return False
-        return (1.0 + accepted / n) / self.costs.cost(LOOKUP_ARM) >= 1.0 / FALLBACK_BELOW
+        if (1.0 + accepted / n) / self.costs.cost(LOOKUP_ARM) < 1.0 / FALLBACK_BELOW:
+            return False
+        self.pending = None
+        self.budget, self.hosting = LOOKUP_ARM
+        self.lookup_passes = 0
+        return True
 
     def finish(self) -> None:
         self.costs.save()

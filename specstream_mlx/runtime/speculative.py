@@ -183,15 +183,22 @@ def _plain_rest(model, root: int, sampling, cache, policy, reason: str) -> Gener
 
 
 def plain_probe(
-    model, token: int, n: int, sampling: SamplingParams, cache, seed: int, on_token_seconds: Callable[[float], None]
+    model,
+    token: int,
+    n: Optional[int],
+    sampling: SamplingParams,
+    cache,
+    seed: int,
+    on_token_seconds: Callable[[float], None],
+    stop: Optional[Callable[[], bool]] = None,
 ) -> Generator[Step, None, int]:
-    """``n`` plain steps from the decided, not yet cached ``token``
+    """``n`` plain steps (or until ``stop()``) from the decided, not yet cached ``token``
     (:func:`~specstream_mlx.runtime.steps.pipelined_tokens`); each token after the first
     is timed from one resume to the next. Returns the last token, decided and yielded but
     not cached: the state a speculative pass starts from. Lossless: every token is the
     target's own choice (sampled with keys of its own ``seed``)."""
     t, last = None, token
-    for y in pipelined_tokens(model, mx.array([token]), sampling, cache, KeyStream(seed), n):
+    for y in pipelined_tokens(model, mx.array([token]), sampling, cache, KeyStream(seed), n, stop):
         last = y.item()
         yield Step([last], StepInfo(accepted=0))  # a pass that accepted no draft token
         now = time.perf_counter()
@@ -315,22 +322,27 @@ def _ss_loop(
     draft = Draft(Tree((decided[-1],), (-1,)))
     while True:
         plan = policy.plan()
-        if isinstance(plan, Plain):
+        if isinstance(plan, Plain) and not plan.watch:
             yield from _plain_rest(sm.base, draft.tree.tokens[0], sampling, cache, policy, plan.reason)
             return
-        if isinstance(plan, Probe):
-            seed = int(rng.integers(2**31))
-            probe = plain_probe(sm.base, draft.tree.tokens[0], plan.tokens, sampling, cache, seed, policy.observe_plain)
-            start = len(decided)
-            if plan.reason is not None and not told:
+        if isinstance(plan, (Plain, Probe)):
+            seed, start, stop = int(rng.integers(2**31)), len(decided), None
+            if isinstance(plan, Plain):  # greedy: plain until replayed lookup passes say they pay
+
+                def stop(start=start):
+                    replayed = replay.replay(decided, start)
+                    for accepted in replayed:
+                        policy.observe_replayed(accepted)
+                    return bool(replayed) and policy.resume_passes()
+
+            n = plan.tokens if isinstance(plan, Probe) else None
+            probe = plain_probe(sm.base, draft.tree.tokens[0], n, sampling, cache, seed, policy.observe_plain, stop)
+            if isinstance(plan, Plain) and not told:
                 told, probe = True, _told(probe, plan.reason)
             root = yield from _recorded(probe, decided)
             draft = Draft(Tree((root,), (-1,)))  # plain steps leave no streams (nor lookup branch) to draft from
             if lookup is not None:
                 lookup.forget()
-            if plan.reason is not None:  # plain decoding in chunks: what lookup passes would have done
-                for accepted in replay.replay(decided, start):
-                    policy.observe_replayed(accepted)
             continue
         t = time.perf_counter()
         hosts = _hosts(draft, plan.hosting)

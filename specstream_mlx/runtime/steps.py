@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Generator, Iterator, List, Optional
+from typing import Callable, Generator, Iterator, List, Optional
 
 import mlx.core as mx
 
@@ -78,14 +78,22 @@ def ar_steps(
 
 
 def pipelined_tokens(
-    model, first: mx.array, sampling: SamplingParams, cache, keys: KeyStream, n: Optional[int] = None
+    model,
+    first: mx.array,
+    sampling: SamplingParams,
+    cache,
+    keys: KeyStream,
+    n: Optional[int] = None,
+    stop: Optional[Callable[[], bool]] = None,
 ) -> Iterator[mx.array]:
     """Plain decoding from ``first`` (decided, not yet cached): the decided tokens, lazy.
 
     The next token's pass is queued (``mx.async_eval``) before the current token is
     handed out, so Python work overlaps the model's compute; each pass is one compiled
-    graph (:mod:`.plain_step`). With ``n``, stop after ``n`` tokens, the last one decided
-    but not run: not in the cache, the state a speculative pass starts from."""
+    graph (:mod:`.plain_step`). With ``n``, stop after ``n`` tokens; with ``stop``, after
+    the first token before which it returns True (asked once per token, after the consumer
+    has had the previous one). The last token is decided but not run: not in the cache,
+    the state a speculative pass starts from."""
     step = plain_step(model)
 
     def forward(tok: mx.array) -> mx.array:
@@ -94,11 +102,16 @@ def pipelined_tokens(
 
     y = forward(first)
     mx.async_eval(y)
+    if n is not None and n < 1:
+        return
     i = 0
-    while n is None or i < n:
+    while True:
         i += 1
-        if n is None or i < n:
+        last = (n is not None and i >= n) or (stop is not None and stop())
+        if not last:
             nxt = forward(y)
             mx.async_eval(nxt)
         yield y
+        if last:
+            return
         y = nxt
