@@ -977,6 +977,11 @@ class TrainBackend(str, Enum):
     torch = "torch"
 
 
+EMBEDDING_RMS_HELP = (
+    "Draw fresh stream embeddings at this x the stream layer's hidden RMS "
+    "(default: 1.0 in shared mode, a fixed 0.02 draw in lossless mode)."
+)
+ISOLATE_HELP = "Shared mode: the stream losses train the stream rows only, not the main pass they read."
 EMBEDDING_LR_HELP = (
     "The stream embeddings' learning rate as a multiple of --learning-rate "
     "(default: the hidden state's RMS where they are drawn at its scale, else 1)."
@@ -1005,12 +1010,7 @@ def train(
     stream_positions: int = typer.Option(
         64, "--stream-positions", help="Completion positions per sequence hosting streams."
     ),
-    stream_embedding_rms: Optional[float] = typer.Option(
-        None,
-        "--stream-embedding-rms",
-        help="Draw fresh stream embeddings at this x the stream layer's hidden RMS "
-        "(default: 1.0 in shared mode, a fixed 0.02 draw in lossless mode).",
-    ),
+    stream_embedding_rms: Optional[float] = typer.Option(None, "--stream-embedding-rms", help=EMBEDDING_RMS_HELP),
     embedding_lr: Optional[float] = typer.Option(None, "--embedding-lr", help=EMBEDDING_LR_HELP),
     save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps."),
     steps_per_eval: int = typer.Option(200, "--steps-per-eval", help="Validate every N steps."),
@@ -1039,11 +1039,7 @@ def train(
     no_streams: bool = typer.Option(
         False, "--no-streams", help="Shared mode: a next-token-only LoRA baseline (no streams, no stream losses)."
     ),
-    isolate_streams: bool = typer.Option(
-        False,
-        "--isolate-streams",
-        help="Shared mode: the stream losses train the stream rows only, not the main pass they read.",
-    ),
+    isolate_streams: bool = typer.Option(False, "--isolate-streams", help=ISOLATE_HELP),
     pruning_keep: float = typer.Option(
         0.98,
         "--pruning-keep",
