@@ -446,6 +446,7 @@ class AutoPolicy:
         self.pending = None
         self.budget, self.hosting = LOOKUP_ARM
         self.lookup_passes = 0
+        self.watched = [0, 0]  # a later fall-back in this request watches afresh
         return True
 
     def finish(self) -> None:
