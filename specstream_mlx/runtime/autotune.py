@@ -300,11 +300,13 @@ class AutoPolicy:
     # Greedy: lookup-only passes (LOOKUP_ARM) compete with the stream arms. ``chain``: EMA of
     # the expected accepted tokens of such a pass (the continuation's summed path scores, 0
     # where there is none), observed after every pass; ``lookup_passes``: its passes timed;
-    # ``watched``: this request's replayed lookup passes over plain tokens (count, accepted).
+    # ``watched`` / ``watched_accepted``: this request's replayed lookup passes over plain
+    # tokens and what they accepted.
     lookup_arm: bool = True
     chain: Optional[float] = None
     lookup_passes: float = 0.0
-    watched: list = field(default_factory=lambda: [0, 0])
+    watched: int = 0
+    watched_accepted: int = 0
 
     def __post_init__(self):
         if self.evidence is None:
@@ -353,7 +355,7 @@ class AutoPolicy:
     def new_request(self, pruning_levels=(0.0,)) -> None:
         self.evidence.halve()
         self.lookup_passes /= 2
-        self.watched = [0, 0]
+        self.watched = self.watched_accepted = 0
         self.pruning.offer(pruning_levels)
         self.pending = None
         if self.skip > 0:
@@ -431,22 +433,22 @@ class AutoPolicy:
 
     def observe_replayed(self, accepted: int) -> None:
         """What a replayed lookup pass over plainly decoded tokens accepted."""
-        self.watched[0] += 1
-        self.watched[1] += accepted
+        self.watched += 1
+        self.watched_accepted += accepted
         self.observe_lookup(float(accepted))
 
     def resume_passes(self) -> bool:
         """Asked during watched plain decoding after a replayed pass: True (and the arm is
         the lookup arm from now on) once this request's replayed passes say it pays."""
-        n, accepted = self.watched
+        n = self.watched
         if self.pending is None or n < WATCH_PASSES:
             return False
-        if (1.0 + accepted / n) / self.costs.cost(LOOKUP_ARM) < 1.0 / FALLBACK_BELOW:
+        if (1.0 + self.watched_accepted / n) / self.costs.cost(LOOKUP_ARM) < 1.0 / FALLBACK_BELOW:
             return False
         self.pending = None
         self.budget, self.hosting = LOOKUP_ARM
         self.lookup_passes = 0
-        self.watched = [0, 0]  # a later fall-back in this request watches afresh
+        self.watched = self.watched_accepted = 0  # a later fall-back in this request watches afresh
         return True
 
     def finish(self) -> None:

@@ -191,16 +191,18 @@ def plain_probe(
     seed: int,
     on_token_seconds: Callable[[float], None],
     stop: Optional[Callable[[], bool]] = None,
+    reason: Optional[str] = None,
 ) -> Generator[Step, None, int]:
     """``n`` plain steps (or until ``stop()``) from the decided, not yet cached ``token``
     (:func:`~specstream_mlx.runtime.steps.pipelined_tokens`); each token after the first
-    is timed from one resume to the next. Returns the last token, decided and yielded but
-    not cached: the state a speculative pass starts from. Lossless: every token is the
-    target's own choice (sampled with keys of its own ``seed``)."""
+    is timed from one resume to the next; the first carries ``reason`` (why decoding is
+    plain) when given. Returns the last token, decided and yielded but not cached: the
+    state a speculative pass starts from. Lossless: every token is the target's own choice
+    (sampled with keys of its own ``seed``)."""
     t, last = None, token
     for y in pipelined_tokens(model, mx.array([token]), sampling, cache, KeyStream(seed), n, stop):
         last = y.item()
-        yield Step([last], StepInfo(accepted=0))  # a pass that accepted no draft token
+        yield Step([last], StepInfo(accepted=0, fallback=reason if t is None else None))  # accepted no draft
         now = time.perf_counter()
         if t is not None:
             on_token_seconds(now - t)
@@ -229,19 +231,6 @@ def _next_draft(sm, res: PassResult, plan: TreePass, sampling, hosted: bool, cha
         # Drafted smaller, its pass is booked to the arm that planned it.
         return replace(nxt, forecast=replace(nxt.forecast, budget=spec.budget, from_hosting=from_hosting))
     return replace(nxt, forecast=replace(nxt.forecast, from_hosting=from_hosting))
-
-
-def _told(steps: Generator[Step, None, int], reason: str) -> Generator[Step, None, int]:
-    """``steps``, the first one carrying why decoding is plain."""
-    first = True
-    while True:
-        try:
-            step = next(steps)
-        except StopIteration as stop:
-            return stop.value
-        if first:
-            step.info.fallback, first = reason, False
-        yield step
 
 
 def _recorded(steps: Generator[Step, None, int], decided: list) -> Generator[Step, None, int]:
@@ -335,10 +324,11 @@ def _ss_loop(
                         policy.observe_replayed(accepted)
                     return bool(replayed) and policy.resume_passes()
 
-            n = plan.tokens if isinstance(plan, Probe) else None
-            probe = plain_probe(sm.base, draft.tree.tokens[0], n, sampling, cache, seed, policy.observe_plain, stop)
-            if isinstance(plan, Plain) and not told:
-                told, probe = True, _told(probe, plan.reason)
+            n, reason = (plan.tokens, None) if isinstance(plan, Probe) else (None, None if told else plan.reason)
+            told = told or reason is not None
+            probe = plain_probe(
+                sm.base, draft.tree.tokens[0], n, sampling, cache, seed, policy.observe_plain, stop, reason
+            )
             root = yield from _recorded(probe, decided)
             draft = Draft(Tree((root,), (-1,)))  # plain steps leave no streams (nor lookup branch) to draft from
             if lookup is not None:

@@ -493,11 +493,12 @@ def _backward_segments(hf_model, trainable: TorchTrainable, cfg, batch: Dict[str
         total += float(prune_loss.detach())
         metrics["prune_ce"] = float((ce * sweight).sum() / n_prune)
     if train and not lossless:
-        # The gradients reaching the main pass's outputs, sent through it once.
-        outs = [main_term] + main.tensors()
-        grads = [torch.ones((), device=dev)] + [
-            t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves.tensors()
-        ]
+        # The gradients reaching the main pass's outputs, sent through it once (isolated
+        # streams send none: the main loss alone).
+        outs, grads = [main_term], [torch.ones((), device=dev)]
+        if not cfg.isolate_streams:
+            outs += main.tensors()
+            grads += [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves.tensors()]
         if any(o.requires_grad for o in outs):
             torch.autograd.backward(
                 [o for o in outs if o.requires_grad], [g for o, g in zip(outs, grads) if o.requires_grad]
