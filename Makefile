@@ -81,11 +81,13 @@ lint: install
 demo-models: install
 	env $(BLAS_ENV) $(PY) -m specstream_mlx.demo.build sql chat smollm2 smollm2-fc
 
-# Function calling on BFCL's test split: zero-shot base, plain LoRA and the shipped
-# speculative-streaming fine-tune, in one table (needs `demo-models` smollm2-fc's runs/).
+# Function calling on BFCL's test split: zero-shot base, plain LoRA, the shared-mode
+# fine-tune (the paper's setting) and the shipped model (the plain LoRA with streams trained
+# on it), in one table (needs `demo-models` smollm2-fc's runs/).
 eval-bfcl: install
 	env $(BLAS_ENV) $(VENV)/bin/specstream-mlx eval-bfcl --model runs/smollm2-f16 --model runs/smollm2-fc-lora \
-	  --model smollm2-fc --tree dynamic:8 --limit $(or $(LIMIT),60) --out bench/bfcl-smollm2-fc.json
+	  --model runs/smollm2-fc-ss --model smollm2-fc --tree dynamic:8 --limit $(or $(LIMIT),60) \
+	  --out bench/bfcl-smollm2-fc.json
 
 bench: install
 	$(VENV)/bin/specstream-mlx bench --model smollm2 --json bench/bench-smollm2.json

@@ -912,3 +912,32 @@ def test_stream_embeddings_learn_at_their_own_rate(tmp_path, corpus, base_dir, b
     assert others and all(mx.array_equal(out[1.0][n], out[10.0][n]) for n in others)
     with pytest.raises(ValueError, match="embedding_lr"):
         TrainConfig(embedding_lr=0)
+
+
+def test_a_shared_fine_tune_is_written_as_its_adapter_fuses(tmp_path, corpus):
+    """The fused weights a shared-mode run writes are the stored base plus the float16
+    adapter it ships, fused by the bundle's own function: the fine-tune evaluated from the
+    output directory is, to the bit, the model a bundle shipping the adapter materializes
+    (fused from the full-precision LoRA instead, one of 60 BFCL replies of the function-calling
+    fine-tune differed)."""
+    from specstream_mlx.io.adapters import fuse_mlx_lm_adapter
+
+    data, _ = corpus
+    base_dir = make_tiny_model_dir(tmp_path / "base", hidden_size=64, num_hidden_layers=4)
+    for f in base_dir.glob("model*.safetensors"):  # a float16 base, as a dequantized GGUF is
+        w = mx.load(str(f))
+        mx.save_safetensors(str(f), {k: v.astype(mx.float16) for k, v in w.items()}, metadata={"format": "mlx"})
+    cfg = TrainConfig(
+        mode="shared", num_streams=2, stream_layers=2, lora_rank=4, iters=2, batch_size=4, learning_rate=1e-2,
+        pruning_keep=0, streams=False,
+    )  # fmt: skip
+    out = tmp_path / "ft"
+    train(str(base_dir), str(data), str(out), cfg, progress=False, log=lambda s: None)
+    base = {}
+    for f in base_dir.glob("model*.safetensors"):
+        base.update(mx.load(str(f)))
+    want, n = fuse_mlx_lm_adapter(base, out)
+    have = mx.load(str(out / "model.safetensors"))
+    assert n > 0 and set(have) == set(want)
+    assert all(mx.array_equal(have[k], want[k]) for k in want)
+    assert any(not mx.array_equal(have[k], base[k]) for k in base)  # the fine-tune is in them

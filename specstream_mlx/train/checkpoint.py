@@ -105,6 +105,26 @@ def save_base_lora(model, base_lora: dict, out_dir: Path, base_fingerprint: str)
     return sum(v.size for v in arrays.values())
 
 
+def fused_as_shipped(base_dir: Path, adapter_dir: Path):
+    """The base's weights as stored plus the adapter as saved (float16), fused by the
+    function a bundle that ships the adapter fuses with (io/adapters.py), so that the
+    fine-tune evaluated from the output directory is the model users get (to the bit
+    where the same BLAS computes the products).
+    None where that cannot apply (quantized or unmatched base weights): the caller then
+    writes the trained model's own fused weights."""
+    from ..io.adapters import fuse_mlx_lm_adapter
+
+    weights = {}
+    for f in sorted(Path(base_dir).glob("model*.safetensors")):
+        weights.update(mx.load(str(f)))
+    if not weights or any(not mx.issubdtype(v.dtype, mx.floating) for v in weights.values()):
+        return None
+    try:
+        return fuse_mlx_lm_adapter(weights, adapter_dir)[0]
+    except ValueError:
+        return None
+
+
 def write_model_dir(base_dir: Path, out_dir: Path, model, trainable, cfg: TrainConfig, extra: dict) -> None:
     """A complete model directory, written into ``out_dir`` (a fresh temporary
     directory the caller renames into place): base files (fused weights in shared
@@ -118,15 +138,18 @@ def write_model_dir(base_dir: Path, out_dir: Path, model, trainable, cfg: TrainC
         ):
             shutil.copy2(f, out_dir / f.name)
     if cfg.mode == "shared":
+        adapter = 0
         if trainable.base_lora:
             from ..io.fingerprint import base_fingerprint
 
-            save_base_lora(model, trainable.base_lora, out_dir, base_fingerprint(base_dir))
+            adapter = save_base_lora(model, trainable.base_lora, out_dir, base_fingerprint(base_dir))
         fuse_base_lora(model, trainable.base_lora)
-        weights = dict(tree_flatten(model.parameters()))
-        base_cfg = json.loads((Path(base_dir) / "config.json").read_text())
-        dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get(base_cfg.get("torch_dtype"), mx.float32)
-        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        weights = fused_as_shipped(base_dir, out_dir) if adapter else None
+        if weights is None:
+            weights = dict(tree_flatten(model.parameters()))
+            base_cfg = json.loads((Path(base_dir) / "config.json").read_text())
+            dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get(base_cfg.get("torch_dtype"), mx.float32)
+            weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
         mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     if cfg.streams:
         streams = trainable.streams
