@@ -659,7 +659,7 @@ def ship_smollm2_fc(lora_run: Path, streams_run: Path, data: Path, n_bench: int 
     bundle = json.loads((MODELS / "smollm2" / "bundle.json").read_text())
     bundle.update(
         adapter="adapters.safetensors",
-        model=bundle["model"] + ", fine-tuned on BFCL function calling, with speculative streams trained on the fine-tune",
+        model=bundle["model"] + ", fine-tuned on BFCL function calling, with streams trained on the fine-tune",
     )
     (dst / "bundle.json").write_text(json.dumps(bundle, indent=2) + "\n")
     for f in ("adapters.safetensors", "adapter_config.json"):
