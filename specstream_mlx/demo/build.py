@@ -565,8 +565,8 @@ FC_TRAIN = dict(
 # The shipped smollm2-fc: the plain LoRA fine-tune itself (its answers, exactly), with
 # streams trained on it in lossless mode (a stream-rows-only LoRA, the fine-tune frozen),
 # from cached frozen features, the teacher being the fine-tune. Every shared-mode variant
-# cost task accuracy (the stream losses and the main loss share the LoRA; docs/DESIGN.md
-# decision 27); this keeps the fine-tune's accuracy by construction.
+# cost task accuracy (the stream losses and the main loss share the LoRA); this keeps the
+# fine-tune's answers by construction (docs/DESIGN.md decision 32).
 FC_STREAMS = dict(
     backend="torch",
     precision="auto",
