@@ -535,21 +535,25 @@ def build_smollm2(scale: float = 1.0, seed: int = 0) -> None:
 
 # smollm2-fc: SmolLM2-135M-Instruct fine-tuned for function calling on BFCL, shared mode.
 FC_MAX_TOKENS = 512  # train/valid items longer than this are left out (1,035 of 1,998 train items fit)
-FC_TRAIN = dict(
+# What the function-calling runs share: the data's shape, γ, Ns, the LoRA rank, checkpoints.
+FC_COMMON = dict(
     backend="torch",
     precision="auto",
-    mode="shared",
     num_streams=4,
     stream_layers=4,
     lora_rank=16,
     batch_size=8,
     max_seq_len=FC_MAX_TOKENS,
     stream_positions=64,
-    iters=160,
     save_every=10,
     steps_per_eval=1000,
-    learning_rate=5e-4,
     warmup=10,
+)
+FC_TRAIN = dict(
+    FC_COMMON,
+    mode="shared",
+    iters=160,
+    learning_rate=5e-4,
     # Stream embeddings drawn at the scale of the hidden state they are added to (RMS ~20 at
     # layer 26): at the fixed 0.02 draw a stream row is the main row, and the shared LoRA
     # cannot tell them apart (stream-1 top-1 0.05 against 0.44; docs/DESIGN.md decision 27).
@@ -568,22 +572,12 @@ FC_TRAIN = dict(
 # cost task accuracy (the stream losses and the main loss share the LoRA); this keeps the
 # fine-tune's answers by construction (docs/DESIGN.md decision 32).
 FC_STREAMS = dict(
-    backend="torch",
-    precision="auto",
+    FC_COMMON,
     mode="lossless",
-    num_streams=4,
-    stream_layers=4,
-    lora_rank=16,
-    batch_size=8,
-    max_seq_len=FC_MAX_TOKENS,
-    stream_positions=64,
     iters=390,  # 3 epochs of the 1,034 train items
-    save_every=10,
-    steps_per_eval=1000,
     # 3e-3 against the lossless build's 1e-3: at equal steps it lifted every depth
     # (bench/stream-ablations.md).
     learning_rate=3e-3,
-    warmup=10,
     cached_features=True,
     teacher_top_k=64,
 )
