@@ -192,6 +192,26 @@ def test_resume_after_interrupt(tmp_path, corpus, base_dir, monkeypatch):
     assert (tmp_path / "r" / "specstream.json").exists() and not (tmp_path / "r" / "checkpoint").exists()
 
 
+def test_resume_with_other_stream_settings_names_them(tmp_path, corpus, base_dir, monkeypatch):
+    """A run resumed with a stream shape other than its checkpoint's (a rank changed on
+    the command line, or a forgotten flag) stops in one line naming the setting, both
+    values and the flags, and leaves the checkpoint as it was."""
+    import specstream_mlx.train.loop as T
+
+    data, _ = corpus
+    kw = dict(mode="lossless", num_streams=2, stream_layers=1, iters=6, batch_size=4, stream_positions=4, save_every=2)
+    real = _interrupt_at_batch(monkeypatch, 3)
+    train(str(base_dir), str(data), str(tmp_path / "r"), TrainConfig(lora_rank=4, **kw), progress=False, log=lambda s: None)
+    state = (tmp_path / "r" / "checkpoint" / "state.json").read_text()
+    monkeypatch.setattr(T, "iterate_batches", real)
+    with pytest.raises(TrainError) as e:
+        train(str(base_dir), str(data), str(tmp_path / "r"), TrainConfig(lora_rank=2, **kw), resume=True, progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "checkpoint" in msg
+    assert "lora_rank 4" in msg and "this run has 2" in msg and "--lora-rank" in msg
+    assert (tmp_path / "r" / "checkpoint" / "state.json").read_text() == state
+
+
 def test_nan_loss_stops_cleanly(tmp_path, corpus, base_dir, monkeypatch):
     import specstream_mlx.train.trainer as T
 

@@ -50,14 +50,44 @@ def find_checkpoint(ckpt_dir: Path):
     return None
 
 
-def load_checkpoint(ckpt_dir: Path, trainable, backend: str) -> "tuple[int, dict]":
-    """Load the trained weights into ``trainable``; returns (step, the optimizer's flat arrays)."""
+# The settings that give the trained arrays their shapes, with the flag that sets each.
+_SHAPE_SETTINGS = (
+    ("mode", "--mode"),
+    ("num_streams", "--num-streams"),
+    ("stream_layers", "--stream-layers"),
+    ("lora_rank", "--lora-rank"),
+    ("lora_targets", "the LoRA targets"),
+)
+
+
+def load_checkpoint(ckpt_dir: Path, trainable, cfg) -> "tuple[int, dict]":
+    """Load the trained weights into ``trainable``; returns (step, the optimizer's flat arrays).
+
+    A checkpoint resumes only under the settings it was written with: a stream shape
+    that differs is named in one line (not left to a shape error from the loader)."""
     state = json.loads((ckpt_dir / "state.json").read_text())
-    written_by = state.get("config", {}).get("backend", "mlx")
-    if written_by != backend:
+    written = state.get("config", {})
+    written_by = written.get("backend", "mlx")
+    if written_by != cfg.backend:
         raise TrainError(f"{ckpt_dir}: written by the {written_by} backend; resume it with --backend {written_by}")
+    for key, flag in _SHAPE_SETTINGS:
+        old, new = written.get(key), getattr(cfg, key, None)
+        if old is not None and new is not None and _as_list(old) != _as_list(new):
+            raise TrainError(
+                f"{ckpt_dir}: the checkpoint was written with {key} {_shown(old)}, this run has {_shown(new)}; "
+                f"resume with the settings the run started with ({flag}; --new-streams if it started fresh streams "
+                "on a model that has some)"
+            )
     trainable.load_weights(list(mx.load(str(ckpt_dir / "trainable.safetensors")).items()), strict=True)
     return int(state["step"]), mx.load(str(ckpt_dir / "optimizer.safetensors"))
+
+
+def _as_list(v):
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
+def _shown(v) -> str:
+    return ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
 
 
 def restore_mlx_optimizer(optimizer, arrays: dict) -> None:

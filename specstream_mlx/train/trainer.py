@@ -367,7 +367,7 @@ def train(
         found = find_checkpoint(ckpt)
         if found is None:
             raise TrainError(f"--resume: no checkpoint at {ckpt}")
-        step, opt_arrays = load_checkpoint(found, trainable, cfg.backend)
+        step, opt_arrays = load_checkpoint(found, trainable, cfg)
         log(f"[train] resumed from {found} at step {step}")
     bar = None
     if progress:
