@@ -201,11 +201,12 @@ def test_resume_with_other_stream_settings_names_them(tmp_path, corpus, base_dir
     data, _ = corpus
     kw = dict(mode="lossless", num_streams=2, stream_layers=1, iters=6, batch_size=4, stream_positions=4, save_every=2)
     real = _interrupt_at_batch(monkeypatch, 3)
-    train(str(base_dir), str(data), str(tmp_path / "r"), TrainConfig(lora_rank=4, **kw), progress=False, log=lambda s: None)
+    quiet = dict(progress=False, log=lambda s: None)
+    train(str(base_dir), str(data), str(tmp_path / "r"), TrainConfig(lora_rank=4, **kw), **quiet)
     state = (tmp_path / "r" / "checkpoint" / "state.json").read_text()
     monkeypatch.setattr(T, "iterate_batches", real)
     with pytest.raises(TrainError) as e:
-        train(str(base_dir), str(data), str(tmp_path / "r"), TrainConfig(lora_rank=2, **kw), resume=True, progress=False)
+        train(str(base_dir), str(data), str(tmp_path / "r"), TrainConfig(lora_rank=2, **kw), resume=True, **quiet)
     msg = str(e.value)
     assert "\n" not in msg and "checkpoint" in msg
     assert "lora_rank 4" in msg and "this run has 2" in msg and "--lora-rank" in msg
