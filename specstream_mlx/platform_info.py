@@ -45,6 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
+from .cpu_jit import jit_words
+from .cpu_jit import uses_mlx_cpu_wheel as _uses_mlx_cpu_wheel
+
 REEXEC_ENV = "SPECSTREAM_BLAS_REEXEC"
 BLAS_ENV = "SPECSTREAM_BLAS"
 DISABLE_ENV = "SPECSTREAM_NO_OPENBLAS"
@@ -207,19 +210,6 @@ def _choose_library(setting: Optional[str]) -> BlasChoice:
         return BlasChoice(lib, name, threads)
     known = ", ".join([*LIBRARIES, "none"])
     raise BlasSettingError(f"{BLAS_ENV}={setting!r}: unknown library; use {known} or a path, optionally :THREADS")
-
-
-def _uses_mlx_cpu_wheel() -> bool:
-    """True when the installed MLX is the Linux CPU wheel with its bundled BLAS."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        from importlib.metadata import distribution
-
-        distribution("mlx-cpu")
-        return True
-    except Exception:  # PackageNotFoundError and broken metadata alike
-        return False
 
 
 def blas_preloaded() -> bool:
@@ -391,8 +381,10 @@ def forwarder_words() -> str:
 
 
 def blas_words() -> str:
-    """One phrase for a report: the BLAS, its version and threads, and the one-row forwarder."""
-    return f"{blas_in_use()} {blas_version()}, {blas_threads()} threads" + forwarder_words()
+    """One phrase for a report: the BLAS, its version and threads, the one-row forwarder, and
+    how MLX's compiled CPU kernels are built (:mod:`.cpu_jit`)."""
+    words = f"{blas_in_use()} {blas_version()}, {blas_threads()} threads" + forwarder_words()
+    return words + f"; compiled CPU kernels {jit_words()}"
 
 
 def blas_in_use() -> str:
@@ -445,6 +437,7 @@ def runtime_info() -> dict:
         "blas_threads": blas_threads(),
         "blas_gemv_forwarding": gemv_forwarding(),
         "blas_forwarder": forwarder_words().lstrip(", "),
+        "cpu_kernels": jit_words(),
     }
 
 

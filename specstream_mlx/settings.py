@@ -7,6 +7,8 @@
                           ``$XDG_CACHE_HOME/specstream-mlx``, else ``~/.cache/specstream-mlx``.
 ``SPECSTREAM_COMPILE``    ``1``: speculative passes run as compiled graphs (one per tree
                           shape); default op by op (docs/DESIGN.md, decision 18).
+``SPECSTREAM_JIT_AVX2``    ``0``: MLX's compiled CPU kernels are built with MLX's own flags, not
+                          with inline FMA instructions (:mod:`specstream_mlx.cpu_jit`).
 ========================  ====================================================================
 
 The BLAS settings (``SPECSTREAM_BLAS``, ``SPECSTREAM_NO_OPENBLAS``, thread counts) act before

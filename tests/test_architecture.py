@@ -17,7 +17,7 @@ ALLOWED = {
     "models": {"settings"},
     "method": {"models", "settings"},
     "io": {"models", "method", "settings"},
-    "runtime": {"models", "method", "io", "platform_info", "settings"},
+    "runtime": {"models", "method", "io", "platform_info", "cpu_jit", "settings"},
     "convert": {"models", "method", "io", "settings"},
     "train": {"models", "method", "io", "settings"},
     "tasks": {"models", "method", "io", "runtime", "settings"},
@@ -37,7 +37,8 @@ ALLOWED = {
         "tasks",
         "settings",
     },
-    "platform_info": {"settings"},
+    "platform_info": {"cpu_jit", "settings"},
+    "cpu_jit": {"settings"},
     "settings": set(),
 }
 

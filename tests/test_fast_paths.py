@@ -4,6 +4,7 @@ forwarded to GEMV; and the BLAS setting is parsed as documented."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -265,3 +266,94 @@ def test_importing_the_library_loads_the_fast_blas_in_process(tiny_model_dir):
     )
     assert slow.returncode == 0 and slow.stdout.split()[0] == "reference", slow.stderr
     assert slow.stderr.count("reference BLAS") == 1 and "import specstream_mlx before mlx" in slow.stderr
+
+
+def test_the_kernel_compiler_adds_its_flags_only_where_the_cpu_has_them(tmp_path, monkeypatch):
+    from specstream_mlx import cpu_jit
+
+    fake = tmp_path / "bin" / "g++"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "$@"\n')
+    fake.chmod(0o755)
+    wrapper = cpu_jit.write_wrapper(tmp_path / "jit", str(fake))
+    out = subprocess.run([str(wrapper), "-O3", "a b.cpp"], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-O3", "a", "b.cpp"]
+
+    monkeypatch.setattr(cpu_jit, "_enabled", None)
+    for key in cpu_jit._RECORD:  # this process's own record, put back afterwards
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PATH", str(fake.parent))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setattr(cpu_jit, "uses_mlx_cpu_wheel", lambda: True)
+    old_cpu = tmp_path / "cpuinfo-sse"
+    old_cpu.write_text("flags\t\t: fpu sse sse2 avx\n")
+    assert cpu_jit.enable(tmp_path / "cache", str(old_cpu)) is None
+    assert cpu_jit.jit_words() == "MLX's own build flags"
+    cpu = tmp_path / "cpuinfo"
+    cpu.write_text("flags\t\t: fpu sse avx avx2 fma f16c\n")
+    monkeypatch.setenv("SPECSTREAM_JIT_AVX2", "0")
+    assert cpu_jit.enable(tmp_path / "cache", str(cpu)) is None
+    monkeypatch.delenv("SPECSTREAM_JIT_AVX2")
+    kernels = cpu_jit.enable(tmp_path / "cache", str(cpu))
+    assert kernels.parent == tmp_path / "cache" and kernels.name.startswith("jit-tmp-") and kernels.is_dir()
+    import os
+
+    first = os.environ["PATH"].split(os.pathsep)[0]
+    assert (Path(first) / "g++").read_text().startswith(f"#!/bin/sh\nexec '{fake}' -mavx2")
+    assert os.environ["TMPDIR"] == str(kernels) and "-mfma" in cpu_jit.jit_words()
+    # A child process that turns it off gets the environment as it was before.
+    monkeypatch.setattr(cpu_jit, "_enabled", None)
+    monkeypatch.setenv("SPECSTREAM_JIT_AVX2", "0")
+    assert cpu_jit.enable(tmp_path / "cache", str(cpu)) is None
+    assert os.environ["PATH"] == str(fake.parent) and os.environ["TMPDIR"] == str(tmp_path / "tmp")
+
+
+JIT_CHECK = r"""
+import sys
+import specstream_mlx
+import mlx.core as mx, mlx.nn as nn
+from specstream_mlx.models.base import swiglu
+mx.random.seed(3)
+g, u = mx.random.normal((9, 1536)) * 4, mx.random.normal((9, 1536))
+norm = nn.RMSNorm(1536)
+f = mx.compile(lambda a, b: (swiglu(a, b), mx.softmax(a * 0.3, axis=-1), norm(a + b)))
+outs = f(g, u)
+mx.eval(outs)
+open(sys.argv[1], "wb").write(b"".join(bytes(memoryview(o)) for o in outs))
+"""
+
+
+def test_cpu_kernels_built_with_fma_compute_the_same_bits(tmp_path):
+    """The compiled element-wise kernels built with AVX2/FMA (what ``import specstream_mlx``
+    arranges on Linux's CPU wheel) have their fused multiply-adds inline where MLX's own
+    flags call libm's ``fmaf``, and give the same bytes."""
+    import os
+    import shutil
+
+    from specstream_mlx import cpu_jit
+    from specstream_mlx.platform_info import _uses_mlx_cpu_wheel
+
+    if not _uses_mlx_cpu_wheel() or not cpu_jit.cpu_supports() or shutil.which("objdump") is None:
+        pytest.skip("needs MLX's Linux CPU wheel on an AVX2 CPU (CI has both)")
+    env = {k: v for k, v in os.environ.items() if k != "SPECSTREAM_JIT_AVX2"}
+    env["SPECSTREAM_MLX_CACHE"] = str(tmp_path / "cache")
+    run = [sys.executable, "-c", JIT_CHECK]
+    fast = subprocess.run([*run, str(tmp_path / "fast")], env=env, capture_output=True)
+    assert fast.returncode == 0, fast.stderr.decode()[-2000:]
+    # Turned off in a child of a process that turned it on (this one): MLX's own flags.
+    scalar_tmp = tmp_path / "scalar-tmp"
+    scalar_tmp.mkdir()
+    env_off = {**env, "SPECSTREAM_JIT_AVX2": "0", "TMPDIR": str(scalar_tmp)}
+    slow = subprocess.run([*run, str(tmp_path / "slow")], env=env_off, capture_output=True)
+    assert slow.returncode == 0, slow.stderr.decode()[-2000:]
+    built = {p.name: p for p in (tmp_path / "cache").glob("jit-tmp-*/**/*Sigmoid*.so")}
+    plain = {p.name: p for p in scalar_tmp.rglob("*Sigmoid*.so")}
+    assert built and set(built) == set(plain)
+
+    def code(lib):
+        return subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True).stdout
+
+    for name in built:
+        assert "vfmadd" in code(built[name]) and "fmaf" not in code(built[name])
+        assert "fmaf" in code(plain[name])
+    assert (tmp_path / "fast").read_bytes() == (tmp_path / "slow").read_bytes()

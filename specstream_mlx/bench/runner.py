@@ -430,6 +430,7 @@ def run_bench(
                 "blas_threads",
                 "blas_gemv_forwarding",
                 "blas_forwarder",
+                "cpu_kernels",
             )
         },
         "model": str(path.name),
