@@ -12,7 +12,7 @@ UNAME  := $(shell uname -s)
 BLAS_ENV = $(shell $(PY) -m specstream_mlx.blas_env 2>/dev/null)
 # Debian packages of the libraries it chooses between (the first is the default), and the C
 # compiler that builds the product forwarder preloaded in front of them (its skinny kernel).
-BLAS_PACKAGES = libopenblas0-pthread libblis4-pthread gcc libc6-dev
+BLAS_PACKAGES = libopenblas0-pthread libblis4-pthread gcc g++ libc6-dev
 
 .PHONY: swift-test install install-runtime demo demo-models eval-bfcl bench bench-blas test lint bench-plain clean blas
 
