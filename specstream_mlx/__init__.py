@@ -24,10 +24,10 @@ from .platform_info import preload_in_process as _preload_blas  # noqa: E402
 
 _preload_blas()
 
-# Before MLX builds its first compiled CPU kernel: vector instructions for them (cpu_jit).
-from .cpu_jit import enable as _vectorize_cpu_kernels  # noqa: E402
+# Before MLX builds its first compiled CPU kernel: inline FMA instructions in them (cpu_jit).
+from .cpu_jit import enable as _fma_in_cpu_kernels  # noqa: E402
 
-_vectorize_cpu_kernels()
+_fma_in_cpu_kernels()
 
 __all__ = [
     "__version__",

@@ -2,12 +2,13 @@
 
 ========================  ====================================================================
 ``SPECSTREAM_MLX_CACHE``  the user cache: converted bundled models, ``--tree auto``'s learned
-                          step costs (``step_costs.json``), base-model fingerprints and the
-                          compiled one-row GEMV forwarder. Default
+                          step costs (``step_costs.json``), base-model fingerprints, the
+                          compiled one-row GEMV forwarder and MLX's compiled CPU kernels
+                          (``jit-tmp-*``, with the ``g++`` that builds them). Default
                           ``$XDG_CACHE_HOME/specstream-mlx``, else ``~/.cache/specstream-mlx``.
 ``SPECSTREAM_COMPILE``    ``1``: speculative passes run as compiled graphs (one per tree
                           shape); default op by op (docs/DESIGN.md, decision 18).
-``SPECSTREAM_JIT_AVX2``    ``0``: MLX's compiled CPU kernels are built with MLX's own flags, not
+``SPECSTREAM_JIT_AVX2``   ``0``: MLX's compiled CPU kernels are built with MLX's own flags, not
                           with inline FMA instructions (:mod:`specstream_mlx.cpu_jit`).
 ========================  ====================================================================
 
