@@ -8,12 +8,12 @@
                           ``$XDG_CACHE_HOME/specstream-mlx``, else ``~/.cache/specstream-mlx``.
 ``SPECSTREAM_COMPILE``    ``1``: speculative passes run as compiled graphs (one per tree
                           shape); default op by op (docs/DESIGN.md, decision 18).
-``SPECSTREAM_JIT_AVX2``   ``0``: MLX's compiled CPU kernels are built with MLX's own flags, not
-                          with inline FMA instructions (:mod:`specstream_mlx.cpu_jit`).
 ========================  ====================================================================
 
 The BLAS settings (``SPECSTREAM_BLAS``, ``SPECSTREAM_NO_OPENBLAS``, thread counts) act before
-MLX is imported and are read by :mod:`specstream_mlx.blas_env` (docs/USAGE.md). Everything
+MLX is imported and are read by :mod:`specstream_mlx.blas_env` (docs/USAGE.md);
+``SPECSTREAM_JIT_AVX2=0`` (MLX's compiled CPU kernels built with MLX's own flags) acts at
+``import specstream_mlx`` and is read by :mod:`specstream_mlx.cpu_jit`. Everything
 else takes its setting as an argument; :func:`current` is read at each use, so a test or a
 caller that changes the environment is seen.
 """
