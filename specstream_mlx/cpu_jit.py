@@ -23,6 +23,7 @@ the kernels are Metal's, and this module does nothing.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -41,8 +42,10 @@ _CPU_FLAGS = ("avx2", "fma", "f16c")
 _enabled: Optional[Path] = None
 
 
+@functools.lru_cache(maxsize=None)
 def uses_mlx_cpu_wheel() -> bool:
-    """True when the installed MLX is the Linux CPU wheel with its bundled BLAS."""
+    """True when the installed MLX is the Linux CPU wheel with its bundled BLAS (looked up
+    in the package metadata once per process: start-up asks several times)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -93,9 +96,7 @@ def enable(cache_dir: Optional[Path] = None, cpuinfo: str = "/proc/cpuinfo") -> 
     global _enabled
     if _enabled is not None:
         return _enabled
-    if not sys.platform.startswith("linux"):
-        return None
-    if not uses_mlx_cpu_wheel():
+    if not uses_mlx_cpu_wheel():  # Linux only
         return None
     if cache_dir is None:
         from .settings import current
