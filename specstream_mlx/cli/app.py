@@ -1049,7 +1049,7 @@ def train(
         False,
         "--cached-features/--no-cached-features",
         help="Lossless, torch backend: compute the frozen features below the stream layers and the teacher's "
-        "top-k once per sequence (resumable, memory-mapped) and train on them.",
+        "top-k once per sequence (resumable, read at offsets) and train on them.",
     ),
     teacher_top_k: int = typer.Option(
         64, "--teacher-top-k", help="With --cached-features: the teacher's most likely tokens kept per position."
