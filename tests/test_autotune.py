@@ -11,6 +11,7 @@ import specstream_mlx.runtime.step_costs as C
 from specstream_mlx.method.tree import Tree
 from specstream_mlx.runtime.autotune import WARMUP_STEPS, AutoPolicy
 from specstream_mlx.runtime.drafting import Candidates, Draft, Forecast
+from specstream_mlx.runtime.offline_costs import ArmCosts
 from specstream_mlx.runtime.step_costs import PassCosts
 
 
@@ -316,10 +317,12 @@ def test_pass_costs_are_timed_once_per_machine_and_model_before_the_first_pass(t
     auto = model.tuner(SamplingParams())
     want = {(b, h) for b in step_costs.CALIBRATION_BUDGETS for h in (0, A.HOSTING) if not (h and b <= h)}
     want.add(A.LOOKUP_ARM)  # greedy: the lookup arm's chain pass too
-    assert len(timings) == 1 and set(timings[0]) == want and all(c > 0 for c in timings[0].values())
-    assert auto.costs.stored == pytest.approx(timings[0])
+    assert len(timings) == 1 and set(timings[0].costs) == want and all(c > 0 for c in timings[0].costs.values())
+    assert auto.costs.stored == pytest.approx(timings[0].costs) and timings[0].plain_seconds > 0
+    assert auto.costs.stored_plain == timings[0].plain_seconds
     again = SpeculativeModel(model.base, model.streams).tuner(SamplingParams())  # the next process
-    assert len(timings) == 1 and again.costs.stored == pytest.approx(timings[0])
+    assert len(timings) == 1 and again.costs.stored == pytest.approx(timings[0].costs)
+    assert again.costs.stored_plain == pytest.approx(timings[0].plain_seconds)
 
     calls = {"base": 0, "ss": 0}
     base_call, pass_call = type(model.base).__call__, SSPass.__call__
@@ -403,7 +406,7 @@ def test_no_tree_pass_runs_when_the_prior_says_plain(tiny_model_dir, tmp_path, m
     from specstream_mlx.runtime.speculative import ss_steps
 
     monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))  # step_costs.json there
-    monkeypatch.setattr(A, "calibrate", lambda *a, **k: {})  # the generic prior costs
+    monkeypatch.setattr(A, "calibrate", lambda *a, **k: ArmCosts())  # the generic prior costs
     model, _ = _auto_model(tiny_model_dir)
     _with_prior(model, {b: 0.05 for b in A.CANDIDATE_BUDGETS})
     passes = {"n": 0}
@@ -445,7 +448,7 @@ def test_a_prior_that_pays_starts_on_its_best_arm(tiny_model_dir, tmp_path, monk
     from specstream_mlx.runtime.sampling import SamplingParams
 
     monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))  # step_costs.json there
-    monkeypatch.setattr(A, "calibrate", lambda *a, **k: {})  # the generic prior costs
+    monkeypatch.setattr(A, "calibrate", lambda *a, **k: ArmCosts())  # the generic prior costs
     model, _ = _auto_model(tiny_model_dir)
     # At the prior costs 1.2 + 0.15 b: b2 (1+1.4)/1.5 = 1.6, b4 (1+2.6)/1.8 = 2.0, b8 (1+3)/2.4 = 1.67.
     _with_prior(model, {2: 1.4, 4: 2.6, 8: 3.0, 12: 3.0, 16: 3.0, 24: 3.0})
@@ -472,7 +475,7 @@ def test_calibrated_costs_decide_the_first_request(tiny_model_dir, tmp_path, mon
 
     monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))
     slow = {(2, 0): 4.0, (8, 0): 5.5, (2, 1): 3.8, (8, 1): 4.6}
-    monkeypatch.setattr(A, "calibrate", lambda *a, **k: dict(slow))
+    monkeypatch.setattr(A, "calibrate", lambda *a, **k: ArmCosts(dict(slow)))
     model, _ = _auto_model(tiny_model_dir)
     _with_prior(model, {2: 1.4, 4: 2.6, 8: 3.0, 12: 3.0, 16: 3.0, 24: 3.0})
     auto = model.tuner(SamplingParams())
@@ -564,6 +567,31 @@ def test_costs_are_written_only_after_new_timed_passes(tmp_path, monkeypatch):
     costs.observe_pass((4, 0), 0.024)
     costs.save()
     assert path.exists()
+
+
+def test_a_one_shot_process_that_times_only_passes_stores_what_they_cost(tmp_path, monkeypatch):
+    """With an acceptance prior a short request runs tree passes and no plain probe: its
+    passes are measured against the stored plain step, so the next process starts from
+    what they cost inside a generation, not from the calibration of bare passes again."""
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))
+    first = PassCosts.load("machine|model")
+    first.save({(4, 1): 2.0, (8, 1): 2.5}, plain_seconds=0.010)  # the calibration
+    for _ in range(C.TIME_MIN):
+        first.observe_pass((4, 1), 0.040)  # in a generation: host drafting and verifying too
+    assert first.plain_n == 0 and first.cost((4, 1)) == pytest.approx(4.0)
+    first.save()  # the request ends
+    second = PassCosts.load("machine|model")
+    assert second.stored[(4, 1)] == pytest.approx(4.0) and second.stored_plain == pytest.approx(0.010)
+    # An arm not timed moves with the timed one (4.0 / 2.0 of its calibrated cost), so the
+    # next process does not try it at a cost its neighbour has disproved.
+    assert second.cost((8, 1)) == pytest.approx(5.0)
+    # Plain tokens timed in the process itself take over, and are stored as the reference.
+    for _ in range(C.TIME_MIN):
+        second.observe_plain(0.020)
+        second.observe_pass((4, 1), 0.060)
+    assert second.cost((4, 1)) == pytest.approx(3.0)
+    second.save()
+    assert PassCosts.load("machine|model").stored_plain == pytest.approx(0.020)
 
 
 def test_the_lookup_arm_wins_where_continuations_are_accepted():
@@ -668,3 +696,41 @@ def test_plain_decoding_switches_to_the_lookup_arm_when_replayed_passes_pay():
     # Sampling offers no lookup arm: plain decoding to the end, not watched.
     sampled = AutoPolicy(costs, depth=4, budget=4, hosting=0, lookup_arm=False, pending="plain decoding: test")
     assert not sampled.plan().watch
+
+
+def test_the_last_pass_of_a_request_is_timed_too(tiny_model_dir):
+    """A consumer that stops at EOS closes the step generator at the last pass's yield:
+    that pass is still booked (on a 3-pass reply it is a third of the evidence)."""
+    import mlx.core as mx
+
+    from specstream_mlx.method.tree import TreeSpec
+    from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.runtime.speculative import ss_steps
+
+    class Spy(A.FixedPolicy):
+        observed = 0
+
+        def new_request(self, pruning_levels=(0.0,)):
+            pass
+
+        def observe_pass(self, plan, draft, accepted, seconds):
+            self.observed += 1
+
+    model, _ = _auto_model(tiny_model_dir)
+    spy = Spy(TreeSpec.parse("dynamic:4"), 0.0)
+    steps = ss_steps(model, mx.array(list(range(3, 30))), SamplingParams(), tree="auto", policy=spy)
+    for n, _ in enumerate(steps, start=1):
+        if n == 5:
+            break
+    steps.close()
+    assert spy.observed == 5
+
+
+def test_an_arm_timed_without_a_stored_cost_moves_the_others_by_what_it_shows():
+    """A calibration times budgets 2 and 8; the first request runs budget 4, which has no
+    stored cost: its measured cost against the calibration's line scales the other arms."""
+    costs = PassCosts(stored={(2, 1): 2.0, (8, 1): 3.2}, stored_plain=0.010)
+    for _ in range(C.TIME_MIN):
+        costs.observe_pass((4, 1), 0.048)  # 4.8 plain steps against the line's 2.4
+    table = costs.table([(2, 1), (4, 1), (8, 1)])
+    assert table == pytest.approx({(2, 1): 4.0, (4, 1): 4.8, (8, 1): 6.4})

@@ -23,6 +23,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..models.fusion import fused_part, linear_dims
+
 FORMAT_VERSION = 1
 CONFIG_FILE = "specstream.json"
 WEIGHTS_FILE = "streams.safetensors"
@@ -162,20 +164,15 @@ def lora_key(layer_index: int) -> str:
     return f"layer{layer_index}"
 
 
-def linear_dims(module) -> Tuple[int, int]:
-    """(in, out) of a Linear or QuantizedLinear."""
-    if isinstance(module, nn.QuantizedLinear):
-        out_dims = module.weight.shape[0]
-        in_dims = module.weight.shape[1] * 32 // module.bits
-        return in_dims, out_dims
-    out_dims, in_dims = module.weight.shape
-    return in_dims, out_dims
-
-
 def find_linear(layer, name: str):
+    """The projection ``name`` of a block, or its :class:`FusedPart` where decoding fused it
+    with others at load (streams loaded onto such a model get the part's shape)."""
     for parent in (layer.self_attn, layer.mlp):
         if name in parent:
             return parent[name]
+        part = fused_part(parent, name)
+        if part is not None:
+            return part
     return None
 
 

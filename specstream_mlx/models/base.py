@@ -233,6 +233,8 @@ class Attention(nn.Module):
             qkv = ad("qkv_proj", x, self.qkv_proj(x))
             nq, nk = self.n_heads * hd, self.n_kv_heads * hd
             q, k, v = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
+            if adapter is not None:  # fused at load (models/fusion.py): LoRAs of the parts
+                q, k, v = ad("q_proj", x, q), ad("k_proj", x, k), ad("v_proj", x, v)
         else:
             q = ad("q_proj", x, self.q_proj(x))
             k = ad("k_proj", x, self.k_proj(x))
@@ -332,20 +334,21 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
         self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
 
-    def __call__(self, x: mx.array, adapter: Optional[Adapter] = None) -> mx.array:
+    def gate_up(self, x: mx.array, adapter: Optional[Adapter] = None):
+        """The gate and up projections of ``x``, with the adapter's deltas."""
+        if not self.fused:
+            if adapter is None:
+                return self.gate_proj(x), self.up_proj(x)
+            return adapter("gate_proj", x, self.gate_proj(x)), adapter("up_proj", x, self.up_proj(x))
         if adapter is None:
-            if self.fused:
-                gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-            else:
-                gate, up = self.gate_proj(x), self.up_proj(x)
-            return self.down_proj(swiglu(gate, up))
-        if self.fused:
-            gate, up = mx.split(adapter("gate_up_proj", x, self.gate_up_proj(x)), 2, axis=-1)
-        else:
-            gate = adapter("gate_proj", x, self.gate_proj(x))
-            up = adapter("up_proj", x, self.up_proj(x))
-        act = swiglu(gate, up)
-        return adapter("down_proj", act, self.down_proj(act))
+            return mx.split(self.gate_up_proj(x), 2, axis=-1)
+        gate, up = mx.split(adapter("gate_up_proj", x, self.gate_up_proj(x)), 2, axis=-1)
+        # Fused at load (models/fusion.py): the LoRAs of the parts.
+        return adapter("gate_proj", x, gate), adapter("up_proj", x, up)
+
+    def __call__(self, x: mx.array, adapter: Optional[Adapter] = None) -> mx.array:
+        act = swiglu(*self.gate_up(x, adapter))
+        return self.down_proj(act) if adapter is None else adapter("down_proj", act, self.down_proj(act))
 
 
 class TransformerBlock(nn.Module):

@@ -153,11 +153,8 @@ def residual(x: mx.array, y: mx.array) -> mx.array:
 
 class MLP(base.MLP):
     def __call__(self, x: mx.array, adapter: Optional[Adapter] = None) -> mx.array:
-        ad = adapter or base._no_adapter
-        gate = ad("gate_proj", x, self.gate_proj(x))
-        up = ad("up_proj", x, self.up_proj(x))
-        act = geglu(gate, up)
-        return ad("down_proj", act, self.down_proj(act))
+        act = geglu(*self.gate_up(x, adapter))
+        return self.down_proj(act) if adapter is None else adapter("down_proj", act, self.down_proj(act))
 
 
 class TransformerBlock(nn.Module):

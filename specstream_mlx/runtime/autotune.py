@@ -478,7 +478,8 @@ def auto_policy_for(model, streams, sampled: bool, compiled: bool, log=None) -> 
         if log:
             log("--tree auto: timing tree passes for this model on this machine (once; stored in the user cache)")
         extra = () if sampled else (LOOKUP_ARM,)
-        costs.save(calibrate(model, streams, sampled, compiled, (0, HOSTING), extra))
+        timed = calibrate(model, streams, sampled, compiled, (0, HOSTING), extra)
+        costs.save(timed.costs, timed.plain_seconds)
     prior = AcceptancePrior.from_extra(streams.config.extra)
     return AutoPolicy(
         costs, streams.num_streams, compiled, prior=prior, prior_picks_arm=not sampled, lookup_arm=not sampled

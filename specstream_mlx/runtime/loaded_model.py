@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from ..io.adapters import fuse_adapter_into
 from ..io.loading import ModelLoadError, load_model_dir
 from ..method.streams import StreamParams
 from ..models.base import ModelArgs
+from ..models.fusion import fuse_projections
 from ..settings import current as current_settings
 from .autotune import AutoPolicy, auto_policy_for
 from .compiled_pass import SSPass
@@ -93,7 +95,12 @@ def base_model(model: Any) -> nn.Module:
 
 
 def load(
-    path_or_name: str, dtype="auto", lazy: bool = False, warn: bool = True, adapter_path: Optional[str] = None
+    path_or_name: str,
+    dtype="auto",
+    lazy: bool = False,
+    warn: bool = True,
+    adapter_path: Optional[str] = None,
+    fuse: bool = True,
 ) -> Tuple[SpeculativeModel, Any]:
     """Load ``(model, tokenizer)`` from a directory, bundled name or hub id.
 
@@ -105,6 +112,9 @@ def load(
         lazy: leave parameters unevaluated.
         warn: warn on stderr when the streams are untrained.
         adapter_path: a PEFT or mlx-lm LoRA adapter directory to fuse into the base.
+        fuse: concatenate each layer's q/k/v and gate/up weights, so a decode step runs
+            four matrix products per layer instead of seven (:mod:`~specstream_mlx.models.fusion`;
+            the same logits to rounding). False keeps the stored layout.
 
     Returns:
         A :class:`SpeculativeModel` (``model.streams`` is None for a model
@@ -120,4 +130,6 @@ def load(
             fuse_adapter_into(lm.model, Path(adapter_path))
         except (ValueError, OSError) as e:
             raise ModelLoadError(str(e)) from e
+    if fuse and fuse_projections(lm.model) and not lazy:
+        mx.eval(lm.model.parameters())  # the parts' buffers are freed now, not at the first step
     return SpeculativeModel(lm.model, lm.streams, lm.path), lm.tokenizer

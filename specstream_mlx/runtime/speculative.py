@@ -353,6 +353,8 @@ def _ss_loop(
         if plan.next_tree.lookup:
             policy.observe_lookup(float(sum(chain_scores)))
         nxt = _next_draft(sm, res, plan, sampling, hosts is not None, chain, chain_scores)
-        yield step
-        policy.observe_pass(plan, draft, res.verdict.accepted, time.perf_counter() - t)
+        try:
+            yield step
+        finally:  # the last pass too: a request's end closes the generator at its yield
+            policy.observe_pass(plan, draft, res.verdict.accepted, time.perf_counter() - t)
         draft = nxt

@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +22,9 @@ import numpy as np
 from ..cpu_jit import jit_words
 from ..io.files import cache_root
 from ..platform_info import blas_in_use, forwarder_words
+
+if TYPE_CHECKING:
+    from .offline_costs import ArmCosts
 
 Arm = Tuple[int, int]  # (budget, hosting mode)
 
@@ -36,7 +39,7 @@ CALIBRATION_REPS = 3
 TIME_EMA = 0.1
 TIME_MIN = 3
 # Bump when a pass changes what it computes: stored costs are then ignored.
-COST_VERSION = 11
+COST_VERSION = 12
 
 
 def cost_cache_file() -> Path:
@@ -72,6 +75,11 @@ class PassCosts:
 
     key: Optional[str] = None
     stored: Dict[Arm, float] = field(default_factory=dict)
+    # Seconds of a plain step stored with the costs (a calibration's, else an earlier
+    # process's plain tokens): what this process's passes are measured against until it
+    # has timed plain tokens of its own. A short request with an acceptance prior may run
+    # only tree passes; without it, what they cost would never be learned.
+    stored_plain: Optional[float] = None
     seconds: Dict[Arm, float] = field(default_factory=dict)
     timed: Dict[Arm, int] = field(default_factory=dict)
     plain: float = 0.0
@@ -84,6 +92,8 @@ class PassCosts:
     def load(cls, key: str) -> "PassCosts":
         entry = _read_table().get(key)
         costs = entry.get("costs") if isinstance(entry, dict) else None
+        plain = entry.get("plain_seconds") if isinstance(entry, dict) else None
+        plain = float(plain) if isinstance(plain, (int, float)) and plain > 0 else None
         stored = {}
         for arm, cost in costs.items() if isinstance(costs, dict) else ():
             try:
@@ -91,10 +101,13 @@ class PassCosts:
                 stored[(b, h)] = float(cost)
             except (ValueError, TypeError):
                 continue  # a hand-edited or foreign entry: ignored
-        return cls(key, stored)
+        return cls(key, stored, plain)
 
-    def save(self, extra: Optional[Dict[Arm, float]] = None) -> None:
-        """Store the timed arms' costs (and ``extra`` ones, e.g. a calibration's) under the key."""
+    def save(self, extra: Optional[Dict[Arm, float]] = None, plain_seconds: Optional[float] = None) -> None:
+        """Store the timed arms' costs (and ``extra`` ones, e.g. a calibration's, relative
+        to a plain step of ``plain_seconds``) under the key, with the plain step's seconds."""
+        if plain_seconds:
+            self.stored_plain = plain_seconds
         if not extra and self.timed == self.saved_timed:
             return  # no pass timed since the last save
         measured = {a: c for a in self.timed if (c := self.measured(a)) is not None}
@@ -102,9 +115,17 @@ class PassCosts:
         if self.key is None or not measured:
             return
         self.saved_timed = dict(self.timed)
-        self.stored.update(measured)
+        # The arms not timed here are stored as this process estimated them (:meth:`table`:
+        # scaled by what the timed arms show against their stored costs), so the next
+        # process does not take an untried arm at a cost its neighbours have disproved.
+        self.stored = {**self.table(list(self.stored)), **measured}
+        if self.plain_n >= TIME_MIN:
+            self.stored_plain = self.plain
+        entry = {"costs": {f"{b},{h}": c for (b, h), c in sorted(self.stored.items())}}
+        if self.stored_plain:
+            entry["plain_seconds"] = self.stored_plain
         table = _read_table()
-        table[self.key] = {"costs": {f"{b},{h}": c for (b, h), c in sorted(self.stored.items())}}
+        table[self.key] = entry
         try:
             path = cost_cache_file()
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,10 +146,12 @@ class PassCosts:
         self.plain_n += 1
 
     def measured(self, arm: Arm) -> Optional[float]:
-        """The arm's timed cost in plain tokens, once both have ``TIME_MIN`` samples."""
-        if self.plain_n < TIME_MIN or self.timed.get(arm, 0) < TIME_MIN:
+        """The arm's timed cost in plain tokens, once it has ``TIME_MIN`` timed passes: over
+        this process's plain tokens once it has as many, else over the stored plain step."""
+        plain = self.plain if self.plain_n >= TIME_MIN else self.stored_plain
+        if not plain or self.timed.get(arm, 0) < TIME_MIN:
             return None
-        return self.seconds[arm] / self.plain
+        return self.seconds[arm] / plain
 
     def cost(self, arm: Arm) -> float:
         """Cost of one pass of ``arm`` in plain tokens: timed, else estimated."""
@@ -136,30 +159,43 @@ class PassCosts:
 
     def table(self, arms) -> Dict[Arm, float]:
         """Costs of ``arms`` in plain tokens: timed where they have been; else the stored
-        cost scaled by what the timed arms show against theirs; else a line through the
-        timed arms of the same hosting mode, or its stored ones (of any mode, if it has none). Computed once per
-        choice, not per arm: the policy chooses after every pass."""
+        cost scaled by what the timed arms show against what is stored for them (their
+        stored cost, or the line through the stored arms where they have none); else a line
+        through the timed arms of the same hosting mode, or its stored ones (of any mode,
+        if it has none). Computed once per choice, not per arm: the policy chooses after
+        every pass."""
         timed = {a: c for a in self.timed if (c := self.measured(a)) is not None}
-        ratios = [np.log(c / self.stored[a]) for a, c in timed.items() if a in self.stored]
+        stored_lines: Dict[int, tuple] = {}
+        ratios = [
+            np.log(c / (self.stored[a] if a in self.stored else _on_line(self.stored, a, stored_lines)))
+            for a, c in timed.items()
+            if self.stored
+        ]
         scale = float(np.exp(np.mean(ratios))) if ratios else 1.0
+        known = {**{a: c * scale for a, c in self.stored.items()}, **timed}
         lines, out = {}, {}
         for arm in arms:
-            b, h = arm
             if arm in timed:
                 out[arm] = timed[arm]
             elif arm in self.stored:
                 out[arm] = self.stored[arm] * scale
             else:
-                if h not in lines:
-                    # Through the timed arms of this hosting mode, else its stored ones (a
-                    # calibration's budgets), else those of any mode.
-                    known = {**{a: c * scale for a, c in self.stored.items()}, **timed}
-                    same = {bb: c for (bb, hh), c in timed.items() if hh == h}
-                    same = same or {bb: c for (bb, hh), c in known.items() if hh == h}
-                    lines[h] = cost_line(same or {bb: c for (bb, _), c in known.items()})
-                x0, y0, slope = lines[h]
-                out[arm] = max(1.0, y0 + slope * (b - x0))
+                # Through the timed arms of this hosting mode, else its stored ones (a
+                # calibration's budgets), else those of any mode.
+                same = {a: c for a, c in timed.items() if a[1] == arm[1]}
+                out[arm] = _on_line(same or known, arm, lines)
         return out
+
+
+def _on_line(points: Dict[Arm, float], arm: Arm, lines: Dict[int, tuple]) -> float:
+    """``arm``'s cost on the line through the ``points`` of its hosting mode (of every mode
+    where it has none); the lines are kept in ``lines`` per mode for the next arm."""
+    b, h = arm
+    if h not in lines:
+        same = {bb: c for (bb, hh), c in points.items() if hh == h}
+        lines[h] = cost_line(same or {bb: c for (bb, _), c in points.items()})
+    x0, y0, slope = lines[h]
+    return max(1.0, y0 + slope * (b - x0))
 
 
 def model_key(model, streams, kind: str, compiled: bool) -> str:
@@ -189,12 +225,12 @@ def model_key(model, streams, kind: str, compiled: bool) -> str:
     return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
 
 
-def calibrate(model, streams, sampled: bool, compiled: bool, hosting_modes=(0, 1), extra_arms=()) -> Dict[Arm, float]:
-    """Pass costs in plain steps measured on this machine, before any pass of a generation:
-    bare passes of ``CALIBRATION_BUDGETS`` nodes at each hosting mode over bare plain steps
-    on a synthetic prefix (:mod:`.offline_costs`). The generic line ``PRIOR`` was 2x too
-    cheap for a 3M-parameter model, whose passes are host work (docs/DESIGN.md decision 22);
-    run once per machine and model, its result stored."""
+def calibrate(model, streams, sampled: bool, compiled: bool, hosting_modes=(0, 1), extra_arms=()) -> "ArmCosts":
+    """Pass costs in plain steps measured on this machine, before any pass of a generation,
+    and the plain step's seconds: bare passes of ``CALIBRATION_BUDGETS`` nodes at each
+    hosting mode over bare plain steps on a synthetic prefix (:mod:`.offline_costs`). The
+    generic line ``PRIOR`` was 2x too cheap for a 3M-parameter model, whose passes are host
+    work (docs/DESIGN.md decision 22); run once per machine and model, its result stored."""
     from .offline_costs import measure_arm_costs
 
     arms = [(b, h) for h in hosting_modes for b in CALIBRATION_BUDGETS if not (h and b <= h)] + list(extra_arms)
