@@ -8,6 +8,8 @@
                           ``$XDG_CACHE_HOME/specstream-mlx``, else ``~/.cache/specstream-mlx``.
 ``SPECSTREAM_COMPILE``    ``1``: speculative passes run as compiled graphs (one per tree
                           shape); default op by op (docs/DESIGN.md, decision 18).
+``SPECSTREAM_FUSE``       ``0``: decoding keeps each layer's q/k/v and gate/up products apart
+                          as stored; default fused at load (docs/DESIGN.md, decision 35).
 ========================  ====================================================================
 
 The BLAS settings (``SPECSTREAM_BLAS``, ``SPECSTREAM_NO_OPENBLAS``, thread counts) act before
@@ -32,10 +34,12 @@ class Settings:
     Attributes:
         cache_dir: the user cache directory (not created here).
         compile_passes: run speculative passes as compiled graphs.
+        fuse_projections: fuse q/k/v and gate/up at load for decoding.
     """
 
     cache_dir: Path
     compile_passes: bool
+    fuse_projections: bool = True
 
 
 def current() -> Settings:
@@ -46,4 +50,8 @@ def current() -> Settings:
     else:
         xdg = os.environ.get("XDG_CACHE_HOME")
         cache = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "specstream-mlx"
-    return Settings(cache_dir=cache, compile_passes=os.environ.get("SPECSTREAM_COMPILE", "").strip() == "1")
+    return Settings(
+        cache_dir=cache,
+        compile_passes=os.environ.get("SPECSTREAM_COMPILE", "").strip() == "1",
+        fuse_projections=os.environ.get("SPECSTREAM_FUSE", "").strip() != "0",
+    )

@@ -242,7 +242,7 @@ def test_torch_backend_trains_and_writes_a_loadable_model(tmp_path, tiny_model_d
     assert released == [base_bytes]
     log = json.loads((tmp_path / "out" / "training_log.json").read_text())
     assert log["config"]["backend"] == "torch"
-    model, tok = load(str(tmp_path / "out"), warn=False)
+    model, tok = load(str(tmp_path / "out"), warn=False, fuse=False)  # the layout as written
     base = load_model_dir(str(tiny_model_dir), warn=False)
     # The streams moved from their initial values; the frozen base did not.
     assert any(np.abs(np.array(v)).max() > 0 for k, v in tree_flatten(model.streams.parameters()) if k.endswith(".b"))
@@ -265,7 +265,7 @@ def test_torch_backend_shared_mode_fuses_its_lora_and_stays_exact(tmp_path, tiny
     released = _spy_release(monkeypatch)
     train(str(tiny_model_dir), str(data), str(tmp_path / "out"), cfg, log=lambda *_: None, progress=False)
     assert released == []  # the base LoRA is fused into the MLX weights at the end: they stay
-    model, tok = load(str(tmp_path / "out"), warn=False)
+    model, tok = load(str(tmp_path / "out"), warn=False, fuse=False)  # the layout as written
     base = load_model_dir(str(tiny_model_dir), warn=False)
     changed = [
         k

@@ -78,13 +78,18 @@ def floor_seconds(model, bandwidth: Bandwidth) -> float:
     return weight_bytes(model) / bandwidth.best
 
 
-def product_shapes(args) -> List[tuple]:
-    """(in, out) of every matrix product one step runs, in order: per layer q, k, v, o,
-    gate, up, down, then the LM head."""
+def product_shapes(model) -> List[tuple]:
+    """(in, out) of every matrix product one step of ``model`` runs, in order: per layer
+    q, k, v, o, gate, up, down (q|k|v, o, gate|up, down where they are fused,
+    :mod:`specstream_mlx.models.fusion`), then the LM head."""
+    args = model.args
     d, hd = args.hidden_size, args.head_dim
     q, kv = args.num_attention_heads * hd, args.num_key_value_heads * hd
     inter = args.intermediate_size
-    per_layer = [(d, q), (d, kv), (d, kv), (q, d), (d, inter), (d, inter), (inter, d)]
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    qkv = [(d, q + 2 * kv)] if getattr(attn, "fused_qkv", False) else [(d, q), (d, kv), (d, kv)]
+    gate_up = [(d, 2 * inter)] if getattr(mlp, "fused", False) else [(d, inter), (d, inter)]
+    per_layer = qkv + [(q, d)] + gate_up + [(inter, d)]
     return per_layer * args.num_hidden_layers + [(d, args.vocab_size)]
 
 
@@ -188,7 +193,7 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9) -
     m, _ = load(name, warn=False)
     prompt = mx.array([1] + list(range(100, 100 + CONTEXT - 1)))
     steps, prods, bws, loads = [], [], [], []
-    shapes = product_shapes(m.args)
+    shapes = product_shapes(m.base)
     for _ in range(rounds):
         t, times = None, []
         for i, _step in enumerate(ar_steps(m.base, prompt, SamplingParams())):
@@ -255,7 +260,7 @@ def _child(models: Sequence[str], rows: Sequence[int], reps: int) -> dict:
     for name in models:
         m, _ = load(name, warn=False)
         res["models"][name] = {
-            "products_ms": time_products(product_shapes(m.args), rows, reps),
+            "products_ms": time_products(product_shapes(m.base), rows, reps),
             "pass_ms": time_passes(m.base, rows, reps),
             "weight_bytes": weight_bytes(m.base),
         }

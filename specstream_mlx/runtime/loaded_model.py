@@ -100,7 +100,7 @@ def load(
     lazy: bool = False,
     warn: bool = True,
     adapter_path: Optional[str] = None,
-    fuse: bool = True,
+    fuse: Optional[bool] = None,
 ) -> Tuple[SpeculativeModel, Any]:
     """Load ``(model, tokenizer)`` from a directory, bundled name or hub id.
 
@@ -114,7 +114,8 @@ def load(
         adapter_path: a PEFT or mlx-lm LoRA adapter directory to fuse into the base.
         fuse: concatenate each layer's q/k/v and gate/up weights, so a decode step runs
             four matrix products per layer instead of seven (:mod:`~specstream_mlx.models.fusion`;
-            the same logits to rounding). False keeps the stored layout.
+            the same logits to rounding). False keeps the stored layout; None (default):
+            fused unless ``SPECSTREAM_FUSE=0`` (:mod:`specstream_mlx.settings`).
 
     Returns:
         A :class:`SpeculativeModel` (``model.streams`` is None for a model
@@ -130,6 +131,8 @@ def load(
             fuse_adapter_into(lm.model, Path(adapter_path))
         except (ValueError, OSError) as e:
             raise ModelLoadError(str(e)) from e
+    if fuse is None:
+        fuse = current_settings().fuse_projections
     if fuse and fuse_projections(lm.model) and not lazy:
         mx.eval(lm.model.parameters())  # the parts' buffers are freed now, not at the first step
     return SpeculativeModel(lm.model, lm.streams, lm.path), lm.tokenizer

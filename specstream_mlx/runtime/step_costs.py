@@ -220,6 +220,7 @@ def model_key(model, streams, kind: str, compiled: bool) -> str:
         jit_words(),  # how MLX's compiled CPU kernels are built (SiLU: 12% of a 9-node pass, or 8%)
         str(model.model.norm.weight.dtype),
         "quantized" if "Quantized" in str(type(model.layers[0].mlp.down_proj)) else "float",
+        "fused" if getattr(model.layers[0].self_attn, "fused_qkv", False) else "apart",  # q/k/v: one product or three
         "compiled" if compiled else "eager",
     ]
     return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
