@@ -93,7 +93,7 @@ def aggregate(script: str, top: int = 12, least: float = 0.01):
         if not line.strip():
             flush()
             tid, chain = None, []
-        elif not line.startswith(("\t", " ")):
+        elif not line.startswith("\t"):  # a sample's thread (some perf versions indent it by a space)
             tid, chain = line.split()[0], []
         else:
             parts = line.strip().split(None, 1)
