@@ -626,31 +626,43 @@ def test_the_lookup_arm_wins_where_continuations_are_accepted():
 
 def test_lookup_arm_passes_decode_exactly_what_plain_decoding_does(tiny_model_dir, tmp_path, monkeypatch):
     """On the lookup arm (greedy) passes host no streams and verify the continuation alone,
-    with an all-stream pass every LOOKUP_EXPLORE_EVERY: the output equals plain decoding's
-    and the continuations are accepted where the text repeats."""
+    with an all-stream pass every LOOKUP_EXPLORE_EVERY: the output equals plain decoding's,
+    right continuations are accepted and wrong ones (every third) are not."""
     import mlx.core as mx
 
+    from specstream_mlx.runtime.lookup import LookupBranch
     from specstream_mlx.runtime.sampling import SamplingParams
     from specstream_mlx.runtime.speculative import ss_steps
     from specstream_mlx.runtime.steps import ar_steps
 
     monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))
     model, _ = _auto_model(tiny_model_dir)
+    prompt = [5, 9, 40, 77, 12, 5, 9, 40, 77, 12, 5, 9, 40]
+    want = []
+    for step in ar_steps(model.base, mx.array(prompt), SamplingParams()):
+        want += step.tokens
+        if len(want) >= 80:
+            break
+    calls = {"n": 0}
+
+    def oracle(self, decided):  # a random tiny model copies nothing: continuations from the answer
+        calls["n"] += 1
+        at = len(decided) - len(prompt)
+        right = want[at : at + 3]
+        self.chain = right if calls["n"] % 3 else [(t + 1) % 256 for t in right]
+        return self.chain, [0.9] * len(self.chain)
+
+    monkeypatch.setattr(LookupBranch, "propose", oracle)
     auto = model.tuner(SamplingParams())
     auto.prior, (auto.budget, auto.hosting) = None, A.LOOKUP_ARM
     monkeypatch.setattr(auto, "_choose", lambda: None)  # pinned to the arm
-    prompt = mx.array([5, 9, 40, 77, 12, 5, 9, 40, 77, 12, 5, 9, 40])
+    monkeypatch.setattr(auto, "chain_pays", lambda e: e > 0)  # every continuation verified
     got, lookup_accepted = [], 0
-    for step in ss_steps(model, prompt, SamplingParams(), tree="auto", policy=auto):
+    for step in ss_steps(model, mx.array(prompt), SamplingParams(), tree="auto", policy=auto):
         got += step.tokens
         if step.info.tree == "auto:lookup":
             lookup_accepted += step.info.accepted
         if len(got) >= 60:
-            break
-    want = []
-    for step in ar_steps(model.base, prompt, SamplingParams()):
-        want += step.tokens
-        if len(want) >= len(got):
             break
     assert got[:60] == want[:60]
     assert lookup_accepted > 0
@@ -734,3 +746,68 @@ def test_an_arm_timed_without_a_stored_cost_moves_the_others_by_what_it_shows():
         costs.observe_pass((4, 1), 0.048)  # 4.8 plain steps against the line's 2.4
     table = costs.table([(2, 1), (4, 1), (8, 1)])
     assert table == pytest.approx({(2, 1): 4.0, (4, 1): 4.8, (8, 1): 6.4})
+
+
+@pytest.mark.parametrize("worth_a_pass", [True, False])
+def test_lookup_arm_steps_without_a_continuation_are_plain_compiled_steps(
+    tiny_model_dir, tmp_path, monkeypatch, worth_a_pass
+):
+    """On the lookup arm a step with nothing to verify, or with a continuation not expected
+    to pay for its pass, decides one token as a plain step does (the compiled graph), not as
+    an op-by-op root-only pass; output equals ar."""
+    import mlx.core as mx
+
+    from specstream_mlx.runtime.compiled_pass import SSPass
+    from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.runtime.speculative import ss_steps
+    from specstream_mlx.runtime.steps import ar_steps
+
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))
+    monkeypatch.setattr(A, "LOOKUP_EXPLORE_EVERY", 10**9)  # no all-stream passes in between
+    model, _ = _auto_model(tiny_model_dir)
+    auto = model.tuner(SamplingParams())
+    auto.prior, (auto.budget, auto.hosting) = None, A.LOOKUP_ARM
+    monkeypatch.setattr(auto, "_choose", lambda: None)  # pinned to the arm
+    monkeypatch.setattr(auto, "since_probe", -(10**9))  # and no probes
+    monkeypatch.setattr(auto, "chain_pays", lambda e: worth_a_pass and e > 0)
+    calls = {"ss": 0}
+    real = SSPass.__call__
+
+    def counted(self, *a, **k):
+        calls["ss"] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(SSPass, "__call__", counted)
+    prompt = mx.array([5, 9, 40, 77, 12, 5, 9, 40, 77, 12, 5, 9, 40])
+    got, verified = [], 0
+    for step in ss_steps(model, prompt, SamplingParams(), tree="auto", policy=auto):
+        got += step.tokens
+        verified += step.info.nodes > 0
+        if len(got) >= 40:
+            break
+    want = [s.tokens[0] for s, _ in zip(ar_steps(model.base, prompt, SamplingParams()), range(len(got)))]
+    assert got == want
+    assert calls["ss"] == verified and verified < len(got) and (verified > 0) == worth_a_pass
+
+
+def test_lookup_passes_and_stream_passes_scale_their_own_kind():
+    """Lookup passes carry none of a stream pass's drafting work: what they show against
+    their stored cost moves the other lookup costs only."""
+    costs = PassCosts(stored={(2, 1): 2.0, (8, 1): 3.2, A.LOOKUP_ARM: 1.2}, stored_plain=0.010)
+    for _ in range(C.TIME_MIN):
+        costs.observe_pass(A.LOOKUP_ARM, 0.024)  # twice its stored cost
+    table = costs.table([(2, 1), (8, 1), A.LOOKUP_ARM])
+    assert table == pytest.approx({(2, 1): 2.0, (8, 1): 3.2, A.LOOKUP_ARM: 2.4})
+
+
+def test_a_continuation_is_verified_only_where_it_pays_for_its_pass():
+    """The lookup arm verifies a continuation when 1 + its expected accepted tokens reach its
+    pass's cost (else a plain step decides the token), and its rate counts the plain steps."""
+    costs = PassCosts(stored={A.LOOKUP_ARM: 1.5, (2, 1): 2.0})
+    auto = AutoPolicy(costs, depth=4, budget=4, hosting=0)
+    assert not auto.chain_pays(0.0) and not auto.chain_pays(0.4) and auto.chain_pays(0.6)
+    for e in (0.0, 0.8) * 40:  # every other step has a continuation worth verifying
+        auto.observe_lookup(e)
+    # Per step: 1 + 0.4 tokens for 1 + 0.5 * (1.5 - 1) plain-step times.
+    assert auto.chain == pytest.approx(0.4, abs=0.03) and auto.chain_share == pytest.approx(0.5, abs=0.03)
+    assert auto.rate(A.LOOKUP_ARM) == pytest.approx(1.4 / 1.25, abs=0.03)

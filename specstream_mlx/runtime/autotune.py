@@ -140,6 +140,8 @@ class DecodingPolicy(Protocol):
 
     def observe_lookup(self, expected: float) -> None: ...
 
+    def chain_pays(self, expected: float) -> bool: ...
+
     def observe_replayed(self, accepted: int) -> None: ...
 
     def resume_passes(self) -> bool: ...
@@ -164,6 +166,9 @@ class FixedPolicy:
 
     def observe_lookup(self, expected: float) -> None:
         pass
+
+    def chain_pays(self, expected: float) -> bool:
+        return expected > 0
 
     def observe_replayed(self, accepted: int) -> None:
         pass
@@ -297,13 +302,17 @@ class AutoPolicy:
     # Greedy: the prior also picks the first arm. Sampled: it is an upper bound only
     # (sampled drafts are accepted less often than greedy ones), so it can only say plain.
     prior_picks_arm: bool = True
-    # Greedy: lookup-only passes (LOOKUP_ARM) compete with the stream arms. ``chain``: EMA of
-    # the expected accepted tokens of such a pass (the continuation's summed path scores, 0
-    # where there is none), observed after every pass; ``lookup_passes``: its passes timed;
-    # ``watched`` / ``watched_accepted``: this request's replayed lookup passes over plain
-    # tokens and what they accepted.
+    # Greedy: lookup-only passes (LOOKUP_ARM) compete with the stream arms. On that arm a
+    # continuation is verified only where it is expected to pay for its pass
+    # (:meth:`chain_pays`); elsewhere a plain step decides the token. ``chain``: EMA per step
+    # of the expected accepted tokens of the continuations that would be verified (the
+    # summed path scores; 0 where there is none or it would not pay), ``chain_share``: EMA
+    # of how many steps would verify one; both observed after every pass.
+    # ``lookup_passes``: the arm's steps timed; ``watched`` / ``watched_accepted``: this
+    # request's replayed lookup passes over plain tokens and what they accepted.
     lookup_arm: bool = True
     chain: Optional[float] = None
+    chain_share: Optional[float] = None
     lookup_passes: float = 0.0
     watched: int = 0
     watched_accepted: int = 0
@@ -344,7 +353,12 @@ class AutoPolicy:
     def rate(self, arm: Arm, cost: Optional[float] = None) -> Optional[float]:
         """Expected tokens per plain-token time of ``arm`` (plain decoding: 1)."""
         e = self.chain if arm == LOOKUP_ARM else self.evidence.expected(*arm)
-        return None if e is None else (1.0 + e) / (self.costs.cost(arm) if cost is None else cost)
+        if e is None:
+            return None
+        cost = self.costs.cost(arm) if cost is None else cost
+        if arm == LOOKUP_ARM:  # its steps without a continuation worth verifying are plain steps
+            cost = 1.0 + (1.0 if self.chain_share is None else self.chain_share) * (cost - 1.0)
+        return (1.0 + e) / cost
 
     def prior_rates(self) -> Dict[Arm, float]:
         """Predicted tokens per plain-token time of every stream arm from the prior alone
@@ -402,12 +416,15 @@ class AutoPolicy:
     def observe_pass(self, plan: TreePass, draft: Draft, accepted: int, seconds: float) -> None:
         """A pass over ``draft`` accepted ``accepted`` tokens in ``seconds`` of wall time;
         booked to the arm that drafted it (its exploring passes included). A lookup pass over
-        a continuation is booked to the lookup arm (root-only ones too: that arm's average pass
-        includes them); passes between the two kinds are booked to neither."""
+        a continuation is booked to the lookup arm, a step of that arm without one (a plain
+        step) to plain tokens; passes between the two kinds are booked to neither."""
         lookup_pass = plan.hosting == NO_STREAMS
         if draft.forecast.from_hosting == NO_STREAMS:
             if lookup_pass:
-                self.costs.observe_pass(LOOKUP_ARM, seconds)
+                if len(draft.tree) > 1:
+                    self.costs.observe_pass(LOOKUP_ARM, seconds)
+                else:
+                    self.costs.observe_plain(seconds)
                 self.since_probe += 1
                 self.lookup_passes += 1
                 if self.lookup_passes >= WARMUP_STEPS:
@@ -426,16 +443,25 @@ class AutoPolicy:
     def observe_plain(self, seconds: float) -> None:
         self.costs.observe_plain(seconds)
 
-    def observe_lookup(self, expected: float) -> None:
+    def chain_pays(self, expected: float) -> bool:
+        """Whether verifying a continuation expected to get ``expected`` tokens accepted is
+        worth its lookup pass against a plain step: 1 + expected tokens for its cost."""
+        return expected > 0 and 1.0 + expected >= self.costs.cost(LOOKUP_ARM)
+
+    def observe_lookup(self, expected: float, verified: Optional[bool] = None) -> None:
         """A lookup pass's expected accepted tokens from here (the summed path scores of the
-        continuation the next draft can use; 0 without one)."""
-        self.chain = expected if self.chain is None else self.chain + CHAIN_EMA * (expected - self.chain)
+        continuation the next draft can use; 0 without one); ``verified``: whether the lookup
+        arm would verify it (default: :meth:`chain_pays`)."""
+        ran = self.chain_pays(expected) if verified is None else verified
+        self.chain = _ema(self.chain, expected if ran else 0.0)
+        self.chain_share = _ema(self.chain_share, float(ran))
 
     def observe_replayed(self, accepted: int) -> None:
-        """What a replayed lookup pass over plainly decoded tokens accepted."""
+        """What a replayed lookup pass over plainly decoded tokens accepted (counted as a
+        verified continuation at every replayed pass: the replay does not gate them)."""
         self.watched += 1
         self.watched_accepted += accepted
-        self.observe_lookup(float(accepted))
+        self.observe_lookup(float(accepted), verified=True)
 
     def resume_passes(self) -> bool:
         """Asked during watched plain decoding after a replayed pass: True (and the arm is
@@ -457,6 +483,10 @@ class AutoPolicy:
     def _choose(self) -> None:
         costs = self.costs.table(self.arms())
         rates = {arm: r for arm, c in costs.items() if (r := self.rate(arm, c)) is not None}
+        if rates.get(LOOKUP_ARM, 0.0) < 1.0 / FALLBACK_BELOW:
+            # At best plain steps with a lookup now and then: plain decoding (pipelined, and
+            # watching for the arm) is as good; the arm is re-entered as resume_passes says.
+            rates.pop(LOOKUP_ARM, None)
         best = max(rates, key=rates.get, default=None)
         if best is None or rates[best] < FALLBACK_BELOW:
             shown = f"best {rates[best]:.2f}x" if best else "no evidence"
@@ -467,6 +497,10 @@ class AutoPolicy:
         self.budget, self.hosting = best
         if rates[best] >= 1.0:
             self.backoff = 0
+
+
+def _ema(old: Optional[float], new: float) -> float:
+    return new if old is None else old + CHAIN_EMA * (new - old)
 
 
 def auto_policy_for(model, streams, sampled: bool, compiled: bool, log=None) -> AutoPolicy:

@@ -335,15 +335,23 @@ def _ss_loop(
                 lookup.forget()
             continue
         t = time.perf_counter()
-        hosts = _hosts(draft, plan.hosting)
-        forward = sm.ss_pass(plan.compiled)  # made once per model and pass kind
-        out = forward(draft.tree, cache[0].offset, cache, plan.threshold, plan.streams_per_host, hosts)
-        if sampling.greedy:
-            res = verify_greedy(sm, out, plan.candidates, sampling)
+        if plan.hosting == NO_STREAMS and len(draft.tree) == 1:
+            # The lookup arm with no continuation to verify: what a root-only pass decides,
+            # decided by the compiled plain step (a root-only pass runs op by op).
+            root = draft.tree.tokens[0]
+            y = next(pipelined_tokens(sm.base, mx.array([root]), sampling, cache, keys, 1))
+            res, hosts = PassResult(Verdict([0], y.item()), Candidates.empty(plan.candidates)), None
+            step = Step([res.verdict.bonus], StepInfo(0, 0, 0, plan.label))
         else:
-            res = verify_sampled(sm, out, plan.candidates, sampling, draft, keys, max_draws(plan.next_tree))
-        commit_ss(cache, sm.streams, out, res.verdict.path)
-        step = _step(out, res, plan)
+            hosts = _hosts(draft, plan.hosting)
+            forward = sm.ss_pass(plan.compiled)  # made once per model and pass kind
+            out = forward(draft.tree, cache[0].offset, cache, plan.threshold, plan.streams_per_host, hosts)
+            if sampling.greedy:
+                res = verify_greedy(sm, out, plan.candidates, sampling)
+            else:
+                res = verify_sampled(sm, out, plan.candidates, sampling, draft, keys, max_draws(plan.next_tree))
+            commit_ss(cache, sm.streams, out, res.verdict.path)
+            step = _step(out, res, plan)
         decided.extend(step.tokens)
         if lookup is not None:
             lookup.observe(step.tokens)
@@ -352,6 +360,8 @@ def _ss_loop(
         chain, chain_scores = lookup.propose(decided) if plan.next_tree.lookup else ([], [])
         if plan.next_tree.lookup:
             policy.observe_lookup(float(sum(chain_scores)))
+        if plan.hosting == NO_STREAMS and not policy.chain_pays(float(sum(chain_scores))):
+            chain, chain_scores = [], []  # not worth a pass: a plain step decides the next token
         nxt = _next_draft(sm, res, plan, sampling, hosts is not None, chain, chain_scores)
         try:
             yield step

@@ -166,25 +166,31 @@ class PassCosts:
         every pass."""
         timed = {a: c for a in self.timed if (c := self.measured(a)) is not None}
         stored_lines: Dict[int, tuple] = {}
-        ratios = [
-            np.log(c / (self.stored[a] if a in self.stored else _on_line(self.stored, a, stored_lines)))
-            for a, c in timed.items()
-            if self.stored
-        ]
-        scale = float(np.exp(np.mean(ratios))) if ratios else 1.0
-        known = {**{a: c * scale for a, c in self.stored.items()}, **timed}
+        ratios: Dict[bool, list] = {True: [], False: []}
+        for a, c in timed.items():
+            if self.stored:
+                ref = self.stored[a] if a in self.stored else _on_line(self.stored, a, stored_lines)
+                ratios[_hosts_streams(a)].append(np.log(c / ref))
+        # Per pass kind: passes that host streams carry host work that lookup passes do not.
+        scale = {kind: float(np.exp(np.mean(r))) if r else 1.0 for kind, r in ratios.items()}
+        known = {**{a: c * scale[_hosts_streams(a)] for a, c in self.stored.items()}, **timed}
         lines, out = {}, {}
         for arm in arms:
             if arm in timed:
                 out[arm] = timed[arm]
             elif arm in self.stored:
-                out[arm] = self.stored[arm] * scale
+                out[arm] = self.stored[arm] * scale[_hosts_streams(arm)]
             else:
                 # Through the timed arms of this hosting mode, else its stored ones (a
                 # calibration's budgets), else those of any mode.
                 same = {a: c for a, c in timed.items() if a[1] == arm[1]}
                 out[arm] = _on_line(same or known, arm, lines)
         return out
+
+
+def _hosts_streams(arm: Arm) -> bool:
+    """Whether ``arm``'s passes host streams (a negative hosting mode: lookup passes, none)."""
+    return arm[1] >= 0
 
 
 def _on_line(points: Dict[Arm, float], arm: Arm, lines: Dict[int, tuple]) -> float:
