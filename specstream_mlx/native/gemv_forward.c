@@ -22,7 +22,9 @@
  * Settings (read once): SPECSTREAM_SKINNY_THREADS (default: the online CPUs, at most 8),
  * SPECSTREAM_SKINNY_ROWS (default 48 with AVX-512, else 32; 0 or 1 turns the kernel off),
  * SPECSTREAM_SKINNY_MIN_ROWS=2 (one-row products to the library's GEMV),
- * SPECSTREAM_SKINNY_ISA=avx2 (AVX2 tiles even where AVX-512 is there).
+ * SPECSTREAM_SKINNY_ISA=avx2 (AVX2 tiles even where AVX-512 is there),
+ * SPECSTREAM_SKINNY_PARALLEL_MIN (weight elements from which a one-row product is split
+ * between the threads; default 512K, from two rows on half of it).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -46,9 +48,13 @@
 enum { ROW_MAJOR = 101 };
 enum { NO_TRANS = 111, TRANS = 112 };
 enum { SKINNY_MAX_ROWS = 48, MAX_THREADS = 8 };
-/* Products smaller than this many weight elements run on the calling thread alone:
- * waking the pool costs more than it saves (attention's per-head products). */
-enum { PARALLEL_MIN_WEIGHTS = 256 * 1024 };
+/* Products smaller than this many weight elements (half as many from two rows on) run on
+ * the calling thread alone: waking the pool costs more than it saves (attention's per-head
+ * products). One row is the stricter case: a small model's weights sit in the caches, and a
+ * worker that spins between such products takes the core the host thread needs between
+ * tokens (demo-sql's fused gate/up, 360K weights: 1,094-1,233 tok/s split against
+ * 1,395-1,497 alone; SmolLM2, whose one-row products stream from memory, the same). */
+enum { PARALLEL_MIN_WEIGHTS = 512 * 1024 };
 /* How long an idle worker spins for the next product before it sleeps, microseconds. */
 #define SPIN_US 50.0
 /* Outputs per work item: threads take items from a shared counter. */
@@ -307,6 +313,7 @@ static void *worker(void *arg) {
 
 static int skinny_rows = -1; /* -1: settings not read yet */
 static int skinny_min_rows = 1; /* SPECSTREAM_SKINNY_MIN_ROWS=2: one row to the library's GEMV */
+static long parallel_min = PARALLEL_MIN_WEIGHTS; /* SPECSTREAM_SKINNY_PARALLEL_MIN */
 
 /* A forked child has none of the workers: it computes alone (its products are correct,
  * just not parallel), and a lock held at the fork is not held in it. */
@@ -333,6 +340,9 @@ static void setup(void) {
   const char *mn = getenv("SPECSTREAM_SKINNY_MIN_ROWS");
   if (mn && atoi(mn) >= 1)
     skinny_min_rows = atoi(mn) > 2 ? 2 : atoi(mn);
+  const char *pm = getenv("SPECSTREAM_SKINNY_PARALLEL_MIN");
+  if (pm && atol(pm) >= 0)
+    parallel_min = atol(pm);
   const char *th = getenv("SPECSTREAM_SKINNY_THREADS");
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   int threads = th ? atoi(th) : (int)(cpus > 0 ? cpus : 1);
@@ -357,7 +367,7 @@ static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 
 static void skinny_product(const product_t *p) {
   int items = (p->n + ITEM_ROWS - 1) / ITEM_ROWS;
-  if (pool.threads == 1 || items < 2 || (long)p->n * p->k < PARALLEL_MIN_WEIGHTS ||
+  if (pool.threads == 1 || items < 2 || (long)p->n * p->k * (p->m > 1 ? 2 : 1) < parallel_min ||
       pthread_mutex_trylock(&pool.lock) != 0) {
     product_columns(p, 0, p->n);
     return;
