@@ -78,7 +78,7 @@ def concat_linear(modules: Sequence[nn.Module]) -> nn.Module:
     return fused
 
 
-def _fuse(module: nn.Module, names: Sequence[str], fused_name: str) -> bool:
+def _fuse(module: nn.Module, names: Sequence[str], fused_name: str, evaluate: bool) -> bool:
     parts = [module[n] for n in names]
     if not _fusable(parts):
         return False
@@ -86,24 +86,27 @@ def _fuse(module: nn.Module, names: Sequence[str], fused_name: str) -> bool:
     module[fused_name] = concat_linear(parts)
     for n in names:
         del module[n]
+    if evaluate:  # one layer's copy at a time: the parts' buffers go as soon as it exists
+        mx.eval(module[fused_name].parameters())
     # A plain attribute (not an mx.array, not a Module): outside the parameter tree.
     object.__setattr__(module, "_fused_parts", {**getattr(module, "_fused_parts", {}), tuple(names): shapes})
     return True
 
 
-def fuse_projections(model) -> int:
+def fuse_projections(model, evaluate: bool = True) -> int:
     """Fuse q/k/v and gate/up in every layer of ``model`` that stores them apart and runs
-    the shared block code; returns how many products a decode step saves. The fused
-    weights are lazy concatenations: evaluate the parameters to free the parts' buffers."""
+    the shared block code; returns how many products a decode step saves. ``evaluate``:
+    compute each fused weight at once (memory grows by one layer's projections at most);
+    False leaves lazy concatenations (a lazily loaded model)."""
     saved = 0
     for layer in model.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if isinstance(attn, base.Attention) and not attn.fused_qkv and all(n in attn for n in QKV):
-            if _fuse(attn, QKV, "qkv_proj"):
+            if _fuse(attn, QKV, "qkv_proj", evaluate):
                 attn.fused_qkv = True
                 saved += 2
         if isinstance(mlp, base.MLP) and not mlp.fused and all(n in mlp for n in GATE_UP):
-            if _fuse(mlp, GATE_UP, "gate_up_proj"):
+            if _fuse(mlp, GATE_UP, "gate_up_proj", evaluate):
                 mlp.fused = True
                 saved += 1
     return saved

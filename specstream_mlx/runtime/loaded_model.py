@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from ..io.adapters import fuse_adapter_into
@@ -133,6 +132,6 @@ def load(
             raise ModelLoadError(str(e)) from e
     if fuse is None:
         fuse = current_settings().fuse_projections
-    if fuse and fuse_projections(lm.model) and not lazy:
-        mx.eval(lm.model.parameters())  # the parts' buffers are freed now, not at the first step
+    if fuse:
+        fuse_projections(lm.model, evaluate=not lazy)
     return SpeculativeModel(lm.model, lm.streams, lm.path), lm.tokenizer
