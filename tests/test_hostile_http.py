@@ -205,3 +205,27 @@ def test_connection_slots_per_peer_and_who_gives_up_a_slot():
     for a, b in pairs:
         a.close()
         b.close()
+
+
+def test_a_connection_that_just_ended_frees_its_slot_for_the_next_one():
+    """A connection whose thread has left ``open`` but not yet released its slot is not a
+    full server: the next connection waits that moment instead of getting 503 (it did, now
+    and then, when a client closed idle connections and opened busy ones at once)."""
+    from types import SimpleNamespace
+
+    from specstream_mlx.serve.http import Connections
+
+    conns = Connections(max_connections=1, max_per_peer=1, header_timeout=10, timeout=30)
+    assert conns.admit("10.0.0.1")
+    a, _ = socket.socketpair()
+    h = SimpleNamespace(client_address=("10.0.0.1", 0), connection=a, close_connection=False)
+    conns.opened(h)
+    conns.closed(h)  # its thread ends: gone from open, the slot released a moment later
+    threading.Timer(0.03, conns.slots.release).start()
+    assert conns.admit("10.0.0.1")
+    # Every slot held by a busy connection: refused, after that moment only.
+    busy = SimpleNamespace(client_address=("10.0.0.2", 0), connection=a, close_connection=False)
+    conns.opened(busy)
+    conns.phase(busy, "busy")
+    t = time.perf_counter()
+    assert not conns.admit("10.0.0.3") and time.perf_counter() - t < 1.0

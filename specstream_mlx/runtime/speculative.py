@@ -233,6 +233,44 @@ def _next_draft(sm, res: PassResult, plan: TreePass, sampling, hosted: bool, cha
     return replace(nxt, forecast=replace(nxt.forecast, from_hosting=from_hosting))
 
 
+# Plain tokens at most in one stretch of the lookup arm before the policy is asked again.
+LOOKUP_STRETCH = 16
+
+
+def _lookup_stretch(model, root: int, sampling: SamplingParams, cache, seed: int):
+    """The lookup arm's steps while no continuation is worth a pass: up to ``LOOKUP_STRETCH``
+    pipelined plain tokens from ``root`` (decided, not cached), each token timed as a plain one
+    and followed by the continuation from it, stopping once one is worth verifying. Returns a
+    function of (policy, lookup branch, decided tokens) that makes the step generator, which
+    returns the last token (decided, not cached) with the branch's last proposal judged."""
+
+    def steps(policy, lookup: LookupBranch, decided: list) -> Generator[Step, None, int]:
+        seen, worth = len(decided), False
+
+        def stop() -> bool:  # asked before the next token is queued; one new token each time
+            nonlocal seen, worth
+            if len(decided) > seen:
+                seen = len(decided)
+                # A pass only once the text is seen copying: the last proposal foretold the
+                # token just decided (a copied span goes on; a stray match mostly does not).
+                copying = lookup.chain[:1] == decided[-1:]
+                lookup.observe(decided[-1:])
+                expected = float(sum(lookup.propose(decided)[1]))
+                policy.observe_lookup(expected)
+                worth = copying and policy.chain_pays(expected)
+            return worth
+
+        probe = plain_probe(model, root, LOOKUP_STRETCH, sampling, cache, seed, policy.observe_plain, stop)
+        last = yield from probe
+        if worth:  # the proposal before the last token: judged by it
+            lookup.observe([last])
+        else:  # cut at the stretch's length: one token past its proposal
+            lookup.forget()
+        return last
+
+    return steps
+
+
 def _recorded(steps: Generator[Step, None, int], decided: list) -> Generator[Step, None, int]:
     """``steps``, their tokens appended to ``decided``; returns what ``steps`` returns."""
     while True:
@@ -334,24 +372,29 @@ def _ss_loop(
             if lookup is not None:
                 lookup.forget()
             continue
-        t = time.perf_counter()
         if plan.hosting == NO_STREAMS and len(draft.tree) == 1:
-            # The lookup arm with no continuation to verify: what a root-only pass decides,
-            # decided by the compiled plain step (a root-only pass runs op by op).
-            root = draft.tree.tokens[0]
-            y = next(pipelined_tokens(sm.base, mx.array([root]), sampling, cache, keys, 1))
-            res, hosts = PassResult(Verdict([0], y.item()), Candidates.empty(plan.candidates)), None
-            step = Step([res.verdict.bonus], StepInfo(0, 0, 0, plan.label))
+            # The lookup arm with no continuation worth verifying: plain tokens, pipelined as
+            # `ar` runs them, until one is (a root-only pass would run op by op).
+            if lookup is None:
+                lookup = LookupBranch(plan.next_tree.lookup)
+            stretch = _lookup_stretch(sm.base, draft.tree.tokens[0], sampling, cache, int(rng.integers(2**31)))
+            root = yield from _recorded(stretch(policy, lookup, decided), decided)
+            chain, scores = lookup.propose(decided)
+            policy.observe_lookup(float(sum(scores)))
+            if not policy.chain_pays(float(sum(scores))):
+                chain, scores = [], []
+            draft = chain_draft(root, chain, scores, plan.next_tree.budget)
+            continue
+        t = time.perf_counter()
+        hosts = _hosts(draft, plan.hosting)
+        forward = sm.ss_pass(plan.compiled)  # made once per model and pass kind
+        out = forward(draft.tree, cache[0].offset, cache, plan.threshold, plan.streams_per_host, hosts)
+        if sampling.greedy:
+            res = verify_greedy(sm, out, plan.candidates, sampling)
         else:
-            hosts = _hosts(draft, plan.hosting)
-            forward = sm.ss_pass(plan.compiled)  # made once per model and pass kind
-            out = forward(draft.tree, cache[0].offset, cache, plan.threshold, plan.streams_per_host, hosts)
-            if sampling.greedy:
-                res = verify_greedy(sm, out, plan.candidates, sampling)
-            else:
-                res = verify_sampled(sm, out, plan.candidates, sampling, draft, keys, max_draws(plan.next_tree))
-            commit_ss(cache, sm.streams, out, res.verdict.path)
-            step = _step(out, res, plan)
+            res = verify_sampled(sm, out, plan.candidates, sampling, draft, keys, max_draws(plan.next_tree))
+        commit_ss(cache, sm.streams, out, res.verdict.path)
+        step = _step(out, res, plan)
         decided.extend(step.tokens)
         if lookup is not None:
             lookup.observe(step.tokens)

@@ -773,10 +773,11 @@ class Connections:
                 return True
             if victim is None:
                 victim = self._oldest_waiting()
-                if victim is None:
-                    return False
-                self.drop(victim)
-        return self.slots.acquire(timeout=2.0)  # the dropped connection's thread frees its slot
+                if victim is not None:
+                    self.drop(victim)
+        # The dropped connection's thread frees its slot; without one, a connection that has
+        # just ended (gone from ``open``, its thread not yet past its slot) may be about to.
+        return self.slots.acquire(timeout=2.0 if victim is not None else 0.1)
 
     def watch(self) -> None:
         """Drop connections past their head or request deadline, until stopped."""
