@@ -811,3 +811,21 @@ def test_a_continuation_is_verified_only_where_it_pays_for_its_pass():
     # Per step: 1 + 0.4 tokens for 1 + 0.5 * (1.5 - 1) plain-step times.
     assert auto.chain == pytest.approx(0.4, abs=0.03) and auto.chain_share == pytest.approx(0.5, abs=0.03)
     assert auto.rate(A.LOOKUP_ARM) == pytest.approx(1.4 / 1.25, abs=0.03)
+
+
+def test_a_short_request_that_ran_trees_is_judged_when_it_ends():
+    """A reply of three passes ends before the warm-up: its trees are judged at its end, so
+    the next request decodes plainly instead of trying trees again (and the evidence of
+    three-pass requests, halved at each, would never reach the warm-up: 3, 4.5, 5.25, ...)."""
+    auto = AutoPolicy(costs_of({2: 2.0, 4: 2.3, 8: 2.8}), depth=4, budget=4, hosting=0)
+    for _ in range(3):
+        auto.new_request()
+        observe_many(auto, 3, accepted=0, scores=[0.3, 0.2, 0.1, 0.05])
+        assert auto.evidence.steps < WARMUP_STEPS
+        auto.finish()
+        if auto.pending is not None:
+            break
+    assert auto.pending is not None and auto.skip >= 1  # after the first request already
+    assert auto.evidence.steps == 3
+    auto.new_request()
+    assert _reason(auto.plan()) == A.BACKOFF_REASON

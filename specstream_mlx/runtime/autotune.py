@@ -478,7 +478,15 @@ class AutoPolicy:
         return True
 
     def finish(self) -> None:
+        """The request ended: store the costs, and judge a short request's trees now.
+
+        A reply of a few passes ends before the warm-up: without a verdict, the next request
+        would try trees again (on demo-sql's 13-token replies, three requests in a row
+        after each back-off). With half the warm-up's evidence the choice is made here, so a
+        back-off is set (or not) for the next request."""
         self.costs.save()
+        if self.pending is None and WARMUP_STEPS / 2 <= self.evidence.steps < WARMUP_STEPS:
+            self._choose()
 
     def _choose(self) -> None:
         costs = self.costs.table(self.arms())
