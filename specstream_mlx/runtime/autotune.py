@@ -138,9 +138,7 @@ class DecodingPolicy(Protocol):
 
     def observe_plain(self, seconds: float) -> None: ...
 
-    def observe_lookup(self, expected: float) -> None: ...
-
-    def chain_pays(self, expected: float) -> bool: ...
+    def observe_lookup(self, expected: float) -> bool: ...
 
     def observe_replayed(self, accepted: int) -> None: ...
 
@@ -164,10 +162,7 @@ class FixedPolicy:
     def observe_plain(self, seconds: float) -> None:
         pass
 
-    def observe_lookup(self, expected: float) -> None:
-        pass
-
-    def chain_pays(self, expected: float) -> bool:
+    def observe_lookup(self, expected: float) -> bool:
         return expected > 0
 
     def observe_replayed(self, accepted: int) -> None:
@@ -448,13 +443,14 @@ class AutoPolicy:
         worth its lookup pass against a plain step: 1 + expected tokens for its cost."""
         return expected > 0 and 1.0 + expected >= self.costs.cost(LOOKUP_ARM)
 
-    def observe_lookup(self, expected: float, verified: Optional[bool] = None) -> None:
+    def observe_lookup(self, expected: float, verified: Optional[bool] = None) -> bool:
         """A lookup pass's expected accepted tokens from here (the summed path scores of the
         continuation the next draft can use; 0 without one); ``verified``: whether the lookup
-        arm would verify it (default: :meth:`chain_pays`)."""
+        arm would verify it (default: :meth:`chain_pays`). Returns that."""
         ran = self.chain_pays(expected) if verified is None else verified
         self.chain = _ema(self.chain, expected if ran else 0.0)
         self.chain_share = _ema(self.chain_share, float(ran))
+        return ran
 
     def observe_replayed(self, accepted: int) -> None:
         """What a replayed lookup pass over plainly decoded tokens accepted (counted as a

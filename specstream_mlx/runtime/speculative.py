@@ -237,38 +237,50 @@ def _next_draft(sm, res: PassResult, plan: TreePass, sampling, hosted: bool, cha
 LOOKUP_STRETCH = 16
 
 
-def _lookup_stretch(model, root: int, sampling: SamplingParams, cache, seed: int):
+def _proposal(policy: DecodingPolicy, lookup: LookupBranch, decided: list, gate: bool):
+    """The lookup branch's continuation of ``decided`` and its path scores, told to the
+    policy; with ``gate`` (the lookup arm) none where it is not worth a pass."""
+    chain, scores = lookup.propose(decided)
+    if not policy.observe_lookup(float(sum(scores))) and gate:
+        return [], []
+    return chain, scores
+
+
+def _lookup_stretch(
+    model,
+    root: int,
+    sampling: SamplingParams,
+    cache,
+    seed: int,
+    policy: DecodingPolicy,
+    lookup: LookupBranch,
+    decided: list,
+) -> Generator[Step, None, int]:
     """The lookup arm's steps while no continuation is worth a pass: up to ``LOOKUP_STRETCH``
-    pipelined plain tokens from ``root`` (decided, not cached), each token timed as a plain one
-    and followed by the continuation from it, stopping once one is worth verifying. Returns a
-    function of (policy, lookup branch, decided tokens) that makes the step generator, which
-    returns the last token (decided, not cached) with the branch's last proposal judged."""
+    pipelined plain tokens from ``root`` (decided, not cached), each timed as a plain one and
+    followed by the continuation from it, stopping once the text is seen copying and that
+    continuation is worth verifying. Returns the last token (decided, not cached), the
+    branch's last proposal judged."""
+    seen, worth = len(decided), False
 
-    def steps(policy, lookup: LookupBranch, decided: list) -> Generator[Step, None, int]:
-        seen, worth = len(decided), False
+    def stop() -> bool:  # asked before the next token is queued; one new token each time
+        nonlocal seen, worth
+        if len(decided) > seen:
+            seen = len(decided)
+            # A pass only once the text is seen copying: the last proposal foretold the
+            # token just decided (a copied span goes on; a stray match mostly does not).
+            copying = lookup.chain[:1] == decided[-1:]
+            lookup.observe(decided[-1:])
+            pays = policy.observe_lookup(float(sum(lookup.propose(decided)[1])))
+            worth = copying and pays
+        return worth
 
-        def stop() -> bool:  # asked before the next token is queued; one new token each time
-            nonlocal seen, worth
-            if len(decided) > seen:
-                seen = len(decided)
-                # A pass only once the text is seen copying: the last proposal foretold the
-                # token just decided (a copied span goes on; a stray match mostly does not).
-                copying = lookup.chain[:1] == decided[-1:]
-                lookup.observe(decided[-1:])
-                expected = float(sum(lookup.propose(decided)[1]))
-                policy.observe_lookup(expected)
-                worth = copying and policy.chain_pays(expected)
-            return worth
-
-        probe = plain_probe(model, root, LOOKUP_STRETCH, sampling, cache, seed, policy.observe_plain, stop)
-        last = yield from probe
-        if worth:  # the proposal before the last token: judged by it
-            lookup.observe([last])
-        else:  # cut at the stretch's length: one token past its proposal
-            lookup.forget()
-        return last
-
-    return steps
+    last = yield from plain_probe(model, root, LOOKUP_STRETCH, sampling, cache, seed, policy.observe_plain, stop)
+    if worth:  # the proposal before the last token: judged by it
+        lookup.observe([last])
+    else:  # cut at the stretch's length: one token past its proposal
+        lookup.forget()
+    return last
 
 
 def _recorded(steps: Generator[Step, None, int], decided: list) -> Generator[Step, None, int]:
@@ -377,13 +389,10 @@ def _ss_loop(
             # `ar` runs them, until one is (a root-only pass would run op by op).
             if lookup is None:
                 lookup = LookupBranch(plan.next_tree.lookup)
-            stretch = _lookup_stretch(sm.base, draft.tree.tokens[0], sampling, cache, int(rng.integers(2**31)))
-            root = yield from _recorded(stretch(policy, lookup, decided), decided)
-            chain, scores = lookup.propose(decided)
-            policy.observe_lookup(float(sum(scores)))
-            if not policy.chain_pays(float(sum(scores))):
-                chain, scores = [], []
-            draft = chain_draft(root, chain, scores, plan.next_tree.budget)
+            seed, root = int(rng.integers(2**31)), draft.tree.tokens[0]
+            stretch = _lookup_stretch(sm.base, root, sampling, cache, seed, policy, lookup, decided)
+            root = yield from _recorded(stretch, decided)
+            draft = chain_draft(root, *_proposal(policy, lookup, decided, gate=True), plan.next_tree.budget)
             continue
         t = time.perf_counter()
         hosts = _hosts(draft, plan.hosting)
@@ -400,11 +409,9 @@ def _ss_loop(
             lookup.observe(step.tokens)
         if plan.next_tree.lookup and (lookup is None or lookup.length != plan.next_tree.lookup):
             lookup = LookupBranch(plan.next_tree.lookup)
-        chain, chain_scores = lookup.propose(decided) if plan.next_tree.lookup else ([], [])
-        if plan.next_tree.lookup:
-            policy.observe_lookup(float(sum(chain_scores)))
-        if plan.hosting == NO_STREAMS and not policy.chain_pays(float(sum(chain_scores))):
-            chain, chain_scores = [], []  # not worth a pass: a plain step decides the next token
+        # On the lookup arm a continuation not worth a pass is dropped: plain steps follow.
+        gate = plan.hosting == NO_STREAMS
+        chain, chain_scores = _proposal(policy, lookup, decided, gate) if plan.next_tree.lookup else ([], [])
         nxt = _next_draft(sm, res, plan, sampling, hosts is not None, chain, chain_scores)
         try:
             yield step
