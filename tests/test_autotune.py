@@ -48,6 +48,26 @@ def choose(auto):
     return None if auto.pending else auto.budget
 
 
+def count_calls(monkeypatch, cls, counts, kind):
+    """Count ``cls.__call__`` calls in ``counts[kind]`` (the call itself unchanged)."""
+    real = cls.__call__
+    counts.setdefault(kind, 0)
+
+    def counted(self, *a, **k):
+        counts[kind] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(cls, "__call__", counted)
+
+
+def pin_to_lookup_arm(auto, monkeypatch, verify):
+    """``auto`` on the lookup arm for good, without a prior, verifying the continuations
+    ``verify(expected)`` says."""
+    auto.prior, (auto.budget, auto.hosting) = None, A.LOOKUP_ARM
+    monkeypatch.setattr(auto, "_choose", lambda: None)
+    monkeypatch.setattr(auto, "chain_pays", verify)
+
+
 def test_choose_maximises_expected_rate():
     # Calibrated streams (accepted == predicted at budget 4): E_b = sum of the b best scores.
     scores = [0.9, 0.8, 0.7, 0.6, 0.1, 0.1, 0.1, 0.1]
@@ -324,18 +344,9 @@ def test_pass_costs_are_timed_once_per_machine_and_model_before_the_first_pass(t
     assert len(timings) == 1 and again.costs.stored == pytest.approx(timings[0].costs)
     assert again.costs.stored_plain == pytest.approx(timings[0].plain_seconds)
 
-    calls = {"base": 0, "ss": 0}
-    base_call, pass_call = type(model.base).__call__, SSPass.__call__
-
-    def counting(kind, fn):
-        def wrapper(self, *a, **k):
-            calls[kind] += 1
-            return fn(self, *a, **k)
-
-        return wrapper
-
-    monkeypatch.setattr(type(model.base), "__call__", counting("base", base_call))
-    monkeypatch.setattr(SSPass, "__call__", counting("ss", pass_call))
+    calls = {}
+    count_calls(monkeypatch, type(model.base), calls, "base")
+    count_calls(monkeypatch, SSPass, calls, "ss")
     seen = {}
     for tree in ("dynamic:4", "auto"):
         calls.update(base=0, ss=0)
@@ -409,14 +420,8 @@ def test_no_tree_pass_runs_when_the_prior_says_plain(tiny_model_dir, tmp_path, m
     monkeypatch.setattr(A, "calibrate", lambda *a, **k: ArmCosts())  # the generic prior costs
     model, _ = _auto_model(tiny_model_dir)
     _with_prior(model, {b: 0.05 for b in A.CANDIDATE_BUDGETS})
-    passes = {"n": 0}
-    pass_call = SSPass.__call__
-
-    def counting(self, *a, **k):
-        passes["n"] += 1
-        return pass_call(self, *a, **k)
-
-    monkeypatch.setattr(SSPass, "__call__", counting)
+    passes = {}
+    count_calls(monkeypatch, SSPass, passes, "n")
     prompt = mx.array(list(range(3, 40)))
 
     def request(n=24):
@@ -654,9 +659,7 @@ def test_lookup_arm_passes_decode_exactly_what_plain_decoding_does(tiny_model_di
 
     monkeypatch.setattr(LookupBranch, "propose", oracle)
     auto = model.tuner(SamplingParams())
-    auto.prior, (auto.budget, auto.hosting) = None, A.LOOKUP_ARM
-    monkeypatch.setattr(auto, "_choose", lambda: None)  # pinned to the arm
-    monkeypatch.setattr(auto, "chain_pays", lambda e: e > 0)  # every continuation verified
+    pin_to_lookup_arm(auto, monkeypatch, lambda e: e > 0)  # every continuation verified
     got, lookup_accepted = [], 0
     for step in ss_steps(model, mx.array(prompt), SamplingParams(), tree="auto", policy=auto):
         got += step.tokens
@@ -766,18 +769,10 @@ def test_lookup_arm_steps_without_a_continuation_are_plain_compiled_steps(
     monkeypatch.setattr(A, "LOOKUP_EXPLORE_EVERY", 10**9)  # no all-stream passes in between
     model, _ = _auto_model(tiny_model_dir)
     auto = model.tuner(SamplingParams())
-    auto.prior, (auto.budget, auto.hosting) = None, A.LOOKUP_ARM
-    monkeypatch.setattr(auto, "_choose", lambda: None)  # pinned to the arm
+    pin_to_lookup_arm(auto, monkeypatch, lambda e: worth_a_pass and e > 0)
     monkeypatch.setattr(auto, "since_probe", -(10**9))  # and no probes
-    monkeypatch.setattr(auto, "chain_pays", lambda e: worth_a_pass and e > 0)
-    calls = {"ss": 0}
-    real = SSPass.__call__
-
-    def counted(self, *a, **k):
-        calls["ss"] += 1
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(SSPass, "__call__", counted)
+    calls = {}
+    count_calls(monkeypatch, SSPass, calls, "ss")
     prompt = mx.array([5, 9, 40, 77, 12, 5, 9, 40, 77, 12, 5, 9, 40])
     got, verified = [], 0
     for step in ss_steps(model, prompt, SamplingParams(), tree="auto", policy=auto):

@@ -1,0 +1,29 @@
+"""The repository's measuring tools read what the system tools print."""
+
+import importlib.util
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _module(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_threads_reads_perf_script_with_indented_thread_lines():
+    """``perf script -F tid,ip,sym,dso`` starts a sample's thread line with a space on some
+    perf versions: those samples were taken for frames of the previous one and the tool
+    printed no thread at all."""
+    aggregate = _module("profile_threads").aggregate
+    script = (
+        " 6342 \n\t    75ac rows4_avx512 (/root/.cache/x/libgemv.so)\n\t    b11c product_columns (/r/libgemv.so)\n\n"
+        " 6342 \n\t    98f0 cfree@GLIBC_2.2.5 (/usr/lib/libc.so.6)\n\n"
+        "6345 \n\t    b1cc worker (/root/.cache/x/libgemv.so)\n\n"
+    )
+    out = aggregate(script, least=0.0)
+    assert set(out) == {"6342", "6345"}
+    samples, rows = out["6342"]
+    assert samples == 2 and {leaf for _, leaf in rows} == {"rows4_avx512 (libgemv.so)", "cfree@GLIBC_2.2.5 (libc.so.6)"}
