@@ -10,9 +10,10 @@ UNAME  := $(shell uname -s)
 # The BLAS the CLI preloads on Linux (chosen by `specstream-mlx bench-blas`; SPECSTREAM_BLAS
 # picks another), as VAR=value words: the tests and builds run under the same one.
 BLAS_ENV = $(shell $(PY) -m specstream_mlx.blas_env 2>/dev/null)
-# Debian packages of the libraries it chooses between (the first is the default), and the C
-# compiler that builds the product forwarder preloaded in front of them (its skinny kernel).
-BLAS_PACKAGES = libopenblas0-pthread libblis4-pthread gcc g++ libc6-dev
+# Debian packages of the libraries it chooses between (the first is the default), the C
+# compiler that builds the product forwarder preloaded in front of them (its skinny kernel),
+# and the allocators preloaded with them (SPECSTREAM_MALLOC; the first is the default).
+BLAS_PACKAGES = libopenblas0-pthread libblis4-pthread gcc g++ libc6-dev libjemalloc2 libtcmalloc-minimal4 libmimalloc2.0
 
 .PHONY: swift-test install install-runtime demo demo-models eval-bfcl bench bench-blas test lint bench-plain clean blas
 
@@ -41,15 +42,16 @@ $(STAMP): $(RUNTIME_STAMP)
 # On Linux, MLX's CPU wheel needs a real BLAS to be fast; install the candidates when we can.
 blas:
 ifeq ($(UNAME),Linux)
-	@if ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 /usr/lib/*-linux-gnu/blis-pthread/libblis.so.4 >/dev/null 2>&1 \
+	@if ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 /usr/lib/*-linux-gnu/blis-pthread/libblis.so.4 \
+	    /usr/lib/*-linux-gnu/libjemalloc.so.2 >/dev/null 2>&1 \
 	    || ! command -v cc >/dev/null || [ ! -e /usr/include/linux/futex.h ]; then \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	    echo "installing $(BLAS_PACKAGES) (fast BLAS for MLX on Linux, and the compiler of its forwarder)"; \
+	    echo "installing $(BLAS_PACKAGES) (fast BLAS for MLX on Linux, the compiler of its forwarder, allocators)"; \
 	    apt-get install -y -q $(BLAS_PACKAGES) >/dev/null || \
 	      (apt-get update -q >/dev/null && apt-get install -y -q $(BLAS_PACKAGES) >/dev/null) || \
 	      echo "warning: could not install $(BLAS_PACKAGES); MLX will be slow"; \
 	  else \
-	    echo "warning: OpenBLAS, BLIS or a C compiler missing; run 'sudo apt install $(BLAS_PACKAGES)' (MLX's own BLAS is ~30x slower)"; \
+	    echo "warning: OpenBLAS, BLIS, an allocator or a C compiler missing; run 'sudo apt install $(BLAS_PACKAGES)' (MLX's own BLAS is ~30x slower)"; \
 	  fi; \
 	fi
 endif

@@ -1,9 +1,11 @@
 """Where a plain step's or a tree pass's CPU time goes, thread by thread (Linux ``perf``).
 
-    .venv/bin/python examples/profile_threads.py [--model smollm2] [--what plain|9|9@1] [--seconds 6]
+    .venv/bin/python examples/profile_threads.py [--model smollm2] [--what ar|plain|9|9@1] [--seconds 6]
 
 Starts a process that loads the model, prefills a 128-token context and repeats one
-workload (``plain``: the compiled plain step; ``N``: an op-by-op ``ss_forward`` over an
+workload (``ar``: plain decoding as the engine runs it, 20 tokens at a time, each step
+queued before the previous token is read; ``plain``: the compiled plain step, one at a
+time; ``N``: an op-by-op ``ss_forward`` over an
 N-node tree with streams at every node; ``N@1``: streams at the root only), attaches
 ``perf record -g`` to it once warm, and prints, for the busiest threads, the share of
 their samples by leaf function (kernel time is charged to the user function that
@@ -43,7 +45,19 @@ def worker(model_name: str, what: str) -> None:
     cache = make_cache(sm)
     prefill(base, mx.array(list(range(100, 228))), cache, 512)
     offset = cache[0].offset
-    if what == "plain":
+    if what == "ar":  # plain decoding as generate runs it: the next step queued before this one is read
+        from specstream_mlx.runtime.sampling import KeyStream, SamplingParams
+        from specstream_mlx.runtime.steps import pipelined_tokens
+
+        def once():
+            greedy = SamplingParams(temperature=0.0)
+            for tok in pipelined_tokens(base, mx.array([5]), greedy, cache, KeyStream(0), n=20):
+                tok.item()
+            for c in cache:
+                c.offset = offset
+            return 20
+
+    elif what == "plain":
         step = plain_step(base)
 
         def once():
@@ -70,8 +84,7 @@ def worker(model_name: str, what: str) -> None:
     print("ready", flush=True)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < 600:
-        once()
-        n += 1
+        n += once() or 1
         if n % 20 == 0:
             print(f"{(time.perf_counter() - t0) / n * 1e3:.2f} ms", flush=True)
 

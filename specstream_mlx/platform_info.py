@@ -24,6 +24,17 @@ rows by a weight run in its own AVX2 kernel, which reads each weight once for al
 on a small thread pool; one-row products go to ``cblas_sgemv``, everything else to the
 library unchanged.
 
+MLX allocates every operation's output and its bookkeeping (shapes, task closures,
+buffer sets) on the thread that builds the graph and frees it on the stream thread that
+ran it; glibc's allocator serialises such cross-thread frees on its arena lock. A
+decoding step is ~1,800 operations, and glibc's malloc took ~2-3 ms of a SmolLM2 step
+here. A drop-in allocator (Debian: ``libjemalloc2``, ``libtcmalloc-minimal4``,
+``libmimalloc2.0``) is preloaded with the BLAS when installed, chosen by measurement
+like it (``specstream-mlx bench-blas --libraries 'openblas:2+skinny@jemalloc,...'``;
+``bench/malloc.md``). An allocator replaces ``malloc`` only from a process's start, so
+it comes with ``LD_PRELOAD`` alone: the CLI re-executes itself once to add it, and
+``python -m specstream_mlx.blas_env`` names it for other programs.
+
 Settings: ``SPECSTREAM_BLAS`` = ``openblas`` | ``blis`` |
 ``none`` | a library path, optionally ``:THREADS`` (``openblas:2``); the older
 ``SPECSTREAM_NO_OPENBLAS=1`` means ``none``. ``SPECSTREAM_BLAS_GEMV=0`` preloads the
@@ -31,7 +42,8 @@ library without the forwarder. The forwarder's kernel reads ``SPECSTREAM_SKINNY_
 (the most rows it takes, default 48 with AVX-512, else 32; 0: off),
 ``SPECSTREAM_SKINNY_THREADS``, ``SPECSTREAM_SKINNY_ISA=avx2`` and
 ``SPECSTREAM_SKINNY_PARALLEL_MIN`` (the weight elements from which one row's product is
-split between its threads).
+split between its threads). ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` |
+``mimalloc`` | ``glibc`` (none preloaded) | a library path.
 """
 
 from __future__ import annotations
@@ -88,6 +100,26 @@ LIBRARIES: Dict[str, BlasLibrary] = {
 PREFERENCE = ("openblas", "blis")
 _LIB_ROOTS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
 
+MALLOC_ENV = "SPECSTREAM_MALLOC"
+
+
+@dataclass(frozen=True)
+class MallocLibrary:
+    """A drop-in ``malloc`` the CLI can preload (``SPECSTREAM_MALLOC`` names it)."""
+
+    name: str
+    soname: str
+    package: str
+
+
+MALLOCS: Dict[str, MallocLibrary] = {
+    "jemalloc": MallocLibrary("jemalloc", "libjemalloc.so.2", "libjemalloc2"),
+    "tcmalloc": MallocLibrary("tcmalloc", "libtcmalloc_minimal.so.4", "libtcmalloc-minimal4"),
+    "mimalloc": MallocLibrary("mimalloc", "libmimalloc.so.2", "libmimalloc2.0"),
+}
+# The default, then what is used when it is not installed (bench/malloc.md).
+MALLOC_PREFERENCE = ("jemalloc", "tcmalloc", "mimalloc")
+
 FIX_HINT = (
     "install BLIS (Debian/Ubuntu: `apt install libblis4-pthread`) and specstream-mlx will preload it automatically"
 )
@@ -102,13 +134,14 @@ class BlasChoice:
     path: Optional[str]
     threads: Optional[int]
     forwarder: Optional[str] = None
+    malloc: Optional[str] = None  # the allocator preloaded with it (a path), or None
 
     def env(self) -> Dict[str, str]:
-        """Environment entries that make a new process use this BLAS."""
-        if self.path is None:
-            return {}
-        env = {"LD_PRELOAD": ":".join(p for p in (self.forwarder, self.path) if p)}
-        if self.library is not None and self.threads is not None:
+        """Environment entries that make a new process use this BLAS (and allocator)."""
+        blas = (self.forwarder, self.path) if self.path is not None else ()
+        preload = [p for p in (self.malloc, *blas) if p]
+        env = {"LD_PRELOAD": ":".join(preload)} if preload else {}
+        if self.path is not None and self.library is not None and self.threads is not None:
             env[self.library.threads_env] = str(self.threads)
         return env
 
@@ -131,6 +164,42 @@ def find_blas(name: str) -> Optional[str]:
             if os.path.exists(path):
                 return path
     return None
+
+
+def find_malloc(name: str) -> Optional[str]:
+    """Path of the named allocator (a key of :data:`MALLOCS`) on this system, or None."""
+    lib = MALLOCS[name]
+    for root in _LIB_ROOTS:
+        path = os.path.join(root, lib.soname)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def choose_malloc(setting: Optional[str] = None) -> Optional[str]:
+    """The allocator to preload for ``setting`` (``SPECSTREAM_MALLOC``'s syntax; None: the
+    first of :data:`MALLOC_PREFERENCE` installed), as a path; None for ``glibc`` (or
+    ``none``) and off Linux. A named allocator that is not installed, or a path that
+    does not exist, raises :class:`BlasSettingError`."""
+    if not sys.platform.startswith("linux"):
+        return None
+    name = (setting or "").strip()
+    if not name:
+        return next((p for p in map(find_malloc, MALLOC_PREFERENCE) if p), None)
+    if name in ("glibc", "none"):
+        return None
+    if name in MALLOCS:
+        path = find_malloc(name)
+        if path is None:
+            lib = MALLOCS[name]
+            raise BlasSettingError(f"{MALLOC_ENV}={setting!r}: {lib.soname} not found; install {lib.package}")
+        return path
+    if os.path.sep in name:
+        if not os.path.exists(name):
+            raise BlasSettingError(f"{MALLOC_ENV}={setting!r}: no such file")
+        return name
+    known = ", ".join([*MALLOCS, "glibc"])
+    raise BlasSettingError(f"{MALLOC_ENV}={setting!r}: unknown allocator; use {known} or a path")
 
 
 def gemv_forwarder(cache_dir: Optional[Path] = None) -> Optional[str]:
@@ -172,16 +241,24 @@ class BlasSettingError(ValueError):
     pass
 
 
-def choose_blas(setting: Optional[str] = None, gemv: bool = True) -> BlasChoice:
+def choose_blas(setting: Optional[str] = None, gemv: bool = True, malloc: Optional[str] = "glibc") -> BlasChoice:
     """The BLAS to preload for ``setting`` (``SPECSTREAM_BLAS``'s syntax; None: the
     default, the first of :data:`PREFERENCE` that is installed), with the one-row
-    forwarder in front when ``gemv`` and it can be built. A named library that is not
-    installed, or a path that does not exist, raises :class:`BlasSettingError`;
-    ``none`` preloads nothing."""
+    forwarder in front when ``gemv`` and it can be built, and the allocator that
+    ``malloc`` names (:func:`choose_malloc`; None: the default one). A named library that
+    is not installed, or a path that does not exist, raises :class:`BlasSettingError`;
+    ``none`` preloads no BLAS."""
     choice = _choose_library(setting)
-    if gemv and choice.path is not None:
-        return BlasChoice(choice.library, choice.path, choice.threads, gemv_forwarder())
-    return choice
+    forwarder = gemv_forwarder() if gemv and choice.path is not None else None
+    return BlasChoice(choice.library, choice.path, choice.threads, forwarder, choose_malloc(malloc))
+
+
+def configured_choice() -> BlasChoice:
+    """:func:`choose_blas` as this process's environment sets it (``SPECSTREAM_BLAS``,
+    ``SPECSTREAM_BLAS_GEMV``, ``SPECSTREAM_MALLOC``)."""
+    return choose_blas(
+        os.environ.get(BLAS_ENV), gemv=os.environ.get(GEMV_ENV, "1") != "0", malloc=os.environ.get(MALLOC_ENV)
+    )
 
 
 def _choose_library(setting: Optional[str]) -> BlasChoice:
@@ -220,6 +297,11 @@ def blas_preloaded() -> bool:
     return any(lib.soname.split(".")[0] in pre for lib in LIBRARIES.values())
 
 
+def malloc_preloaded(path: Optional[str]) -> bool:
+    """Whether the allocator at ``path`` (None: none wanted) is in ``LD_PRELOAD`` already."""
+    return path is None or os.path.basename(path) in os.environ.get("LD_PRELOAD", "")
+
+
 GEMV_NEXT_ENV = "SPECSTREAM_GEMV_NEXT"  # the forwarder's next library when loaded in-process
 _in_process: Optional[BlasChoice] = None
 _warned = False
@@ -250,6 +332,7 @@ def preload_in_process() -> Optional[BlasChoice]:
         choice = choose_blas(os.environ.get(BLAS_ENV), gemv=os.environ.get(GEMV_ENV, "1") != "0")
     except BlasSettingError:
         return None  # the CLI reports it (exit 2); a library user gets the load-time warning
+    # (No allocator here: one replaces malloc only from a process's start; the CLI re-executes.)
     if choice.path is None:
         return None
     if choice.library is not None and choice.threads is not None:
@@ -281,38 +364,47 @@ def warn_if_reference_blas() -> None:
 
 
 def maybe_reexec_with_blas(argv: Optional[list] = None) -> None:
-    """Re-execute this CLI process with the chosen BLAS preloaded (:func:`choose_blas`
-    of ``SPECSTREAM_BLAS``).
+    """Re-execute this CLI process with the chosen BLAS and allocator preloaded
+    (:func:`configured_choice`).
 
-    Does nothing off Linux, when MLX is not the CPU wheel, when a BLAS is already
-    preloaded, for ``none`` (or ``SPECSTREAM_NO_OPENBLAS=1``) and after one re-exec.
-    Prints one warning with the fix when no BLAS is installed; a wrong setting is an
-    error (one line, exit status 2): a BLAS asked for by name is never silently replaced.
+    The BLAS: not when ``import specstream_mlx`` loaded it in-process, when one is
+    preloaded already, for ``none`` (or ``SPECSTREAM_NO_OPENBLAS=1``); one warning with
+    the fix when none is installed. The allocator: whenever the chosen one is not
+    preloaded yet (only a process's start can replace ``malloc``). Nothing off Linux, when
+    MLX is not the CPU wheel, for ``--help`` and after one re-exec. A wrong setting is an
+    error (one line, exit status 2): a library asked for by name is never silently replaced.
     """
-    if _in_process is not None or not _uses_mlx_cpu_wheel() or blas_preloaded():
-        return
-    if os.environ.get(DISABLE_ENV) or os.environ.get(REEXEC_ENV):
+    args = argv if argv is not None else sys.argv[1:]
+    if not _uses_mlx_cpu_wheel() or os.environ.get(REEXEC_ENV) or any(a in ("-h", "--help") for a in args):
         return
     try:
-        choice = choose_blas(os.environ.get(BLAS_ENV), gemv=os.environ.get(GEMV_ENV, "1") != "0")
+        choice = configured_choice()
     except BlasSettingError as e:
         print(f"specstream-mlx: error: {e}", file=sys.stderr)
         sys.exit(2)
-    if choice.path is None:
+    want_blas = _in_process is None and not blas_preloaded() and not os.environ.get(DISABLE_ENV)
+    if want_blas and choice.path is None:
         if (os.environ.get(BLAS_ENV) or "").strip().partition(":")[0] != "none":
             print(
                 "specstream-mlx: warning: MLX is using its bundled reference BLAS "
                 f"(matrix products ~30x slower); {FIX_HINT}.",
                 file=sys.stderr,
             )
+        want_blas = False
+    want_malloc = not malloc_preloaded(choice.malloc)
+    if not (want_blas or want_malloc):
         return
+    # A BLAS loaded in-process here is loaded in-process there again (on import).
+    malloc = choice.malloc if want_malloc else None
+    if want_blas:
+        add = BlasChoice(choice.library, choice.path, choice.threads, choice.forwarder, malloc).env()
+    else:
+        add = BlasChoice(None, None, None, malloc=malloc).env()
     env = dict(os.environ)
-    add = choice.env()
-    env["LD_PRELOAD"] = ":".join(p for p in (add.pop("LD_PRELOAD"), env.get("LD_PRELOAD", "")) if p)
+    env["LD_PRELOAD"] = ":".join(p for p in (add.pop("LD_PRELOAD", ""), env.get("LD_PRELOAD", "")) if p)
     for k, v in add.items():
         env.setdefault(k, v)  # a thread count set by hand wins
     env[REEXEC_ENV] = "1"
-    args = argv if argv is not None else sys.argv[1:]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "specstream_mlx", *args], env)
@@ -383,10 +475,25 @@ def forwarder_words() -> str:
 
 
 def blas_words() -> str:
-    """One phrase for a report: the BLAS, its version and threads, the one-row forwarder, and
-    how MLX's compiled CPU kernels are built (:mod:`.cpu_jit`)."""
+    """One phrase for a report: the BLAS, its version and threads, the one-row forwarder,
+    how MLX's compiled CPU kernels are built (:mod:`.cpu_jit`) and the allocator."""
     words = f"{blas_in_use()} {blas_version()}, {blas_threads()} threads" + forwarder_words()
-    return words + f"; compiled CPU kernels {jit_words()}"
+    return words + f"; compiled CPU kernels {jit_words()}; allocator {malloc_in_use()}"
+
+
+def malloc_in_use() -> str:
+    """Which allocator serves this process's ``malloc`` (a preloaded one, else the C library's)."""
+    maps = ""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        pass
+    for line in maps.splitlines():
+        for lib in MALLOCS.values():
+            if line.split("/")[-1].startswith(lib.soname.split(".so")[0] + ".so"):
+                return f"{lib.name} ({line.split()[-1]})"
+    return "glibc" if sys.platform.startswith("linux") else "system"
 
 
 def blas_in_use() -> str:
@@ -440,6 +547,7 @@ def runtime_info() -> dict:
         "blas_gemv_forwarding": gemv_forwarding(),
         "blas_forwarder": forwarder_words().lstrip(", "),
         "cpu_kernels": jit_words(),
+        "malloc": malloc_in_use(),
     }
 
 
@@ -456,10 +564,10 @@ def _cpu_name() -> str:
 
 
 def print_env() -> int:
-    """The environment that preloads the chosen BLAS, as VAR=value words for ``env``
+    """The environment that preloads the chosen BLAS and allocator, as VAR=value words for ``env``
     (``python -m specstream_mlx.blas_env``; the Makefile runs the tests under it)."""
     try:
-        chosen = choose_blas(os.environ.get(BLAS_ENV), gemv=os.environ.get(GEMV_ENV, "1") != "0")
+        chosen = configured_choice()
     except BlasSettingError as err:
         print(f"specstream-mlx: error: {err}", file=sys.stderr)
         return 2

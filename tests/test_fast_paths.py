@@ -89,6 +89,75 @@ def test_blas_setting_is_parsed_and_refused_in_one_line(monkeypatch):
         P.choose_blas("/nowhere/libblas.so")
 
 
+def test_allocator_setting_is_parsed_and_refused_in_one_line(monkeypatch):
+    from specstream_mlx import platform_info as P
+
+    installed = {"tcmalloc": "/lib/libtcmalloc_minimal.so.4", "mimalloc": "/lib/libmimalloc.so.2"}
+    monkeypatch.setattr(P, "find_malloc", lambda name: installed.get(name))
+    monkeypatch.setattr(P.sys, "platform", "linux")
+    # The default is the first of the preference order that is installed; glibc is none.
+    assert P.choose_malloc(None) == P.choose_malloc("") == installed[P.MALLOC_PREFERENCE[1]]
+    assert P.choose_malloc("glibc") is None and P.choose_malloc("mimalloc") == installed["mimalloc"]
+    bad_settings = (("jemalloc", "install libjemalloc2"), ("hoard", "unknown allocator"), ("/no/lib.so", "no such"))
+    for bad, needle in bad_settings:
+        with pytest.raises(P.BlasSettingError, match=needle):
+            P.choose_malloc(bad)
+    # Preloaded first, in front of the forwarder and the BLAS; alone when there is no BLAS.
+    monkeypatch.setattr(P, "find_blas", lambda name: f"/lib/{name}.so" if name == "openblas" else None)
+    monkeypatch.setattr(P, "gemv_forwarder", lambda: "/cache/libspecstream-gemv.so")
+    env = P.choose_blas(None, malloc="tcmalloc").env()
+    assert env["LD_PRELOAD"] == "/lib/libtcmalloc_minimal.so.4:/cache/libspecstream-gemv.so:/lib/openblas.so"
+    assert P.choose_blas("none", malloc="mimalloc").env() == {"LD_PRELOAD": "/lib/libmimalloc.so.2"}
+    assert P.choose_blas(None).malloc is None  # the library call's default: no allocator
+
+
+_ALLOCATOR = """
+from specstream_mlx.platform_info import malloc_in_use
+print(malloc_in_use().split()[0])
+"""
+
+
+def test_the_cli_runs_under_the_chosen_allocator():
+    """MLX frees on its stream thread what the graph-building thread allocated; glibc's
+    allocator took 2-5 ms of a SmolLM2 step for it (bench/malloc.md). The CLI re-executes
+    itself once with the chosen allocator preloaded (only a process's start can replace
+    malloc), names it in doctor, and refuses a wrong setting in one line."""
+    import os
+
+    from specstream_mlx.platform_info import MALLOC_PREFERENCE, _uses_mlx_cpu_wheel, choose_malloc, find_malloc
+
+    if not _uses_mlx_cpu_wheel() or choose_malloc(None) is None:
+        pytest.skip("needs MLX's Linux CPU wheel and an allocator package (CI installs both)")
+    default = next(n for n in MALLOC_PREFERENCE if find_malloc(n))
+    keep = ("LD_PRELOAD", "SPECSTREAM_MALLOC", "SPECSTREAM_BLAS_REEXEC")
+    env = {k: v for k, v in os.environ.items() if k not in keep}
+
+    def doctor(**extra):
+        out = subprocess.run(
+            [sys.executable, "-m", "specstream_mlx", "doctor"], capture_output=True, text=True, env={**env, **extra}
+        )
+        line = next((x for x in out.stdout.splitlines() if x.startswith("malloc:")), "malloc:")
+        return out, line.split()[1:2]
+
+    out, name = doctor()
+    assert out.returncode == 0 and name == [default], out
+    out, name = doctor(SPECSTREAM_MALLOC="glibc")
+    assert out.returncode == 0 and name == ["glibc"], out
+    out, _ = doctor(SPECSTREAM_MALLOC="hoard")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "SPECSTREAM_MALLOC" in out.stderr
+    # Programs that import the library get it from the printed environment.
+    words = subprocess.run(
+        [sys.executable, "-m", "specstream_mlx.blas_env"], capture_output=True, text=True, env=env, check=True
+    ).stdout.split()
+    preload = dict(w.split("=", 1) for w in words)["LD_PRELOAD"]
+    ran = subprocess.run(
+        [sys.executable, "-c", _ALLOCATOR], capture_output=True, text=True, env={**env, "LD_PRELOAD": preload}
+    )
+    assert ran.returncode == 0 and ran.stdout.split() == [default], ran.stderr
+    bare = subprocess.run([sys.executable, "-c", _ALLOCATOR], capture_output=True, text=True, env=env)
+    assert bare.stdout.split() == ["glibc"], bare.stderr
+
+
 GEMV_CHECK = r"""
 import json, sys
 import mlx.core as mx, numpy as np

@@ -10,7 +10,10 @@
   matrix products of one step at b rows (every projection of the checkpoint with its
   own weights, q/k/v and gate/up separate, then the LM head: what the BLAS does and
   nothing else) and the model's whole forward pass over b new rows after a 128-token
-  prefix, as decoding loads it (q/k/v and gate/up fused, op by op).
+  prefix, as decoding loads it (q/k/v and gate/up fused, op by op), and the plain
+  decoding step as ``ar`` runs it (compiled, the next step queued before a token is
+  read). A configuration may name the allocator preloaded with the library
+  (``openblas:2+skinny@jemalloc``; ``@glibc``: none); without one, the default.
 """
 
 from __future__ import annotations
@@ -144,6 +147,26 @@ def time_passes(model, rows: Sequence[int], reps: int, context: int = CONTEXT) -
     return out
 
 
+def plain_step_ms(model, tokens: int = 48, context: int = CONTEXT) -> List[float]:
+    """Ms per token of plain greedy decoding as ``ar`` runs it (the engine's pipelined
+    loop over the compiled step), after ``context`` prompt tokens and one warm-up token."""
+    import mlx.core as mx
+
+    from ..runtime.sampling import SamplingParams
+    from ..runtime.steps import ar_steps
+
+    prompt = mx.array([1] + list(range(100, 100 + context - 1)))
+    t, times = None, []
+    for i, _step in enumerate(ar_steps(model, prompt, SamplingParams())):
+        now = time.perf_counter()
+        if t is not None and i > 1:
+            times.append((now - t) * 1e3)
+        t = now
+        if i >= tokens + 1:
+            break
+    return times
+
+
 @dataclass
 class FloorReport:
     """A plain decoding step of one model against the machine's floor, in one run.
@@ -183,27 +206,14 @@ class FloorReport:
 def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9) -> FloorReport:
     """Plain decoding of ``name`` against the floor, rounds interleaved with the bandwidth
     and product measurements (each figure is a median of its rounds)."""
-    import mlx.core as mx
-
     from ..platform_info import blas_words
     from ..runtime.loaded_model import load
-    from ..runtime.sampling import SamplingParams
-    from ..runtime.steps import ar_steps
 
     m, _ = load(name, warn=False)
-    prompt = mx.array([1] + list(range(100, 100 + CONTEXT - 1)))
     steps, prods, bws, loads = [], [], [], []
     shapes = product_shapes(m.base)
     for _ in range(rounds):
-        t, times = None, []
-        for i, _step in enumerate(ar_steps(m.base, prompt, SamplingParams())):
-            now = time.perf_counter()
-            if t is not None:
-                times.append(now - t)
-            t = now
-            if i >= tokens:
-                break
-        steps.append(statistics.median(times) * 1e3)
+        steps.append(statistics.median(plain_step_ms(m.base, tokens)))
         prods.append(time_products(shapes, (1,), reps)[1])
         bws.append(read_bandwidth())
         loads.append(os.getloadavg()[0])
@@ -229,10 +239,15 @@ class SweepConfig:
     # to the library's GEMV only, "skinny" its own kernel for 1-48 rows, "skinny2" the kernel
     # for 2-48 rows and one-row products to the GEMV.
     forwarder: str = ""
+    malloc: str = ""  # the allocator preloaded with it: a key of platform_info.MALLOCS, "glibc", "" the default
 
     @property
     def label(self) -> str:
-        return f"{self.library}:{self.threads}" + (f"+{self.forwarder}" if self.forwarder else "")
+        return (
+            f"{self.library}:{self.threads}"
+            + (f"+{self.forwarder}" if self.forwarder else "")
+            + (f"@{self.malloc}" if self.malloc else "")
+        )
 
 
 @dataclass
@@ -245,6 +260,8 @@ class SweepResult:
     bandwidth: List[dict]
     products_ms: Dict[str, Dict[str, Dict[int, float]]] = field(default_factory=dict)
     pass_ms: Dict[str, Dict[str, Dict[int, float]]] = field(default_factory=dict)
+    # The pipelined plain step (b = 1 only), per config label and model.
+    step_ms: Dict[str, Dict[str, float]] = field(default_factory=dict)
     versions: Dict[str, Optional[str]] = field(default_factory=dict)
     load: List[float] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
@@ -252,16 +269,18 @@ class SweepResult:
 
 def _child(models: Sequence[str], rows: Sequence[int], reps: int) -> dict:
     """In a process with one BLAS preloaded: products and passes of each model."""
-    from ..platform_info import blas_in_use, blas_threads, blas_version, forwarder_words
+    from ..platform_info import blas_in_use, blas_threads, blas_version, forwarder_words, malloc_in_use
     from ..runtime.loaded_model import load
 
     res = {"blas": blas_in_use(), "version": blas_version(), "threads": blas_threads(), "models": {}}
     res["forwarder"] = forwarder_words()
+    res["malloc"] = malloc_in_use()
     for name in models:
         m, _ = load(name, warn=False)
         res["models"][name] = {
             "products_ms": time_products(product_shapes(m.base), rows, reps),
             "pass_ms": time_passes(m.base, rows, reps),
+            "step_ms": statistics.median(plain_step_ms(m.base)),
             "weight_bytes": weight_bytes(m.base),
         }
     return res
@@ -277,11 +296,13 @@ def run_sweep(
 ) -> SweepResult:
     """Time every config on every model, rounds interleaved (each round in a rotated
     order); the floor's bandwidth is measured once per round between them."""
-    from ..platform_info import LIBRARIES, choose_blas, runtime_info
+    from ..platform_info import LIBRARIES, MALLOC_ENV, choose_blas, runtime_info
 
     envs = {}
     for c in configs:
-        choice = choose_blas(f"{c.library}:{c.threads}", gemv=bool(c.forwarder))  # raises if not installed
+        # Raises if not installed; no allocator named: the default one.
+        malloc = c.malloc or os.environ.get(MALLOC_ENV)
+        choice = choose_blas(f"{c.library}:{c.threads}", gemv=bool(c.forwarder), malloc=malloc)
         if c.forwarder and choice.forwarder is None:
             raise RuntimeError(f"{c.label}: the forwarder cannot be built here (no C compiler?)")
         env = {
@@ -325,9 +346,12 @@ def run_sweep(
         settings={"rounds": rounds, "reps": reps, "rows": list(rows), "context": CONTEXT},
     )
     for label, runs in raw.items():
-        res.versions[label] = f"{runs[0]['blas']} {runs[0]['version']}, {runs[0]['threads']} threads" + runs[0].get(
-            "forwarder", ""
+        res.versions[label] = (
+            f"{runs[0]['blas']} {runs[0]['version']}, {runs[0]['threads']} threads"
+            + runs[0].get("forwarder", "")
+            + f"; allocator {runs[0].get('malloc', 'glibc')}"
         )
+        res.step_ms[label] = {m: statistics.median(run["models"][m]["step_ms"] for run in runs) for m in models}
         for kind in ("products_ms", "pass_ms"):
             getattr(res, kind)[label] = {
                 m: {int(b): statistics.median(run["models"][m][kind][str(b)] for run in runs) for b in rows}
@@ -362,6 +386,10 @@ def sweep_markdown(res: SweepResult) -> str:
             for label, per_model in getattr(res, kind).items():
                 cells = [f"{per_model[model][b]:.1f} ({per_model[model][b] / fl['floor_ms']:.2f}×)" for b in rows]
                 lines.append(f"| {label} | {what} | " + " | ".join(cells) + " |")
+        for label, per_model in res.step_ms.items():
+            ms = per_model[model]
+            cells = [f"{ms:.2f} ({ms / fl['floor_ms']:.2f}×)" if b == 1 else "" for b in rows]
+            lines.append(f"| {label} | plain step, as `ar` runs it | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 

@@ -14,6 +14,7 @@ def markdown_table(res: dict) -> str:
         + (f", {m['blas_threads']} threads" if m.get("blas_threads") else "")
         + (f", {m['blas_forwarder']}" if m.get("blas_forwarder") else "")
         + (f"; compiled CPU kernels {m['cpu_kernels']}" if m.get("cpu_kernels") else "")
+        + (f"; allocator {m['malloc']}" if m.get("malloc") else "")
         + (f"; ss passes {res['settings']['ss_passes'].get('greedy')}" if res["settings"].get("ss_passes") else "")
         + f"; {res['settings']['prompts']} "
         + (f"{res['settings']['prompt_set']} " if res["settings"].get("prompt_set") else "")

@@ -431,6 +431,7 @@ def run_bench(
                 "blas_gemv_forwarding",
                 "blas_forwarder",
                 "cpu_kernels",
+                "malloc",
             )
         },
         "model": str(path.name),

@@ -626,37 +626,48 @@ def bench_blas(
         "one row to GEMV).",
     ),
     models: str = typer.Option("smollm2,demo-sql,demo-chat", "--models", help="Models whose shapes are timed."),
+    rows: str = typer.Option("1,2,4,8,16", "--rows", help="Row counts b of the products and passes timed."),
     rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds (each configuration once per round)."),
     reps: int = typer.Option(9, "--reps", help="Repetitions per measurement (medians)."),
     json_out: str = typer.Option("bench/blas.json", "--json", help="Write the JSON result here (and .md beside)."),
 ):
-    """Time each BLAS library and thread count against the machine's floor (the default BLAS is chosen by this)."""
+    """Time each BLAS library, thread count and allocator against the machine's floor (the defaults are chosen
+    by this). A configuration may end in @ALLOCATOR (jemalloc, tcmalloc, mimalloc or glibc)."""
     from dataclasses import asdict
 
     from ..bench.machine import SweepConfig, run_sweep, sweep_markdown
-    from ..platform_info import LIBRARIES, BlasSettingError
+    from ..platform_info import LIBRARIES, MALLOCS, BlasSettingError
 
     configs = []
     for item in (x.strip() for x in libraries.split(",") if x.strip()):
-        spec, _, extra = item.partition("+")
+        head, _, malloc = item.partition("@")
+        spec, _, extra = head.partition("+")
         name, _, threads = spec.partition(":")
         if (
             name not in LIBRARIES
             or not threads.isdigit()
             or int(threads) < 1
             or extra not in ("", "gemv", "skinny", "skinny2")
+            or ("@" in item and malloc not in (*MALLOCS, "glibc"))
         ):
             _err(
-                f"--libraries: {item!r} is not LIBRARY:THREADS[+gemv|+skinny|+skinny2] "
-                f"with LIBRARY one of {', '.join(LIBRARIES)}"
+                f"--libraries: {item!r} is not LIBRARY:THREADS[+gemv|+skinny|+skinny2][@ALLOCATOR] "
+                f"with LIBRARY one of {', '.join(LIBRARIES)} and ALLOCATOR one of {', '.join([*MALLOCS, 'glibc'])}"
             )
-        configs.append(SweepConfig(name, int(threads), forwarder=extra))
+        configs.append(SweepConfig(name, int(threads), forwarder=extra, malloc=malloc))
     if rounds < 1 or reps < 1:
         _err("--rounds and --reps must be at least 1")
+    try:
+        row_counts = tuple(int(b) for b in rows.split(","))
+    except ValueError:
+        row_counts = ()
+    if not row_counts or min(row_counts) < 1:
+        _err(f"--rows: {rows!r} is not a comma-separated list of positive integers")
     try:
         res = run_sweep(
             configs,
             [m.strip() for m in models.split(",") if m.strip()],
+            rows=row_counts,
             rounds=rounds,
             reps=reps,
             log=lambda s: typer.echo(s, err=True),
