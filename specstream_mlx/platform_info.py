@@ -49,6 +49,7 @@ split between its threads). ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -481,6 +482,7 @@ def blas_words() -> str:
     return words + f"; compiled CPU kernels {jit_words()}; allocator {malloc_in_use()}"
 
 
+@functools.lru_cache(maxsize=None)  # set at the process's start, never changed
 def malloc_in_use() -> str:
     """Which allocator serves this process's ``malloc`` (a preloaded one, else the C library's)."""
     maps = ""

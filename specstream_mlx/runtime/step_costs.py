@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from ..cpu_jit import jit_words
 from ..io.files import cache_root
-from ..platform_info import blas_in_use, forwarder_words
+from ..platform_info import blas_in_use, forwarder_words, malloc_in_use
 
 if TYPE_CHECKING:
     from .offline_costs import ArmCosts
@@ -210,8 +210,8 @@ def _on_line(points: Dict[Arm, float], arm: Arm, lines: Dict[int, tuple]) -> flo
 
 
 def model_key(model, streams, kind: str, compiled: bool) -> str:
-    """What pass costs depend on: the model's shape and dtype, the streams, the device and
-    BLAS, greedy or sampled decoding, the pass kind."""
+    """What pass costs depend on: the model's shape and dtype, the streams, the device,
+    BLAS and allocator, greedy or sampled decoding, the pass kind."""
     a = model.args
     ident = [
         COST_VERSION,
@@ -229,6 +229,7 @@ def model_key(model, streams, kind: str, compiled: bool) -> str:
         blas_in_use(),
         forwarder_words(),  # the forwarder and its kernel set the plain step's and the passes' speed
         jit_words(),  # how MLX's compiled CPU kernels are built (SiLU: 12% of a 9-node pass, or 8%)
+        malloc_in_use(),  # the allocator: a demo-sql step 0.59 ms under glibc's, 0.36 under jemalloc
         str(model.model.norm.weight.dtype),
         "quantized" if "Quantized" in str(type(model.layers[0].mlp.down_proj)) else "float",
         "fused" if getattr(model.layers[0].self_attn, "fused_qkv", False) else "apart",  # q/k/v: one product or three
