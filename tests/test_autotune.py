@@ -122,6 +122,22 @@ def test_fallback_backs_off_exponentially_and_resets_on_success():
     assert choose(auto) == 2 and auto.backoff == 0
 
 
+def test_a_best_arm_far_below_break_even_is_retried_only_after_the_longest_back_off():
+    """demo-sql's trees ran at about half of plain decoding, and every back-off re-try of
+    1, 2, 4, ... requests spent a request at that rate: 17 of 48 requests of one bench
+    process ran trees. Far below break-even (HOPELESS_BELOW) the re-try waits MAX_BACKOFF
+    requests; near it the back-off doubles as before."""
+    for cost, backoff in ((2.0, A.MAX_BACKOFF), (1.2, 1)):  # best rate 0.5 and 0.83
+        auto = AutoPolicy(costs_of({2: cost}), depth=4, budget=2, hosting=0)
+        observe_many(auto, WARMUP_STEPS, accepted=0.0, scores=[0.0, 0.0])
+        assert choose(auto) is None and auto.backoff == backoff
+        plain = []
+        for _ in range(backoff + 1):
+            auto.new_request()
+            plain.append(_reason(auto.plan()) is not None)
+        assert plain == [True] * backoff + [False]
+
+
 def test_deeper_budgets_are_judged_on_deep_candidates():
     """Stream top-1 probabilities .85/.80/.78/.75: budget 4 is worth .85 + .85·.8 +
     .85·.8·.78 + .85·.8·.78·.75 = 2.46 accepted tokens, whatever tree is in use."""
@@ -419,7 +435,8 @@ def test_no_tree_pass_runs_when_the_prior_says_plain(tiny_model_dir, tmp_path, m
     monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))  # step_costs.json there
     monkeypatch.setattr(A, "calibrate", lambda *a, **k: ArmCosts())  # the generic prior costs
     model, _ = _auto_model(tiny_model_dir)
-    _with_prior(model, {b: 0.05 for b in A.CANDIDATE_BUDGETS})
+    # At the prior costs 1.2 + 0.15 b the best arm, b2, makes (1 + 0.3) / 1.5 = 0.87x: no pass.
+    _with_prior(model, {b: 0.3 for b in A.CANDIDATE_BUDGETS})
     passes = {}
     count_calls(monkeypatch, SSPass, passes, "n")
     prompt = mx.array(list(range(3, 40)))
@@ -447,6 +464,11 @@ def test_no_tree_pass_runs_when_the_prior_says_plain(tiny_model_dir, tmp_path, m
     tuner = model.tuner(SamplingParams(temperature=0.7))
     tuner.new_request()
     assert tuner.pending and A.PRIOR_REASON in tuner.pending
+    # A prior far below break-even (0.70x) re-tries only after the longest back-off.
+    _with_prior(model, {b: 0.05 for b in A.CANDIDATE_BUDGETS})
+    far = A.auto_policy_for(model.base, model.streams, sampled=False, compiled=False)
+    far.new_request()
+    assert A.PRIOR_REASON in far.pending and far.backoff == far.skip == A.MAX_BACKOFF
 
 
 def test_a_prior_that_pays_starts_on_its_best_arm(tiny_model_dir, tmp_path, monkeypatch):

@@ -36,7 +36,10 @@ per machine and model (:func:`~.step_costs.calibrate`, stored) before its first 
 * **Fall-back**: when, after a warm-up, the best arm is expected clearly slower than plain
   decoding (below ``FALLBACK_BELOW``: estimates near break-even move from pass to pass),
   the rest of the request decodes plainly, and so do that client's next 1, 2, 4, …
-  (≤ ``MAX_BACKOFF``) requests, so trees are re-tried rather than ruled out for good.
+  (≤ ``MAX_BACKOFF``) requests, so trees are re-tried rather than ruled out for good. A
+  best arm far below break-even (under ``HOPELESS_BELOW``: its acceptance would have to
+  grow by a quarter to pay) is re-tried only after the longest back-off: each re-try
+  costs a request at that rate (demo-sql's trees at about half of plain decoding).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ WARMUP_STEPS = 6
 EXPLORE_EVERY = 4
 MAX_BACKOFF = 16
 FALLBACK_BELOW = 0.97
+HOPELESS_BELOW = 0.8
 # Plain tokens per probe, tree passes between probes.
 PLAIN_PROBE = 4
 PLAIN_EVERY = 48
@@ -377,8 +381,7 @@ class AutoPolicy:
             if rates[best] < FALLBACK_BELOW:
                 # As if trees had been tried and failed: re-tried after the back-off.
                 self.pending = f"{PRIOR_REASON} (best {rates[best]:.2f}x)"
-                self.backoff = 1
-                self.skip = self.backoff
+                self._back_off(rates[best], 1)
             elif self.prior_picks_arm:
                 self.budget, self.hosting = best
 
@@ -495,12 +498,18 @@ class AutoPolicy:
         if best is None or rates[best] < FALLBACK_BELOW:
             shown = f"best {rates[best]:.2f}x" if best else "no evidence"
             self.pending = f"plain decoding: no draft tree is expected to be faster on this machine ({shown})"
-            self.backoff = min(max(1, 2 * self.backoff), MAX_BACKOFF)
-            self.skip = self.backoff
+            self._back_off(rates[best] if best else HOPELESS_BELOW, min(max(1, 2 * self.backoff), MAX_BACKOFF))
             return
         self.budget, self.hosting = best
         if rates[best] >= 1.0:
             self.backoff = 0
+
+
+    def _back_off(self, best_rate: float, requests: int) -> None:
+        """Plain decoding for the next ``requests`` requests; for the longest back-off when
+        the best arm is far below break-even (a re-try then only costs)."""
+        self.backoff = MAX_BACKOFF if best_rate < HOPELESS_BELOW else requests
+        self.skip = self.backoff
 
 
 def _ema(old: Optional[float], new: float) -> float:
