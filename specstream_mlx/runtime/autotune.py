@@ -504,7 +504,6 @@ class AutoPolicy:
         if rates[best] >= 1.0:
             self.backoff = 0
 
-
     def _back_off(self, best_rate: float, requests: int) -> None:
         """Plain decoding for the next ``requests`` requests; for the longest back-off when
         the best arm is far below break-even (a re-try then only costs)."""
