@@ -482,16 +482,19 @@ def blas_words() -> str:
     return words + f"; compiled CPU kernels {jit_words()}; allocator {malloc_in_use()}"
 
 
+def _mapped_files() -> str:
+    """This process's memory map (``/proc/self/maps``; empty where there is none)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 @functools.lru_cache(maxsize=None)  # set at the process's start, never changed
 def malloc_in_use() -> str:
     """Which allocator serves this process's ``malloc`` (a preloaded one, else the C library's)."""
-    maps = ""
-    try:
-        with open("/proc/self/maps") as f:
-            maps = f.read()
-    except OSError:
-        pass
-    for line in maps.splitlines():
+    for line in _mapped_files().splitlines():
         for lib in MALLOCS.values():
             if line.split("/")[-1].startswith(lib.soname.split(".so")[0] + ".so"):
                 return f"{lib.name} ({line.split()[-1]})"
@@ -502,12 +505,7 @@ def blas_in_use() -> str:
     """Which BLAS serves MLX's CPU matrix products in this process."""
     if sys.platform == "darwin":
         return "accelerate"
-    maps = ""
-    try:
-        with open("/proc/self/maps") as f:
-            maps = f.read()
-    except OSError:
-        pass
+    maps = _mapped_files()
     # A preloaded library comes first in symbol resolution, so it wins over the
     # reference BLAS that the mlx[cpu] wheel links.
     for line in maps.splitlines():

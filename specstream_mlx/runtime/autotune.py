@@ -381,7 +381,7 @@ class AutoPolicy:
             if rates[best] < FALLBACK_BELOW:
                 # As if trees had been tried and failed: re-tried after the back-off.
                 self.pending = f"{PRIOR_REASON} (best {rates[best]:.2f}x)"
-                self._back_off(rates[best], 1)
+                self._back_off(1, rates[best])
             elif self.prior_picks_arm:
                 self.budget, self.hosting = best
 
@@ -498,16 +498,17 @@ class AutoPolicy:
         if best is None or rates[best] < FALLBACK_BELOW:
             shown = f"best {rates[best]:.2f}x" if best else "no evidence"
             self.pending = f"plain decoding: no draft tree is expected to be faster on this machine ({shown})"
-            self._back_off(rates[best] if best else HOPELESS_BELOW, min(max(1, 2 * self.backoff), MAX_BACKOFF))
+            self._back_off(min(max(1, 2 * self.backoff), MAX_BACKOFF), rates[best] if best else None)
             return
         self.budget, self.hosting = best
         if rates[best] >= 1.0:
             self.backoff = 0
 
-    def _back_off(self, best_rate: float, requests: int) -> None:
+    def _back_off(self, requests: int, best_rate: Optional[float]) -> None:
         """Plain decoding for the next ``requests`` requests; for the longest back-off when
-        the best arm is far below break-even (a re-try then only costs)."""
-        self.backoff = MAX_BACKOFF if best_rate < HOPELESS_BELOW else requests
+        the best arm's expected rate is far below break-even (a re-try then only costs)."""
+        hopeless = best_rate is not None and best_rate < HOPELESS_BELOW
+        self.backoff = MAX_BACKOFF if hopeless else requests
         self.skip = self.backoff
 
 
