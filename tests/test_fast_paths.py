@@ -297,6 +297,65 @@ def test_forwarded_products_in_a_forked_child():
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "0", (out.stdout, out.stderr)
 
 
+AHEAD_CHECK = r"""
+import ctypes, mmap, time
+import numpy as np
+# The products go through the preloaded cblas_sgemm directly, as MLX calls it, on weights
+# in their own mappings, so that one can be unmapped while the kernel still predicts it.
+sgemm = ctypes.CDLL(None).cblas_sgemm
+P = ctypes.POINTER(ctypes.c_float)
+n, k = 8192, 576  # large enough to be split between the threads (and followed)
+rng = np.random.default_rng(0)
+x = rng.standard_normal((1, k)).astype(np.float32)
+
+
+def mapped_weight():
+    m = mmap.mmap(-1, n * k * 4)
+    w = np.frombuffer(m, dtype=np.float32).reshape(n, k)
+    w[:] = rng.standard_normal((n, k))
+    return m, w
+
+
+def product(w):
+    c = np.zeros((1, n), np.float32)
+    f, i = ctypes.c_float, ctypes.c_int
+    sgemm(i(101), i(111), i(112), i(1), i(n), i(k), f(1.0), x.ctypes.data_as(P), i(k),
+          w.ctypes.data_as(P), i(k), f(0.0), c.ctypes.data_as(P), i(n))
+    return float(np.abs(c - x @ w.T).max())
+
+
+(ma, a), (mb, b) = mapped_weight(), mapped_weight()
+for _ in range(3):  # a "step" of two products: the kernel learns that b follows a
+    assert product(a) < 1e-3 and product(b) < 1e-3
+del b
+mb.close()  # b's pages are gone; the kernel still predicts b after a
+for i in range(50):  # after its share of each, the worker reads ahead the unmapped b
+    assert product(a) < 1e-3
+    if i % 10 == 9:
+        time.sleep(0.01)  # also when it has the core to itself
+print("ok")
+"""
+
+
+def test_reading_ahead_a_freed_weight_is_harmless():
+    """Between products an idle worker prefetches the weight that followed the last one
+    at the previous step; when that weight has since been unmapped, the process goes on
+    (prefetches never fault) and the products stay right."""
+    import os
+    import subprocess
+    import sys
+
+    from specstream_mlx import platform_info as P
+
+    choice = P.choose_blas("openblas")
+    assert choice.forwarder is not None, "the forwarder did not build (no C compiler?)"
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("SPECSTREAM_SKINNY")}
+    env.update(choice.env())
+    env["SPECSTREAM_SKINNY_THREADS"] = "2"  # a worker to read ahead, also on a one-core runner
+    out = subprocess.run([sys.executable, "-c", AHEAD_CHECK], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "ok", (out.returncode, out.stderr)
+
+
 _IN_PROCESS = """
 import sys
 if sys.argv[1] == "mlx-first":
