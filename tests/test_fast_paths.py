@@ -356,6 +356,66 @@ def test_reading_ahead_a_freed_weight_is_harmless():
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "ok", (out.returncode, out.stderr)
 
 
+REGIME_CHECK = r"""
+import ctypes, os
+import numpy as np
+lib = ctypes.CDLL(None)
+sgemm, streaming = lib.cblas_sgemm, lib.specstream_skinny_streaming
+P = ctypes.POINTER(ctypes.c_float)
+f, i = ctypes.c_float, ctypes.c_int
+llc = 32 << 20  # the kernel's cache size: the largest sysfs reports (else 32 MiB)
+for j in range(8):
+    try:
+        text = open(f"/sys/devices/system/cpu/cpu0/cache/index{j}/size").read().strip()
+    except OSError:
+        break
+    llc = max(llc, int(text.rstrip("KM")) << {"K": 10, "M": 20}.get(text[-1], 0))
+
+
+def product(w):
+    n, k = w.shape
+    x, c = np.ones((1, k), np.float32), np.zeros((1, n), np.float32)
+    sgemm(i(101), i(111), i(112), i(1), i(n), i(k), f(1.0), x.ctypes.data_as(P), i(k),
+          w.ctypes.data_as(P), i(k), f(0.0), c.ctypes.data_as(P), i(n))
+    assert abs(float(c.max()) - k) < 1e-3 and abs(float(c.min()) - k) < 1e-3
+
+
+verdicts = [streaming()]
+small = [np.ones((256, 256), np.float32) for _ in range(2)]  # 256 KB each: cached
+for _ in range(100):
+    product(small[_ % 2])
+verdicts.append(streaming())
+big = [np.ones((1024, 1024), np.float32) for _ in range(2 * llc // (4 << 20) + 16)]  # twice the cache
+for w in big:
+    product(w)
+verdicts.append(streaming())
+del big
+for _ in range(2 * 4096 + 100):  # a whole window of the small ones only: cached again
+    product(small[_ % 2])
+verdicts.append(streaming())
+print(verdicts)
+"""
+
+
+def test_the_kernel_tells_weights_in_the_cache_from_weights_streamed():
+    """Products split between the threads from a lower size once the weights seen outgrow
+    the last-level cache; the verdict follows the recent products only, so a process that
+    moves to small weights (or frees many buffers) is taken as cached again."""
+    import os
+    import subprocess
+    import sys
+
+    from specstream_mlx import platform_info as P
+
+    choice = P.choose_blas("openblas")
+    assert choice.forwarder is not None, "the forwarder did not build (no C compiler?)"
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("SPECSTREAM_SKINNY")}
+    env.update(choice.env())
+    out = subprocess.run([sys.executable, "-c", REGIME_CHECK], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[0, 0, 1, 0]", out.stdout
+
+
 _IN_PROCESS = """
 import sys
 if sys.argv[1] == "mlx-first":

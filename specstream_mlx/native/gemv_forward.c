@@ -24,7 +24,8 @@
  * SPECSTREAM_SKINNY_MIN_ROWS=2 (one-row products to the library's GEMV),
  * SPECSTREAM_SKINNY_ISA=avx2 (AVX2 tiles even where AVX-512 is there),
  * SPECSTREAM_SKINNY_PARALLEL_MIN (weight elements from which a one-row product is split
- * between the threads; default 512K, from two rows on half of it), SPECSTREAM_SKINNY_AHEAD
+ * between the threads; default 512K, 256K once the weights seen outgrow the last-level
+ * cache; from two rows on half of it), SPECSTREAM_SKINNY_AHEAD
  * (bytes of the next weight an idle worker prefetches between products; default 8 MiB, 0 off).
  */
 #define _GNU_SOURCE
@@ -51,11 +52,14 @@ enum { NO_TRANS = 111, TRANS = 112 };
 enum { SKINNY_MAX_ROWS = 48, MAX_THREADS = 8 };
 /* Products smaller than this many weight elements (half as many from two rows on) run on
  * the calling thread alone: waking the pool costs more than it saves (attention's per-head
- * products). One row is the stricter case: a small model's weights sit in the caches, and a
- * worker that spins between such products takes the core the host thread needs between
- * tokens (demo-sql's fused gate/up, 360K weights: 1,094-1,233 tok/s split against
- * 1,395-1,497 alone; SmolLM2, whose one-row products stream from memory, the same). */
-enum { PARALLEL_MIN_WEIGHTS = 512 * 1024 };
+ * products). How small depends on where the weights are. A model whose weights fit in the
+ * last-level cache reads them from there, and a worker that spins between such products
+ * takes the core the host thread needs between tokens (demo-sql's fused gate/up, 360K
+ * weights: 1,094-1,233 tok/s split against 1,395-1,497 alone): 512K. Once the weights seen
+ * outgrow that cache, every weight streams from memory at every step and two threads read
+ * it faster than one (SmolLM2's 576 x 576 output projection: 24 us split against 40 alone;
+ * the plain step 14.9-15.5 ms against 15.9-17.9 at 512K): 256K. */
+enum { PARALLEL_MIN_WEIGHTS = 512 * 1024, PARALLEL_MIN_STREAMING = 256 * 1024 };
 /* How long an idle worker spins for the next product before it sleeps, microseconds. */
 #define SPIN_US 50.0
 /* Outputs per work item: threads take items from a shared counter. */
@@ -377,13 +381,79 @@ static void *worker(void *arg) {
 
 static int skinny_rows = -1; /* -1: settings not read yet */
 static int skinny_min_rows = 1; /* SPECSTREAM_SKINNY_MIN_ROWS=2: one row to the library's GEMV */
-static long parallel_min = PARALLEL_MIN_WEIGHTS; /* SPECSTREAM_SKINNY_PARALLEL_MIN */
+static long parallel_min = PARALLEL_MIN_WEIGHTS; /* SPECSTREAM_SKINNY_PARALLEL_MIN (both regimes) */
+static long parallel_min_streaming = PARALLEL_MIN_STREAMING;
+
+/* Whether the weights stream from memory: the distinct weights (by pointer, those of 64K
+ * elements or more) of the last SEEN_WINDOW such products add up to more than the
+ * last-level cache. A window, not the whole run: a long-lived process allocates new KV
+ * buffers (attention's products read them) request after request, and a small model must
+ * not be taken for a large one by what it has freed. Counted under a lock of its own (a
+ * product that finds it taken is not counted). */
+enum { SEEN_SLOTS = 4096, SEEN_MIN_WEIGHTS = 64 * 1024, SEEN_WINDOW = 4096 };
+static struct {
+  const float *key;
+  size_t bytes;
+} seen_weights[SEEN_SLOTS];
+static size_t seen_bytes, cache_bytes;
+static int seen_products;
+static atomic_int streaming;
+static pthread_mutex_t seen_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void note_weight(const product_t *p) {
+  if ((long)p->n * p->k < SEEN_MIN_WEIGHTS || pthread_mutex_trylock(&seen_lock) != 0)
+    return;
+  size_t s = ((size_t)p->b >> 6) * 0x9E3779B97F4A7C15ull >> 52; /* the top 12 bits: SEEN_SLOTS */
+  if (seen_weights[s].key != p->b) {
+    size_t bytes = (size_t)(p->trans_b ? p->n : p->k) * p->ldb * sizeof(float);
+    seen_bytes += bytes - seen_weights[s].bytes;
+    seen_weights[s].key = p->b;
+    seen_weights[s].bytes = bytes;
+    if (seen_bytes > cache_bytes)
+      atomic_store(&streaming, 1);
+  }
+  if (++seen_products == SEEN_WINDOW) { /* the window's verdict; the next one starts empty */
+    atomic_store(&streaming, seen_bytes > cache_bytes);
+    memset(seen_weights, 0, sizeof(seen_weights));
+    seen_bytes = 0;
+    seen_products = 0;
+  }
+  pthread_mutex_unlock(&seen_lock);
+}
 
 /* A forked child has none of the workers: it computes alone (its products are correct,
  * just not parallel), and a lock held at the fork is not held in it. */
 static void child_after_fork(void) {
   pool.threads = 1;
   pthread_mutex_init(&pool.lock, NULL);
+  pthread_mutex_init(&seen_lock, NULL);
+}
+
+/* Bytes of the last-level cache the first CPU shares, as the kernel reports it (sysfs):
+ * glibc's sysconf reads the CPU's own report, which on a virtual machine can be the whole
+ * host processor's (384 MiB for this EPYC's 32 MiB). 32 MiB when nothing says. */
+static size_t last_level_cache(void) {
+  size_t best = 0;
+  for (int i = 0; i < 8; i++) {
+    char path[96], text[32];
+    snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+    FILE *f = fopen(path, "r");
+    if (!f)
+      break;
+    size_t size = 0;
+    if (fgets(text, sizeof(text), f)) {
+      char *end;
+      size = strtoul(text, &end, 10);
+      size <<= *end == 'K' ? 10 : *end == 'M' ? 20 : 0;
+    }
+    fclose(f);
+    if (size > best)
+      best = size;
+  }
+  if (best > 0)
+    return best;
+  long conf = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  return conf > 0 ? (size_t)conf : 32u << 20;
 }
 
 static void setup(void) {
@@ -406,7 +476,8 @@ static void setup(void) {
     skinny_min_rows = atoi(mn) > 2 ? 2 : atoi(mn);
   const char *pm = getenv("SPECSTREAM_SKINNY_PARALLEL_MIN");
   if (pm && atol(pm) >= 0)
-    parallel_min = atol(pm);
+    parallel_min = parallel_min_streaming = atol(pm);
+  cache_bytes = last_level_cache();
   const char *ah = getenv("SPECSTREAM_SKINNY_AHEAD");
   if (ah && atol(ah) >= 0)
     ahead_max = (size_t)atol(ah);
@@ -434,7 +505,9 @@ static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 
 static void skinny_product(const product_t *p) {
   int items = (p->n + ITEM_ROWS - 1) / ITEM_ROWS;
-  if (pool.threads == 1 || items < 2 || (long)p->n * p->k * (p->m > 1 ? 2 : 1) < parallel_min ||
+  note_weight(p);
+  long least = atomic_load_explicit(&streaming, memory_order_relaxed) ? parallel_min_streaming : parallel_min;
+  if (pool.threads == 1 || items < 2 || (long)p->n * p->k * (p->m > 1 ? 2 : 1) < least ||
       pthread_mutex_trylock(&pool.lock) != 0) {
     product_columns(p, 0, p->n);
     return;
@@ -461,6 +534,15 @@ static int kernel_rows(void) {
 #if HAVE_X86
   pthread_once(&setup_once, setup);
   return skinny_rows;
+#else
+  return 0;
+#endif
+}
+
+/* Whether the kernel takes the weights for streaming from memory (1) or cached (0). */
+int specstream_skinny_streaming(void) {
+#if HAVE_X86
+  return atomic_load(&streaming);
 #else
   return 0;
 #endif
