@@ -58,7 +58,7 @@ enum { SKINNY_MAX_ROWS = 48, MAX_THREADS = 8 };
  * weights: 1,094-1,233 tok/s split against 1,395-1,497 alone): 512K. Once the weights seen
  * outgrow that cache, every weight streams from memory at every step and two threads read
  * it faster than one (SmolLM2's 576 x 576 output projection: 24 us split against 40 alone;
- * the plain step 14.9-15.5 ms against 15.9-17.9 at 512K): 256K. */
+ * the plain step 17.0 ms against 17.2 at 512K, examples/skinny_ab.sh): 256K. */
 enum { PARALLEL_MIN_WEIGHTS = 512 * 1024, PARALLEL_MIN_STREAMING = 256 * 1024 };
 /* How long an idle worker spins for the next product before it sleeps, microseconds. */
 #define SPIN_US 50.0
@@ -303,9 +303,10 @@ static void run_items(const product_t *p) {
  * instructions never fault, so a prediction whose weight has since been freed costs
  * reads, never a crash. Only products large enough to be split between the threads are
  * followed (their weights stream from memory); the table is written by the caller alone,
- * under the pool's lock. On SmolLM2's plain step here (two cores, 32 MiB L3), interleaved:
- * 16.6-16.9 ms against 17.4-17.7 without; prefetching into L2 (T1) beat L1 (T0), T2 and
- * plain loads, and 8 MiB beat 2 MiB and 32 MiB (which evicts what the step reads next). */
+ * under the pool's lock. On SmolLM2's plain step here (two cores, 32 MiB L3), interleaved
+ * (examples/skinny_ab.sh): 17.0 ms against 17.3 without (medians of 5 rounds); prefetching
+ * into L2 (T1) beat L1 (T0), T2 and plain loads, and 8 MiB beat 2 MiB and 32 MiB (which
+ * evicts what the step reads next). */
 enum { AHEAD_SLOTS = 1024 }; /* weights followed; a power of two */
 /* Bytes read ahead at most per gap (SPECSTREAM_SKINNY_AHEAD; 0 turns it off). */
 static size_t ahead_max = 8u << 20;

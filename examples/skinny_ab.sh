@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The skinny kernel's read-ahead and its split threshold, each turned off against the
+# default, interleaved: `specstream-mlx floor` (a plain step as `ar` runs it, against the
+# floor measured in the same process) under each setting, ROUNDS times, then the median
+# step of each setting and its ratio to the default's step in the same round.
+#   bash examples/skinny_ab.sh [MODEL] [ROUNDS]
+#   default:      read-ahead 8 MiB; products from 256K weights split once the weights
+#                 outgrow the last-level cache (512K while they fit)
+#   no-ahead:     SPECSTREAM_SKINNY_AHEAD=0
+#   split-512K:   SPECSTREAM_SKINNY_PARALLEL_MIN=524288 (512K whatever the weights)
+#   neither:      both
+set -euo pipefail
+cd "$(dirname "$0")/.."
+model=${1:-smollm2}
+rounds=${2:-3}
+cli=$PWD/.venv/bin/specstream-mlx
+runs=$(mktemp -d)
+trap 'rm -rf "$runs"' EXIT
+declare -A settings=(
+  [default]=""
+  [no-ahead]="SPECSTREAM_SKINNY_AHEAD=0"
+  [split-512K]="SPECSTREAM_SKINNY_PARALLEL_MIN=524288"
+  [neither]="SPECSTREAM_SKINNY_AHEAD=0 SPECSTREAM_SKINNY_PARALLEL_MIN=524288"
+)
+order=(default no-ahead split-512K neither)
+echo "$model, $rounds rounds; 1-min load at start: $(cut -d' ' -f1 /proc/loadavg)"
+for i in $(seq "$rounds"); do
+  for name in "${order[@]}"; do
+    # shellcheck disable=SC2086  # the setting is words for env
+    env ${settings[$name]} "$cli" floor --model "$model" --rounds 1 2>/dev/null |
+      sed -n 's/^plain step \([0-9.]*\) ms.*products alone \([0-9.]*\) ms.*/\1 \2/p' >> "$runs/$name"
+  done
+  echo "round $i: $(for n in "${order[@]}"; do printf '%s %s ms  ' "$n" "$(sed -n "${i}p" "$runs/$n" | cut -d' ' -f1)"; done)"
+done
+echo "1-min load at end: $(cut -d' ' -f1 /proc/loadavg)"
+"$PWD/.venv/bin/python" - "$runs" "${order[@]}" <<'PY'
+import statistics, sys
+from pathlib import Path
+runs, names = Path(sys.argv[1]), sys.argv[2:]
+steps = {n: [float(line.split()[0]) for line in (runs / n).read_text().split("\n") if line] for n in names}
+print("| setting | plain step, median ms | × default (median of per-round ratios) |")
+print("| --- | --- | --- |")
+for n in names:
+    ratios = [a / b for a, b in zip(steps[n], steps["default"])]
+    print(f"| {n} | {statistics.median(steps[n]):.2f} | {statistics.median(ratios):.3f} |")
+PY
