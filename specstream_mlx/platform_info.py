@@ -42,7 +42,8 @@ library without the forwarder. The forwarder's kernel reads ``SPECSTREAM_SKINNY_
 (the most rows it takes, default 48 with AVX-512, else 32; 0: off),
 ``SPECSTREAM_SKINNY_THREADS``, ``SPECSTREAM_SKINNY_ISA=avx2`` and
 ``SPECSTREAM_SKINNY_PARALLEL_MIN`` (the weight elements from which one row's product is
-split between its threads). ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` |
+split between its threads) and ``SPECSTREAM_SKINNY_AHEAD`` (bytes of the next weight read
+ahead between products). ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` |
 ``mimalloc`` | ``glibc`` (none preloaded) | a library path.
 """
 
@@ -254,11 +255,13 @@ def choose_blas(setting: Optional[str] = None, gemv: bool = True, malloc: Option
     return BlasChoice(choice.library, choice.path, choice.threads, forwarder, choose_malloc(malloc))
 
 
-def configured_choice() -> BlasChoice:
+def configured_choice(malloc: bool = True) -> BlasChoice:
     """:func:`choose_blas` as this process's environment sets it (``SPECSTREAM_BLAS``,
-    ``SPECSTREAM_BLAS_GEMV``, ``SPECSTREAM_MALLOC``)."""
+    ``SPECSTREAM_BLAS_GEMV``, and with ``malloc`` ``SPECSTREAM_MALLOC``; without, none)."""
     return choose_blas(
-        os.environ.get(BLAS_ENV), gemv=os.environ.get(GEMV_ENV, "1") != "0", malloc=os.environ.get(MALLOC_ENV)
+        os.environ.get(BLAS_ENV),
+        gemv=os.environ.get(GEMV_ENV, "1") != "0",
+        malloc=os.environ.get(MALLOC_ENV) if malloc else "glibc",
     )
 
 
@@ -330,10 +333,10 @@ def preload_in_process() -> Optional[BlasChoice]:
     if any(a in ("-h", "--help") for a in sys.argv[1:]):
         return None  # a help text multiplies nothing: keep `--help` instant
     try:
-        choice = choose_blas(os.environ.get(BLAS_ENV), gemv=os.environ.get(GEMV_ENV, "1") != "0")
+        # No allocator here: one replaces malloc only from a process's start (the CLI re-executes).
+        choice = configured_choice(malloc=False)
     except BlasSettingError:
         return None  # the CLI reports it (exit 2); a library user gets the load-time warning
-    # (No allocator here: one replaces malloc only from a process's start; the CLI re-executes.)
     if choice.path is None:
         return None
     if choice.library is not None and choice.threads is not None:

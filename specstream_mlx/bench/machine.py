@@ -7,9 +7,9 @@
 * **The BLAS sweep** (``specstream-mlx bench-blas``): every library × thread count in
   its own process (a BLAS is chosen at process start), rounds interleaved so that a
   change of load hits every configuration alike. Each process times, per model, the
-  matrix products of one step at b rows (every projection of the checkpoint with its
-  own weights, q/k/v and gate/up separate, then the LM head: what the BLAS does and
-  nothing else) and the model's whole forward pass over b new rows after a 128-token
+  matrix products of one step at b rows (every projection with its own weights, q/k/v
+  and gate/up one product each where decoding fused them at load, then the LM head: what
+  the BLAS does and nothing else) and the model's whole forward pass over b new rows after a 128-token
   prefix, as decoding loads it (q/k/v and gate/up fused, op by op), and the plain
   decoding step as ``ar`` runs it (compiled, the next step queued before a token is
   read). A configuration may name the allocator preloaded with the library
