@@ -57,6 +57,23 @@ def test_compiled_pass_equals_the_op_by_op_pass_across_capacity_growth(model_str
     assert caches["compiled"][0].capacity == 512
 
 
+def test_compiled_pass_reads_no_key_past_its_span(model_streams):
+    """Past the tree's end rounded up to 64 rows the buffers hold NaN: the compiled pass
+    never reads them (its logits equal the op-by-op pass's and are finite)."""
+    model, streams = model_streams
+    fwd = SSPass(model, streams, compiled=True)
+    eager, compiled = _prefilled(model, 20), _prefilled(model, 20)
+    for c in compiled:
+        c.grow_to(256)
+        c.keys[..., 64:, :] = mx.nan
+        c.values[..., 64:, :] = mx.nan
+    ref = ss_forward(model, streams, TREE, 20, eager, num_streams=2)
+    out = fwd(TREE, 20, compiled, num_streams=2)
+    assert compiled[0].capacity == 256 and not np.isnan(np.array(out.main_logits)).any()
+    assert mx.allclose(ref.main_logits, out.main_logits, atol=1e-4).item()
+    assert mx.allclose(ref.stream_hidden, out.stream_hidden, atol=1e-4).item()
+
+
 def test_compiled_pass_honours_a_sliding_window(hf_models):
     """gemma3's local layers under the whole-buffer layout: with a window longer than the
     pass's rows it compiles and agrees with the op-by-op pass long after the window is

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from specstream_mlx.demo.tiny import tiny_config
 from specstream_mlx.models import build_model
 from specstream_mlx.models.base import ModelArgs, RoPE
-from specstream_mlx.runtime.cache import make_cache, trim_cache
+from specstream_mlx.runtime.cache import attention_span, make_cache, trim_cache
 from specstream_mlx.runtime.plain_step import PlainStep
 
 # The tiny test llama, smaller still and with odd widths (a vocabulary of 97).
@@ -59,7 +59,8 @@ def test_compiled_plain_step_equals_the_model_across_cache_growth():
     for i in range(260):
         la = m(tok.reshape(1, 1), cache=ca)[:, -1, :]
         lb = step(tok, cb)
-        if i % 37 == 0 or i > 245:
+        # Every 37th, at each change of the attended span (offset + 1 = 64k, 64k + 1), past 256.
+        if i % 37 == 0 or (9 + i) % 64 in (0, 1) or i > 245:
             np.testing.assert_allclose(np.array(lb), np.array(la), atol=1e-4)
         tok = mx.argmax(la, axis=-1)
     assert ca[0].offset == cb[0].offset == 268 and cb[0].capacity >= 512
@@ -68,6 +69,34 @@ def test_compiled_plain_step_equals_the_model_across_cache_growth():
     trim_cache(ca, 3)
     trim_cache(cb, 3)
     np.testing.assert_allclose(np.array(step(tok, cb)), np.array(m(tok.reshape(1, 1), cache=ca)[:, -1]), atol=1e-4)
+
+
+def test_attention_span_covers_the_rows_in_whole_granules_within_the_capacity():
+    assert [attention_span(e, 256) for e in (1, 63, 64, 65, 200, 256)] == [64, 64, 64, 128, 256, 256]
+    assert attention_span(300, 512, granule=32) == 320 and attention_span(511, 512, granule=100) == 512
+
+
+def test_compiled_plain_step_reads_no_key_past_its_span():
+    """Rows of the KV buffers past the attended span are never read: NaN there (a masked
+    key's value still enters the weighted sum as 0 · NaN) leaves the step's logits equal
+    to the op-by-op forward's; attending over the whole capacity would turn them NaN."""
+    m = _model()
+    step = PlainStep(m)
+    prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    ca, cb = make_cache(m), make_cache(m)
+    m(prompt, cache=ca)
+    m(prompt, cache=cb)
+    for c in cb:
+        c.grow_to(256)
+        c.keys[..., 64:, :] = mx.nan
+        c.values[..., 64:, :] = mx.nan
+    tok = mx.array([7])
+    for _ in range(3):
+        la = m(tok.reshape(1, 1), cache=ca)[:, -1, :]
+        lb = step(tok, cb)
+        assert cb[0].capacity == 256 and not np.isnan(np.array(lb)).any()
+        np.testing.assert_allclose(np.array(lb), np.array(la), atol=1e-4)
+        tok = mx.argmax(la, axis=-1)
 
 
 def test_blas_setting_is_parsed_and_refused_in_one_line(monkeypatch):

@@ -10,6 +10,7 @@ never copied as a whole per decoding step.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -101,20 +102,45 @@ class KVCache:
         self._last_len = a
 
 
+# Compiled graphs attend over the buffer's first rows in multiples of this many.
+SPAN_GRANULE = 64
+
+
+def attention_span(end: int, capacity: int, granule: int = SPAN_GRANULE) -> int:
+    """How many leading buffer rows a compiled graph attends over when its rows end at
+    ``end``: ``end`` rounded up to ``granule``, at most ``capacity``.
+
+    Attention's cost grows with the keys it reads and scores (on MLX's CPU backend
+    about 5 µs per key row per SmolLM2 step, mostly the softmax), so the whole 256-row
+    growth step is not paid for; each span is a shape, traced once."""
+    return min(capacity, -(-end // granule) * granule)
+
+
+@lru_cache(maxsize=1024)
+def key_positions(span: int) -> mx.array:
+    """0 .. span - 1 (int32), the input whose shape tells a compiled graph its span;
+    made once per span."""
+    return mx.arange(span, dtype=mx.int32)
+
+
 class OffsetWriter:
     """A layer's whole KV buffers, written at an offset held on the device.
 
-    What a compiled pass uses instead of :class:`KVCache`: the offset is an input
+    What a compiled graph uses instead of :class:`KVCache`: the offset is an input
     array, not a Python int, so one compiled graph serves every offset; keys are
-    returned at full capacity and the caller's mask hides rows past the written ones."""
+    returned up to ``span`` rows (default: the whole capacity) and the caller's mask
+    hides rows past the written ones."""
 
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, span: Optional[int] = None):
         self.keys, self.values, self.offset = keys, values, offset
+        self.span = span
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self.keys = mx.slice_update(self.keys, keys, self.offset, axes=(2,))
         self.values = mx.slice_update(self.values, values, self.offset, axes=(2,))
-        return self.keys, self.values
+        if self.span is None or self.span >= self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[:, :, : self.span], self.values[:, :, : self.span]
 
 
 def make_cache(model) -> List[KVCache]:

@@ -10,11 +10,13 @@ element-wise operations. What varies from pass to pass is data, not shape:
 * the cache offset is an input array, and the pass writes its main rows into
   the whole KV buffer at that offset (:class:`OffsetWriter`), so one graph
   serves every offset up to the buffer's capacity (it grows 256 rows at a time);
-* masks span the whole capacity: the cached prefix, the tree part at the
-  offset, nothing beyond. The tree parts are cached per tree shape;
+* attention reads the buffer's first rows up to the tree's end rounded up to 64
+  (:func:`~.cache.attention_span`, given by an input of that many key positions);
+  masks cover that span: the cached prefix, the tree part at the offset, nothing
+  beyond. The tree parts are cached per tree shape;
 * tokens, positions and which nodes host streams are inputs.
 
-A shape is (tree nodes, hosts, streams per host, cache capacity): a dynamic
+A shape is (tree nodes, hosts, streams per host, cache capacity, span): a dynamic
 tree of budget b always has b + 1 nodes, so each budget compiles once per
 capacity step. Early-exit pruning needs a host sync between the lower and the
 top layers (the kept nodes decide the top layers' shape), so pruned passes and
@@ -44,7 +46,7 @@ from ..method.msa import (
 )
 from ..method.streams import StreamParams
 from ..method.tree import Tree, tree_buffers
-from .cache import KVCache, OffsetWriter
+from .cache import KVCache, OffsetWriter, attention_span, key_positions
 
 
 @lru_cache(maxsize=256)
@@ -52,13 +54,14 @@ def _ancestor_part(parents: tuple) -> mx.array:
     return mx.array(tree_buffers(parents).ancestor_mask)
 
 
-def capacity_mask(offset: mx.array, part: mx.array, n: int, capacity: int) -> mx.array:
-    """[prefix | tree part | hidden] over the cache's whole capacity, then the part's
-    columns past ``n`` (stream rows, which are never cached).
+def capacity_mask(offset: mx.array, part: mx.array, n: int, span_positions: mx.array) -> mx.array:
+    """[prefix | tree part | hidden] over the buffer's first ``len(span_positions)`` rows,
+    then the part's columns past ``n`` (stream rows, which are never cached).
 
-    ``part``: (rows, n [+ stream rows]) tree block of the mask; ``offset``: (1,) int32."""
-    rows = part.shape[0]
-    prefix = mx.broadcast_to(mx.arange(capacity, dtype=mx.int32)[None] < offset, (rows, capacity))
+    ``part``: (rows, n [+ stream rows]) tree block of the mask; ``offset``: (1,) int32;
+    ``span_positions``: (span,) int32, 0 .. span - 1, span >= offset + n."""
+    rows, span = part.shape[0], span_positions.shape[0]
+    prefix = mx.broadcast_to(span_positions[None] < offset, (rows, span))
     m = mx.slice_update(prefix, part[:, :n], offset, axes=(1,))
     return mx.concatenate([m, part[:, n:]], axis=1) if part.shape[1] > n else m
 
@@ -128,6 +131,7 @@ class SSPass:
             mx.array(np.asarray(tree.tokens, dtype=np.int32)[None]),
             mx.array((offset + buf.depths)[None].astype(np.int32)),
             mx.array([offset], dtype=mx.int32),
+            key_positions(attention_span(offset + n, capacity)),
             _ancestor_part(parents),
             msa_part,
             mx.array(host_nodes.astype(np.int32)),
@@ -154,13 +158,15 @@ class SSPass:
         if every not in self._fns:
             model, streams = self.model, self.streams
 
-            def body(tokens, positions, offset, anc, msa_part, host_nodes, keys, values):
-                n, capacity = tokens.shape[1], keys[0].shape[2]
+            def body(tokens, positions, offset, span_positions, anc, msa_part, host_nodes, keys, values):
+                n, span = tokens.shape[1], span_positions.shape[0]
                 n_hosts = host_nodes.shape[0]
                 gamma = (msa_part.shape[0] - n) // max(n_hosts, 1)
-                writers = [OffsetWriter(k, v, offset) for k, v in zip(keys, values)]
-                h = lower_layers(model, streams, tokens, positions, capacity_mask(offset, anc, n, capacity), writers)
-                mask = capacity_mask(offset, msa_part, n, capacity)
+                writers = [OffsetWriter(k, v, offset, span) for k, v in zip(keys, values)]
+                h = lower_layers(
+                    model, streams, tokens, positions, capacity_mask(offset, anc, n, span_positions), writers
+                )
+                mask = capacity_mask(offset, msa_part, n, span_positions)
                 rows = None if every else host_nodes
                 x = msa_layers(model, streams, h, positions, rows, n_hosts, gamma, mask, writers)
                 main_logits, stream_hidden, s_logits = pass_outputs(model, x, n, n_hosts, gamma)
