@@ -232,3 +232,38 @@ def test_merge_chain_joins_shared_prefixes_and_keeps_the_best_nodes():
     # No chain: the tree itself.
     same, s2 = merge_chain(tree, scores, [], [], budget=3)
     assert same == tree and list(s2) == scores
+
+
+@pytest.mark.parametrize("V", [300, 49_152, 50_001])
+@pytest.mark.parametrize("K", [1, 8, 40])
+def test_top_k_by_blocks_finds_the_largest_logits(V, K):
+    """The two-stage top-K (blocks' maxima, then the best blocks' entries; the last block
+    padded when the vocabulary is not a whole number of blocks) selects the K largest
+    values of every row, as a full sort does; small vocabularies take one partition."""
+    import mlx.core as mx
+
+    from specstream_mlx.runtime.drafting import top_k_indices
+
+    rng = np.random.default_rng(V + K)
+    # Many near-equal values in a few blocks: the K largest crowd into fewer than K blocks.
+    logits = rng.normal(size=(3, V)).astype(np.float32)
+    logits[0, :K] += 10.0
+    logits[1, -K:] += 10.0  # the padded last block
+    got = np.array(top_k_indices(mx.array(logits), K))
+    assert got.shape == (3, K) and all(len(set(r)) == K for r in got.tolist())
+    want = -np.sort(-logits, axis=-1)[:, :K]
+    np.testing.assert_array_equal(np.sort(np.take_along_axis(logits, got, -1), -1), np.sort(want, -1))
+
+
+def test_greedy_candidates_are_the_softmax_top_k():
+    import mlx.core as mx
+
+    from specstream_mlx.runtime.drafting import stream_candidates
+    from specstream_mlx.runtime.sampling import SamplingParams
+
+    logits = mx.array(np.random.default_rng(0).normal(size=(2, 4, 5000)).astype(np.float32) * 4)
+    cand = stream_candidates(logits, 6, SamplingParams())
+    probs = np.array(mx.softmax(logits, axis=-1))
+    order = np.argsort(-probs, axis=-1)[..., :6]
+    np.testing.assert_array_equal(np.array(cand.top), order)
+    np.testing.assert_allclose(np.array(cand.ptop), np.take_along_axis(probs, order, -1), rtol=1e-5, atol=1e-7)

@@ -109,22 +109,68 @@ def stream_candidates(
     ``key``), so only the draws leave the device. Lazy: the caller evaluates them in
     the same sync as verification."""
     logits = logits.astype(mx.float32)
+    K = min(K, logits.shape[-1])
+    if sampling.greedy:
+        return _greedy_candidates(logits, K)
     # Sampled drafts are drawn from the processed distributions; their top-K are the candidates
     # (one softmax over the vocabulary, not two).
-    probs = mx.softmax(logits, axis=-1) if sampling.greedy else target_probs(logits, sampling)
-    K = min(K, logits.shape[-1])
-    if K < logits.shape[-1]:
-        part = mx.argpartition(-probs, kth=K - 1, axis=-1)[..., :K]
-    else:
-        part = mx.broadcast_to(mx.arange(K), probs.shape)
+    probs = target_probs(logits, sampling)
+    part = top_k_indices(probs, K)
     ptop = mx.take_along_axis(probs, part, axis=-1)
     order = mx.argsort(-ptop, axis=-1)
     top = mx.take_along_axis(part, order, axis=-1)
     ptop = mx.take_along_axis(ptop, order, axis=-1)
-    if sampling.greedy:
-        return Candidates(top, ptop)
     drawn = draw_rows(probs, mx.random.uniform(shape=(*probs.shape[:-1], max(draws, 1)), key=key))
     return Candidates(top, ptop, probs, drawn)
+
+
+@mx.compile
+def _shift_and_normaliser(logits: mx.array):
+    # One fused element-wise kernel between two reductions: where the softmax primitive has
+    # no vector kernel of its own (MLX's CPU backend), compiled element-wise code does.
+    top = logits.max(axis=-1, keepdims=True)
+    return top, mx.exp(logits - top).sum(axis=-1, keepdims=True)
+
+
+# Vocabulary blocks of the two-stage top-K (below 32 blocks one partition is as cheap).
+TOPK_BLOCK = 128
+
+
+def top_k_indices(logits: mx.array, K: int) -> mx.array:
+    """Indices of the K largest of (..., V) ``logits``, unordered.
+
+    In two stages over blocks of ``TOPK_BLOCK`` entries: the K largest entries lie in
+    the K blocks with the largest maxima (a block outside them is beaten by K block maxima,
+    so by K entries), so the blocks' maxima are partitioned, then only those K blocks'
+    entries. A partition of the whole vocabulary is a sort-like pass per row (1.4 ms for
+    4 × 49,152 logits on MLX's CPU backend); the maxima are one reduction."""
+    V = logits.shape[-1]
+    if K >= V:
+        return mx.broadcast_to(mx.arange(V), logits.shape)
+    blocks = -(-V // TOPK_BLOCK)
+    if blocks < max(32, 4 * K):
+        return mx.argpartition(-logits, kth=K - 1, axis=-1)[..., :K]
+    lead = logits.shape[:-1]
+    if blocks * TOPK_BLOCK != V:  # pad the last block with -inf, never chosen over a real entry
+        pad = mx.full((*lead, blocks * TOPK_BLOCK - V), -mx.inf, dtype=logits.dtype)
+        logits = mx.concatenate([logits, pad], axis=-1)
+    tiles = logits.reshape(*lead, blocks, TOPK_BLOCK)
+    best = mx.argpartition(-tiles.max(axis=-1), kth=K - 1, axis=-1)[..., :K]  # (..., K) block ids
+    cells = mx.take_along_axis(tiles, best[..., None], axis=-2).reshape(*lead, K * TOPK_BLOCK)
+    pick = mx.argpartition(-cells, kth=K - 1, axis=-1)[..., :K]
+    return mx.take_along_axis(best, pick // TOPK_BLOCK, axis=-1) * TOPK_BLOCK + pick % TOPK_BLOCK
+
+
+def _greedy_candidates(logits: mx.array, K: int) -> Candidates:
+    """Top-K tokens of (..., V) logits and their softmax probabilities, without the
+    probabilities of the whole vocabulary: the top-K of the logits are the top-K of the
+    probabilities, and each is exp(l - max) / sum(exp(logits - max))."""
+    top, norm = _shift_and_normaliser(logits)
+    part = top_k_indices(logits, K)
+    ltop = mx.take_along_axis(logits, part, axis=-1)
+    order = mx.argsort(-ltop, axis=-1)
+    ids = mx.take_along_axis(part, order, axis=-1)
+    return Candidates(ids, mx.exp(mx.take_along_axis(ltop, order, axis=-1) - top) / norm)
 
 
 def num_candidates(spec: TreeSpec, score_budget: int = 0) -> int:
