@@ -2,10 +2,11 @@
 
     env $(.venv/bin/python -m specstream_mlx.blas_env) .venv/bin/python examples/plain_step_ablation.py
 
-SmolLM2 (float32 on the CPU backend) decodes greedy tokens at a 128-token context,
-op by op and as the compiled step (:mod:`specstream_mlx.runtime.plain_step`), in
-interleaved rounds; the median ms per token of each (pipelined as ``ar_steps`` runs,
-after a warm-up) is printed and written as JSON.
+SmolLM2 (float32 on the CPU backend) decodes greedy tokens after a 128-token context
+(``--context``), op by op, as the compiled step (:mod:`specstream_mlx.runtime.plain_step`),
+and as the compiled step attending over the KV buffer's whole capacity instead of the
+written span rounded up to 64 rows, in interleaved rounds; the median ms per token of
+each (pipelined as ``ar_steps`` runs, after a warm-up) is printed and written as JSON.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import statistics
 import time
 
 
-def per_token_ms(model, step, tokens: int) -> float:
+def per_token_ms(model, step, tokens: int, context: int) -> float:
     import mlx.core as mx
 
     from specstream_mlx.runtime.cache import make_cache
     from specstream_mlx.runtime.steps import prefill
 
     cache = make_cache(model)
-    prefill(model, mx.array([1] + list(range(100, 227))), cache)
+    prefill(model, mx.array([1] + list(range(100, 99 + context))), cache)
 
     def forward(tok):
         return mx.argmax(step(tok, cache), axis=-1)
@@ -47,11 +48,13 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
     from specstream_mlx.io.loading import load_model_dir
     from specstream_mlx.platform_info import runtime_info
+    from specstream_mlx.runtime import plain_step
     from specstream_mlx.runtime.plain_step import PlainStep
 
     model = load_model_dir(a.model, warn=False).model
@@ -59,16 +62,30 @@ def main() -> int:
     def eager(tok, cache):
         return model(tok.reshape(1, 1), cache=cache)[:, -1, :]
 
-    variants = {"op by op": (model, eager), "compiled step": (model, PlainStep(model))}
+    whole = PlainStep(model)
+
+    def whole_capacity(tok, cache):
+        span, plain_step.attention_span = plain_step.attention_span, lambda end, capacity: capacity
+        try:
+            return whole(tok, cache)
+        finally:
+            plain_step.attention_span = span
+
+    variants = {
+        "op by op": (model, eager),
+        "compiled step": (model, PlainStep(model)),
+        "compiled step, whole capacity": (model, whole_capacity),
+    }
     runs = {k: [] for k in variants}
     for r in range(a.rounds):
         order = list(variants.items())
         order = order[r % len(order) :] + order[: r % len(order)]
         for name, (m, step) in order:
-            runs[name].append(per_token_ms(m, step, a.tokens))
+            runs[name].append(per_token_ms(m, step, a.tokens, a.context))
     info = runtime_info()
     out = {
         "model": a.model,
+        "context": a.context,
         "blas": f"{info['blas']} {info['blas_version']}, {info['blas_threads']} threads"
         + (f", {info['blas_forwarder']}" if info["blas_forwarder"] else ""),
         "ms_per_token_median": {k: round(statistics.median(v), 2) for k, v in runs.items()},
