@@ -132,7 +132,7 @@ def _shift_and_normaliser(logits: mx.array):
     return top, mx.exp(logits - top).sum(axis=-1, keepdims=True)
 
 
-# Vocabulary blocks of the two-stage top-K (below 32 blocks one partition is as cheap).
+# Vocabulary blocks of the two-stage top-K (with fewer than 32 or 4·K blocks, one partition).
 TOPK_BLOCK = 128
 
 
