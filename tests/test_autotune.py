@@ -846,3 +846,21 @@ def test_a_short_request_that_ran_trees_is_judged_when_it_ends():
     assert auto.evidence.steps == 3
     auto.new_request()
     assert _reason(auto.plan()) == A.BACKOFF_REASON
+
+
+def test_the_reason_for_plain_decoding_is_amended_once_drafts_are_verified_again():
+    """A request that started plain (the prior) and later verified drafts (its reply seen
+    copying the prompt) does not end with "plain decoding" alone in its summary."""
+    from specstream_mlx.runtime.generation import RESUMED, GenerationStats, _record_step_info
+    from specstream_mlx.runtime.steps import StepInfo
+
+    stats = GenerationStats(mode="ss")
+    _record_step_info(stats, StepInfo(fallback=A.PRIOR_REASON))
+    _record_step_info(stats, StepInfo())  # plain tokens: the reason stands as it is
+    assert stats.fallback == A.PRIOR_REASON
+    for _ in range(3):  # lookup passes: said once
+        _record_step_info(stats, StepInfo(accepted=2, nodes=4, tree="auto:lookup"))
+    assert stats.fallback == A.PRIOR_REASON + RESUMED
+    fresh = GenerationStats(mode="ss")
+    _record_step_info(fresh, StepInfo(accepted=1, nodes=4))  # passes from the start: no reason to amend
+    assert fresh.fallback is None

@@ -232,6 +232,12 @@ def stream_generate(
             close()
 
 
+# Added to the reason for plain decoding once a later pass of the request verifies a draft
+# again (a reply seen copying its context, a periodic probe): "plain decoding" alone would
+# then misstate the request.
+RESUMED = "; drafts were verified again later in this request"
+
+
 def _record_step_info(stats: GenerationStats, info: StepInfo) -> None:
     if info.accepted is not None:
         stats.accepted_histogram[info.accepted] = stats.accepted_histogram.get(info.accepted, 0) + 1
@@ -241,6 +247,8 @@ def _record_step_info(stats: GenerationStats, info: StepInfo) -> None:
         stats.tree = info.tree
     if info.fallback:
         stats.fallback = info.fallback
+    elif info.nodes and stats.fallback and not stats.fallback.endswith(RESUMED):
+        stats.fallback += RESUMED
 
 
 def generate(
