@@ -110,9 +110,9 @@ def attention_span(end: int, capacity: int, granule: int = SPAN_GRANULE) -> int:
     """How many leading buffer rows a compiled graph attends over when its rows end at
     ``end``: ``end`` rounded up to ``granule``, at most ``capacity``.
 
-    Attention's cost grows with the keys it reads and scores (on MLX's CPU backend
-    about 5 µs per key row per SmolLM2 step, mostly the softmax), so the whole 256-row
-    growth step is not paid for; each span is a shape, traced once."""
+    Attention's cost grows with the keys it reads and scores (on MLX's CPU backend a
+    scalar softmax over each), so rows the buffer holds for later are not paid for; each
+    span is a shape, traced once."""
     return min(capacity, -(-end // granule) * granule)
 
 

@@ -54,7 +54,7 @@ def _ancestor_part(parents: tuple) -> mx.array:
     return mx.array(tree_buffers(parents).ancestor_mask)
 
 
-def capacity_mask(offset: mx.array, part: mx.array, n: int, span_positions: mx.array) -> mx.array:
+def span_mask(offset: mx.array, part: mx.array, n: int, span_positions: mx.array) -> mx.array:
     """[prefix | tree part | hidden] over the buffer's first ``len(span_positions)`` rows,
     then the part's columns past ``n`` (stream rows, which are never cached).
 
@@ -164,9 +164,9 @@ class SSPass:
                 gamma = (msa_part.shape[0] - n) // max(n_hosts, 1)
                 writers = [OffsetWriter(k, v, offset, span) for k, v in zip(keys, values)]
                 h = lower_layers(
-                    model, streams, tokens, positions, capacity_mask(offset, anc, n, span_positions), writers
+                    model, streams, tokens, positions, span_mask(offset, anc, n, span_positions), writers
                 )
-                mask = capacity_mask(offset, msa_part, n, span_positions)
+                mask = span_mask(offset, msa_part, n, span_positions)
                 rows = None if every else host_nodes
                 x = msa_layers(model, streams, h, positions, rows, n_hosts, gamma, mask, writers)
                 main_logits, stream_hidden, s_logits = pass_outputs(model, x, n, n_hosts, gamma)
