@@ -163,9 +163,7 @@ class SSPass:
                 n_hosts = host_nodes.shape[0]
                 gamma = (msa_part.shape[0] - n) // max(n_hosts, 1)
                 writers = [OffsetWriter(k, v, offset, span) for k, v in zip(keys, values)]
-                h = lower_layers(
-                    model, streams, tokens, positions, span_mask(offset, anc, n, span_positions), writers
-                )
+                h = lower_layers(model, streams, tokens, positions, span_mask(offset, anc, n, span_positions), writers)
                 mask = span_mask(offset, msa_part, n, span_positions)
                 rows = None if every else host_nodes
                 x = msa_layers(model, streams, h, positions, rows, n_hosts, gamma, mask, writers)
