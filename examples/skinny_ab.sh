@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The skinny kernel's read-ahead and its split threshold, each turned off against the
-# default, interleaved: `specstream-mlx floor` (a plain step as `ar` runs it, against the
+# The skinny kernel's read-ahead, its split threshold and its yielding spin, each turned
+# off against the default, interleaved: `specstream-mlx floor` (a plain step as `ar` runs it, against the
 # floor measured in the same process) under each setting, ROUNDS times, then the median
 # step of each setting and its ratio to the default's step in the same round.
-#   bash examples/skinny_ab.sh [MODEL] [ROUNDS]
+#   [SETTINGS="default no-yield"] bash examples/skinny_ab.sh [MODEL] [ROUNDS]
 #   default:      read-ahead 8 MiB; products from 256K weights split once the weights
 #                 outgrow the last-level cache (512K while they fit)
 #   no-ahead:     SPECSTREAM_SKINNY_AHEAD=0
 #   split-512K:   SPECSTREAM_SKINNY_PARALLEL_MIN=524288 (512K whatever the weights)
 #   neither:      both
+#   no-yield:     SPECSTREAM_SKINNY_YIELD=0 (a waiting worker pauses instead of yielding its core)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=${1:-smollm2}
@@ -21,8 +22,13 @@ declare -A settings=(
   [no-ahead]="SPECSTREAM_SKINNY_AHEAD=0"
   [split-512K]="SPECSTREAM_SKINNY_PARALLEL_MIN=524288"
   [neither]="SPECSTREAM_SKINNY_AHEAD=0 SPECSTREAM_SKINNY_PARALLEL_MIN=524288"
+  [no-yield]="SPECSTREAM_SKINNY_YIELD=0"
 )
-order=(default no-ahead split-512K neither)
+read -r -a order <<< "${SETTINGS:-default no-ahead split-512K neither no-yield}"
+for name in "${order[@]}"; do
+  [ -n "${settings[$name]+set}" ] || { echo "skinny_ab.sh: unknown setting '$name' (known: ${!settings[*]})" >&2; exit 2; }
+done
+[[ " ${order[*]} " == *" default "* ]] || { echo "skinny_ab.sh: SETTINGS must include default (the ratios are to it)" >&2; exit 2; }
 echo "$model, $rounds rounds; 1-min load at start: $(cut -d' ' -f1 /proc/loadavg)"
 for i in $(seq "$rounds"); do
   for name in "${order[@]}"; do

@@ -234,12 +234,13 @@ def _cpu_flags() -> set:
 
 
 @pytest.mark.parametrize("library", ["blis", "openblas"])
-@pytest.mark.parametrize("kernel", ["avx512", "avx2", "two-rows-up", "gemv"])
+@pytest.mark.parametrize("kernel", ["avx512", "avx2", "two-rows-up", "pausing", "gemv"])
 def test_forwarded_products_compute_what_gemm_does(library, kernel):
     """With the forwarder preloaded in front of each installed BLAS, products of one and
     of a few rows (both weight layouts, strided rows and weights, every tile remainder,
     alpha/beta) equal NumPy's, through its own kernel's AVX-512 and AVX2 tiles, with one-row
-    products left to the library's GEMV, and with the kernel off."""
+    products left to the library's GEMV, with workers that pause instead of yielding while
+    they wait, and with the kernel off."""
     import json
     import os
     import subprocess
@@ -259,6 +260,8 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
         env["SPECSTREAM_SKINNY_ISA"] = "avx2"
     elif kernel == "two-rows-up":
         env["SPECSTREAM_SKINNY_MIN_ROWS"] = "2"
+    elif kernel == "pausing":
+        env["SPECSTREAM_SKINNY_YIELD"] = "0"
     out = subprocess.run([sys.executable, "-c", GEMV_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])

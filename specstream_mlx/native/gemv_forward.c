@@ -26,12 +26,14 @@
  * SPECSTREAM_SKINNY_PARALLEL_MIN (weight elements from which a one-row product is split
  * between the threads; default 512K, 256K once the weights seen outgrow the last-level
  * cache; from two rows on half of it), SPECSTREAM_SKINNY_AHEAD
- * (bytes of the next weight an idle worker prefetches between products; default 8 MiB, 0 off).
+ * (bytes of the next weight an idle worker prefetches between products; default 8 MiB, 0 off),
+ * SPECSTREAM_SKINNY_YIELD (0: a waiting worker pauses in its spin instead of yielding).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -350,18 +352,29 @@ static void read_ahead(const char *from, const char *end, int seen) {
   }
 }
 
+/* Whether a waiting worker yields its core at every turn of its spin
+ * (SPECSTREAM_SKINNY_YIELD; 0: it pauses instead). */
+static int spin_yield = 1;
+
 static void *worker(void *arg) {
   (void)arg;
   int seen = 0;
   for (;;) {
     /* Spin briefly for the next product (a decoding step issues them back to back,
      * some tens of microseconds apart), then sleep until woken: a longer spin takes
-     * the core from the thread that builds the next step. */
+     * the core from the thread that builds the next step. And while it spins the core
+     * goes to that thread whenever it is ready: with two cores the worker shares its
+     * core with MLX's graph-building thread, which MLX wakes every ten operations, and
+     * a pausing worker kept it waiting (a SmolLM2 step 4% faster yielding,
+     * examples/skinny_ab.sh, docs/DESIGN.md decision 15). */
     double t0 = now_us();
     int g;
     while ((g = atomic_load(&pool.generation)) == seen) {
-      for (int s = 0; s < 16; s++)
-        _mm_pause();
+      if (spin_yield)
+        sched_yield();
+      else
+        for (int s = 0; s < 16; s++)
+          _mm_pause();
       if (now_us() - t0 > SPIN_US) {
         futex(&pool.generation, FUTEX_WAIT_PRIVATE, seen);
         t0 = now_us();
@@ -482,6 +495,9 @@ static void setup(void) {
   const char *ah = getenv("SPECSTREAM_SKINNY_AHEAD");
   if (ah && atol(ah) >= 0)
     ahead_max = (size_t)atol(ah);
+  const char *sy = getenv("SPECSTREAM_SKINNY_YIELD");
+  if (sy && *sy)
+    spin_yield = atoi(sy) != 0;
   const char *th = getenv("SPECSTREAM_SKINNY_THREADS");
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   int threads = th ? atoi(th) : (int)(cpus > 0 ? cpus : 1);
