@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The skinny kernel's read-ahead, its split threshold and its yielding spin, each turned
-# off against the default, interleaved: `specstream-mlx floor` (a plain step as `ar` runs it, against the
-# floor measured in the same process) under each setting, ROUNDS times, then the median
-# step of each setting and its ratio to the default's step in the same round.
+# off against the default, interleaved: `specstream-mlx floor` (a plain step as `ar` runs
+# it, against the floor measured in the same process) under each setting, ROUNDS times,
+# then the median step of each setting and its ratio to the default's step in the same
+# round. SETTINGS picks some of them (default among them), in that order in every round.
 #   [SETTINGS="default no-yield"] bash examples/skinny_ab.sh [MODEL] [ROUNDS]
 #   default:      read-ahead 8 MiB; products from 256K weights split once the weights
 #                 outgrow the last-level cache (512K while they fit)

@@ -40,7 +40,7 @@ Settings: ``SPECSTREAM_BLAS`` = ``openblas`` | ``blis`` |
 ``SPECSTREAM_NO_OPENBLAS=1`` means ``none``. ``SPECSTREAM_BLAS_GEMV=0`` preloads the
 library without the forwarder. The forwarder's kernel reads ``SPECSTREAM_SKINNY_ROWS``
 (the most rows it takes, default 48 with AVX-512, else 32; 0: off),
-``SPECSTREAM_SKINNY_THREADS``, ``SPECSTREAM_SKINNY_ISA=avx2`` and
+``SPECSTREAM_SKINNY_THREADS``, ``SPECSTREAM_SKINNY_ISA=avx2``,
 ``SPECSTREAM_SKINNY_PARALLEL_MIN`` (the weight elements from which one row's product is
 split between its threads), ``SPECSTREAM_SKINNY_AHEAD`` (bytes of the next weight read
 ahead between products) and ``SPECSTREAM_SKINNY_YIELD=0`` (a waiting worker pauses instead
