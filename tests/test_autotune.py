@@ -864,3 +864,31 @@ def test_the_reason_for_plain_decoding_is_amended_once_drafts_are_verified_again
     fresh = GenerationStats(mode="ss")
     _record_step_info(fresh, StepInfo(accepted=1, nodes=4))  # passes from the start: no reason to amend
     assert fresh.fallback is None
+
+
+def test_calibration_times_passes_at_their_median_over_enough_runs(monkeypatch):
+    """The prior's pass costs are typical ones: at least the calibration's repetitions, more
+    until enough seconds of passes are timed (a small model's passes take 2 ms and vary 2x),
+    and their median, not the luckiest run."""
+    import time
+
+    from specstream_mlx.runtime import offline_costs
+
+    calls = []
+
+    def fn():  # a warm-up, then one slow run among fast ones
+        calls.append(None)
+        time.sleep(0.02 if len(calls) == 2 else 0.002)
+
+    t = offline_costs.typical(fn, 3, 0.0)
+    assert len(calls) == 4 and 0.0015 < t < 0.015  # the median, not the slow run
+    calls.clear()
+    offline_costs.typical(lambda: (calls.append(None), time.sleep(0.002)), 3, 0.03)
+    assert 4 < len(calls) <= 25  # past 3 runs (6 ms) until 30 ms are timed, at most 8 x 3 and the warm-up
+    calls.clear()
+    offline_costs.typical(lambda: (calls.append(None), time.sleep(0.002)), 3, 10.0)
+    assert len(calls) == 25  # the cap
+    seen = {}
+    monkeypatch.setattr(offline_costs, "measure_arm_costs", lambda *a, **k: seen.update(k) or "costs")
+    assert A.calibrate(None, None, sampled=False, compiled=False) == "costs"
+    assert seen["typical_seconds"] > 0 and seen["reps"] >= 3

@@ -35,6 +35,8 @@ PRIOR = (1.2, 0.15)
 # What :func:`calibrate` times: these budgets at each hosting mode, best of REPS runs.
 CALIBRATION_BUDGETS = (2, 8)
 CALIBRATION_REPS = 3
+# Seconds of each calibration arm's passes to time at least (more passes for small models).
+CALIBRATION_SECONDS = 0.05
 # Timings: EMA weight, samples before a timing counts.
 TIME_EMA = 0.1
 TIME_MIN = 3
@@ -247,6 +249,17 @@ def calibrate(model, streams, sampled: bool, compiled: bool, hosting_modes=(0, 1
     from .offline_costs import measure_arm_costs
 
     arms = [(b, h) for h in hosting_modes for b in CALIBRATION_BUDGETS if not (h and b <= h)] + list(extra_arms)
+    # Passes at their median, the plain step at its least disturbed: a first request runs
+    # trees only where the prior says they pay, so it must not take a lucky pass for the
+    # usual one (demo-sql's first requests ran trees 3 times in 20 on the least disturbed
+    # of 3 passes, and lost up to half their speed).
     return measure_arm_costs(
-        model, streams, arms, context=64, reps=CALIBRATION_REPS, sampled=sampled, compiled=compiled
+        model,
+        streams,
+        arms,
+        context=64,
+        reps=CALIBRATION_REPS,
+        sampled=sampled,
+        compiled=compiled,
+        typical_seconds=CALIBRATION_SECONDS,
     )
