@@ -880,13 +880,13 @@ def test_calibration_times_passes_at_their_median_over_enough_runs(monkeypatch):
         calls.append(None)
         time.sleep(0.02 if len(calls) == 2 else 0.002)
 
-    t = offline_costs.typical(fn, 3, 0.0)
+    t = offline_costs.timed(fn, 3, typical_seconds=0.0)
     assert len(calls) == 4 and 0.0015 < t < 0.015  # the median, not the slow run
     calls.clear()
-    offline_costs.typical(lambda: (calls.append(None), time.sleep(0.002)), 3, 0.03)
+    offline_costs.timed(lambda: (calls.append(None), time.sleep(0.002)), 3, typical_seconds=0.03)
     assert 4 < len(calls) <= 25  # past 3 runs (6 ms) until 30 ms are timed, at most 8 x 3 and the warm-up
     calls.clear()
-    offline_costs.typical(lambda: (calls.append(None), time.sleep(0.002)), 3, 10.0)
+    offline_costs.timed(lambda: (calls.append(None), time.sleep(0.002)), 3, typical_seconds=10.0)
     assert len(calls) == 25  # the cap
     seen = {}
     monkeypatch.setattr(offline_costs, "measure_arm_costs", lambda *a, **k: seen.update(k) or "costs")

@@ -46,15 +46,22 @@ def test_rope_from_angles_equals_mx_fast_rope(factor):
     np.testing.assert_allclose(np.array(rope(x, rope.angles(pos))), np.array(got), atol=0)
 
 
+def _prefilled_pair(m):
+    """Two caches holding the same 8-token prefix of ``m``: one for the op-by-op forward,
+    one for the compiled step."""
+    prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    pair = make_cache(m), make_cache(m)
+    for cache in pair:
+        m(prompt, cache=cache)
+    return pair
+
+
 def test_compiled_plain_step_equals_the_model_across_cache_growth():
     """Token by token past a 256-row growth of the KV buffers: the compiled step's logits
     and the cache it leaves equal the op-by-op forward's."""
     m = _model()
     step = PlainStep(m)
-    prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
-    ca, cb = make_cache(m), make_cache(m)
-    m(prompt, cache=ca)
-    m(prompt, cache=cb)
+    ca, cb = _prefilled_pair(m)
     tok = mx.array([7])
     for i in range(260):
         la = m(tok.reshape(1, 1), cache=ca)[:, -1, :]
@@ -82,10 +89,7 @@ def test_compiled_plain_step_reads_no_key_past_its_span():
     to the op-by-op forward's; attending over the whole capacity would turn them NaN."""
     m = _model()
     step = PlainStep(m)
-    prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
-    ca, cb = make_cache(m), make_cache(m)
-    m(prompt, cache=ca)
-    m(prompt, cache=cb)
+    ca, cb = _prefilled_pair(m)
     for c in cb:
         c.grow_to(256)
         c.keys[..., 64:, :] = mx.nan

@@ -37,29 +37,20 @@ def synthetic_tree(budget: int, depth: int) -> Tree:
     return dynamic_tree(1, tokens, probs, budget)
 
 
-def timed(fn, reps: int) -> float:
-    """The least disturbed of ``reps`` timed runs after a warm-up (robust to other load)."""
+def timed(fn, reps: int, typical_seconds: Optional[float] = None) -> float:
+    """Seconds of one run of ``fn`` after a warm-up: the least disturbed of ``reps`` runs
+    (robust to other load); with ``typical_seconds``, the median of at least ``reps`` runs,
+    more (up to 8 times as many) until that many seconds of runs are timed: what a pass
+    usually costs, for a prior that must not promise passes cheaper than generations will
+    see (a pass of a model with sub-millisecond steps varies 2x from run to run)."""
     fn()
     ts = []
-    for _ in range(reps):
+    least = typical_seconds or 0.0
+    while len(ts) < reps or (sum(ts) < least and len(ts) < 8 * reps):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    return float(np.min(ts))
-
-
-def typical(fn, reps: int, least_seconds: float) -> float:
-    """The median of at least ``reps`` timed runs after a warm-up, more (up to 8 times as
-    many) until ``least_seconds`` of runs are timed: what a pass usually costs, for a
-    prior that must not promise passes cheaper than generations will see (a pass of a
-    model with sub-millisecond steps varies 2x from run to run)."""
-    fn()
-    ts = []
-    while len(ts) < reps or (sum(ts) < least_seconds and len(ts) < 8 * reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    return float(np.min(ts) if typical_seconds is None else np.median(ts))
 
 
 def plain_step_seconds(model, cache, context: int, reps: int) -> float:
@@ -172,17 +163,14 @@ def measure_arm_costs(
     """Cost of one pass of each (budget, hosting mode) in ``arms`` relative to one plain
     step, all against the same timing of the plain step. Passes are timed as the least
     disturbed of ``reps`` runs, or, with ``typical_seconds``, as the median of at least
-    ``reps`` runs and that many seconds of them (:func:`typical`)."""
+    ``reps`` runs and that many seconds of them (:func:`timed`)."""
     forward = SSPass(model, streams, compiled)
     cache = make_cache(model)
     model(mx.array([[1] * context]), cache=cache)
     mx.eval([c.keys for c in cache])
     before = plain_step_seconds(model, cache, context, reps)
 
-    def time_pass(fn):
-        return timed(fn, reps) if typical_seconds is None else typical(fn, reps, typical_seconds)
-
-    seconds = {(b, h): time_pass(pass_fn(forward, cache, context, b, sampled, h)) for b, h in arms}
+    seconds = {(b, h): timed(pass_fn(forward, cache, context, b, sampled, h), reps, typical_seconds) for b, h in arms}
     # Timed again after the passes, the least disturbed kept: a process's first timings can
     # be a cold or loaded moment, and the plain step's seconds are stored as the reference
     # that later passes inside generations are measured against (step_costs.PassCosts).

@@ -32,7 +32,8 @@ Arm = Tuple[int, int]  # (budget, hosting mode)
 # on a 2-core CPU measured 1.46 / 1.98 / 2.36 at b = 2 / 4 / 8; `examples/step_cost.py`).
 # Used only where nothing is stored and no calibration ran (:func:`calibrate`).
 PRIOR = (1.2, 0.15)
-# What :func:`calibrate` times: these budgets at each hosting mode, best of REPS runs.
+# What :func:`calibrate` times: these budgets at each hosting mode, each pass at its median
+# over at least REPS runs and SECONDS of them.
 CALIBRATION_BUDGETS = (2, 8)
 CALIBRATION_REPS = 3
 # Seconds of each calibration arm's passes to time at least (more passes for small models).
@@ -40,8 +41,9 @@ CALIBRATION_SECONDS = 0.05
 # Timings: EMA weight, samples before a timing counts.
 TIME_EMA = 0.1
 TIME_MIN = 3
-# Bump when a pass changes what it computes: stored costs are then ignored.
-COST_VERSION = 12
+# Bump when a pass changes what it computes or how its costs are measured: stored costs
+# are then ignored.
+COST_VERSION = 13
 
 
 def cost_cache_file() -> Path:
