@@ -726,6 +726,10 @@ def test_plain_decoding_switches_to_the_lookup_arm_when_replayed_passes_pay():
     for _ in range(A.WATCH_PASSES - 1):
         auto.observe_replayed(4)  # a copied span: (1 + 4) / 1.4
     assert not auto.resume_passes()  # not before WATCH_PASSES of this request
+    auto.observe_replayed(0)
+    # Enough on average, but the copied span has ended: a chat reply that once repeated a
+    # few words of its prompt goes on without them.
+    assert not auto.resume_passes() and _reason(auto.plan()) is not None
     auto.observe_replayed(4)
     assert auto.resume_passes()
     plan = auto.plan()

@@ -308,13 +308,15 @@ class AutoPolicy:
     # summed path scores; 0 where there is none or it would not pay), ``chain_share``: EMA
     # of how many steps would verify one; both observed after every pass.
     # ``lookup_passes``: the arm's steps timed; ``watched`` / ``watched_accepted``: this
-    # request's replayed lookup passes over plain tokens and what they accepted.
+    # request's replayed lookup passes over plain tokens and what they accepted, ``watched_last``
+    # what the last of them accepted.
     lookup_arm: bool = True
     chain: Optional[float] = None
     chain_share: Optional[float] = None
     lookup_passes: float = 0.0
     watched: int = 0
     watched_accepted: int = 0
+    watched_last: int = 0
 
     def __post_init__(self):
         if self.evidence is None:
@@ -368,7 +370,7 @@ class AutoPolicy:
     def new_request(self, pruning_levels=(0.0,)) -> None:
         self.evidence.halve()
         self.lookup_passes /= 2
-        self.watched = self.watched_accepted = 0
+        self.watched = self.watched_accepted = self.watched_last = 0
         self.pruning.offer(pruning_levels)
         self.pending = None
         if self.skip > 0:
@@ -460,20 +462,24 @@ class AutoPolicy:
         verified continuation at every replayed pass: the replay does not gate them)."""
         self.watched += 1
         self.watched_accepted += accepted
+        self.watched_last = accepted
         self.observe_lookup(float(accepted), verified=True)
 
     def resume_passes(self) -> bool:
         """Asked during watched plain decoding after a replayed pass: True (and the arm is
-        the lookup arm from now on) once this request's replayed passes say it pays."""
+        the lookup arm from now on) once this request's replayed passes say it pays and the
+        last of them accepted a token: the text copies now. (Copied spans come in runs; a
+        chat reply that once repeated a few words of its prompt ran lookup passes afterwards
+        that accepted nothing, and decoded at 0.93x of ar.)"""
         n = self.watched
-        if self.pending is None or n < WATCH_PASSES:
+        if self.pending is None or n < WATCH_PASSES or self.watched_last == 0:
             return False
         if (1.0 + self.watched_accepted / n) / self.costs.cost(LOOKUP_ARM) < 1.0 / FALLBACK_BELOW:
             return False
         self.pending = None
         self.budget, self.hosting = LOOKUP_ARM
         self.lookup_passes = 0
-        self.watched = self.watched_accepted = 0  # a later fall-back in this request watches afresh
+        self.watched = self.watched_accepted = self.watched_last = 0  # a later fall-back in this request watches afresh
         return True
 
     def finish(self) -> None:
