@@ -12,6 +12,8 @@
                           as stored; default fused at load (docs/DESIGN.md, decision 35).
 ========================  ====================================================================
 
+``SPECSTREAM_ATTENTION`` (how queries of several rows attend: ``fused``, ``composed`` or
+``auto``, measured) is read by :mod:`specstream_mlx.runtime.attention_choice` at each load.
 The BLAS settings (``SPECSTREAM_BLAS``, ``SPECSTREAM_NO_OPENBLAS``, thread counts) act before
 MLX is imported and are read by :mod:`specstream_mlx.blas_env` (docs/USAGE.md);
 ``SPECSTREAM_JIT_AVX2=0`` (MLX's compiled CPU kernels built with MLX's own flags) acts at

@@ -16,6 +16,7 @@ def markdown_table(res: dict) -> str:
         + (f"; compiled CPU kernels {m['cpu_kernels']}" if m.get("cpu_kernels") else "")
         + (f"; allocator {m['malloc']}" if m.get("malloc") else "")
         + (f"; ss passes {res['settings']['ss_passes'].get('greedy')}" if res["settings"].get("ss_passes") else "")
+        + (f"; attention of several rows {res['settings']['attention']}" if res["settings"].get("attention") else "")
         + f"; {res['settings']['prompts']} "
         + (f"{res['settings']['prompt_set']} " if res["settings"].get("prompt_set") else "")
         + "prompts × "

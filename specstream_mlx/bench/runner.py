@@ -30,6 +30,7 @@ from ..io.loading import (
 from ..io.prompts import read_prompt_rows
 from ..method.tree import TreeSpec
 from ..platform_info import runtime_info
+from ..runtime.attention_choice import attention_form
 from ..runtime.generation import encode_prompt, stream_generate
 from ..runtime.loaded_model import load
 from ..runtime.sampling import SamplingParams
@@ -403,7 +404,9 @@ def run_bench(
         prompts = _prompt_set_rows(path, prompt_set, n_prompts, max_tokens)
     else:
         prompts = load_bench_prompts(path, n_prompts, Path(prompts_file) if prompts_file else None)
-    _, tok = load(str(path), warn=False)
+    sm, tok = load(str(path), warn=False)
+    attention = attention_form(sm.base)  # what every method's model attends with (one process)
+    del sm
     ids = [encode_prompt(tok, p["prompt"], use_chat_template=True) for p in prompts]
     setup = BenchSetup(prompts, ids, max_tokens, temperature, seed)
     draft_path = _draft_path(path, draft)
@@ -448,6 +451,7 @@ def run_bench(
             "num_draft_tokens": num_draft_tokens,
             "seed": seed,
             "ss_passes": ss_passes,
+            "attention": attention,
         },
         "results": [asdict(r) for r in results],
     }

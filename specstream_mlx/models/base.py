@@ -8,8 +8,9 @@ What is notable here:
   rotations. A forward computes the angles of its rows once (:class:`Rotation`)
   and passes them as the layers' ``positions``; each rotation is one fused
   element-wise kernel.
-* One ``mx.fast.scaled_dot_product_attention`` call per layer, with whatever
-  mask the caller built (``None``, ``"causal"`` or an array).
+* One attention call per layer, with whatever mask the caller built (``None``,
+  ``"causal"`` or an array): ``mx.fast.scaled_dot_product_attention``, or the same
+  arithmetic composed of products where that measured faster (:mod:`.attention`).
 * Parameters keep Hugging Face names, so conversion is load -> sanitize ->
   cast/quantize -> save, and mlx-lm directories of the same architecture load.
 * Architecture differences (q/k norms, qkv bias, fused projections) are flags
@@ -26,6 +27,8 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .attention import attention_fn
 
 # adapter(projection name, input, output) -> output with a delta added.
 Adapter = Callable[[str, mx.array, mx.array], mx.array]
@@ -220,6 +223,9 @@ class Attention(nn.Module):
         self.rope = RoPE(hd, args)
         # Keys a query may reach, counting itself (sliding-window layers); None: all.
         self.window: Optional[int] = args.sliding_window if args.window_every_layer else None
+        # MLX's fused kernel, or the same arithmetic composed of products (models/attention.py)
+        # for queries of several rows; a loaded model decodes with the form measured faster here.
+        self.attention_form = "fused"
 
     def project(self, x: mx.array, positions: mx.array, adapter: Optional[Adapter] = None):
         """Queries, keys and values of ``x`` (B, L, dim), rotated; each (B, heads, L, D).
@@ -251,7 +257,9 @@ class Attention(nn.Module):
     def attend(self, q, k, v, mask, adapter: Optional[Adapter] = None) -> mx.array:
         """One fused attention call, then the output projection; (B, L, dim)."""
         B, _, L, _ = q.shape
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        # One query row (a plain step) always takes MLX's call: its softmax is small, and the
+        # composed form's extra operations cost more than they save there.
+        out = attention_fn(self.attention_form if L > 1 else "fused")(q, k, v, self.scale, mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         y = self.o_proj(out)
         return adapter("o_proj", out, y) if adapter else y

@@ -21,6 +21,7 @@ from ..method.streams import StreamParams
 from ..models.base import ModelArgs
 from ..models.fusion import fuse_projections
 from ..settings import current as current_settings
+from .attention_choice import choose_attention, set_attention_form
 from .autotune import AutoPolicy, auto_policy_for
 from .compiled_pass import SSPass
 from .sampling import SamplingParams
@@ -100,6 +101,7 @@ def load(
     warn: bool = True,
     adapter_path: Optional[str] = None,
     fuse: Optional[bool] = None,
+    attention: Optional[str] = None,
 ) -> Tuple[SpeculativeModel, Any]:
     """Load ``(model, tokenizer)`` from a directory, bundled name or hub id.
 
@@ -115,6 +117,9 @@ def load(
             four matrix products per layer instead of seven (:mod:`~specstream_mlx.models.fusion`;
             the same logits to rounding). False keeps the stored layout; None (default):
             fused unless ``SPECSTREAM_FUSE=0`` (:mod:`specstream_mlx.settings`).
+        attention: ``fused`` (MLX's kernel), ``composed`` (the same arithmetic composed of
+            products) or ``auto``, the form measured faster on this machine for the model's
+            heads (:mod:`.attention_choice`); None (default): ``SPECSTREAM_ATTENTION``, else auto.
 
     Returns:
         A :class:`SpeculativeModel` (``model.streams`` is None for a model
@@ -134,4 +139,5 @@ def load(
         fuse = current_settings().fuse_projections
     if fuse:
         fuse_projections(lm.model, evaluate=not lazy)
+    set_attention_form(lm.model, choose_attention(lm.model, attention))
     return SpeculativeModel(lm.model, lm.streams, lm.path), lm.tokenizer

@@ -22,6 +22,7 @@ import mlx.core as mx
 from ..cpu_jit import jit_words
 from ..io.files import cache_root
 from ..platform_info import blas_in_use, forwarder_words, malloc_in_use
+from .attention_choice import attention_form
 
 if TYPE_CHECKING:
     from .offline_costs import ArmCosts
@@ -238,6 +239,7 @@ def model_key(model, streams, kind: str, compiled: bool) -> str:
         "quantized" if "Quantized" in str(type(model.layers[0].mlp.down_proj)) else "float",
         "fused" if getattr(model.layers[0].self_attn, "fused_qkv", False) else "apart",  # q/k/v: one product or three
         "compiled" if compiled else "eager",
+        attention_form(model),  # MLX's fused attention or the composed one (a tenth of a 9-node pass)
     ]
     return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
 

@@ -1,0 +1,95 @@
+"""Attention's two forms: MLX's fused kernel, and the same arithmetic composed of products.
+
+``fused`` is one ``mx.fast.scaled_dot_product_attention`` call. Where MLX has a kernel of its
+own for it (Metal) that is one launch; where it has none, MLX composes it from operations at
+graph-building time, and its softmax is MLX's own build: on the Linux x86 wheel (baseline
+x86-64) a scalar loop with a libm call per multiply-add of every ``exp``. On a 9-node tree
+pass of SmolLM2 on a 2-core CPU that softmax and its calls were a tenth of the stream thread.
+
+``composed`` computes the same attention as two batched matrix products around a softmax
+whose exponentials are one compiled element-wise kernel (which :mod:`specstream_mlx.cpu_jit`
+builds with the CPU's vector instructions): queries are grouped by their key/value head,
+so grouped-query attention needs no repeated keys; the probabilities are normalised after
+the second product (L x D divisions instead of L x S). The same values to rounding.
+
+Which form a loaded model decodes with is a measured choice per machine and head layout
+(:mod:`specstream_mlx.runtime.attention_choice`), never a check of the device: on a GPU
+with MLX's kernel, ``fused`` is expected to win and is kept unless the measurement says
+otherwise. Training and conversion use ``fused``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Union
+
+import mlx.core as mx
+
+FORMS = ("fused", "composed")
+
+
+def fused_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Union[None, str, mx.array]):
+    """MLX's scaled dot-product attention; q (B, H, L, D), k/v (B, Hkv, S, D) -> (B, H, L, D)."""
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+# The scale is applied inside the exponential (the largest score is the same scaled or not),
+# so the queries need no pass of their own; a Python float is a constant of the trace.
+@partial(mx.compile, shapeless=True)
+def _exp_masked(s: mx.array, keep: mx.array, top: mx.array, scale: float) -> mx.array:
+    return mx.where(keep, mx.exp((s - top) * scale), 0.0)
+
+
+@partial(mx.compile, shapeless=True)
+def _exp(s: mx.array, top: mx.array, scale: float) -> mx.array:
+    return mx.exp((s - top) * scale)
+
+
+def _grouped_mask(mask: mx.array, heads: int, kv_heads: int) -> mx.array:
+    """A mask that broadcasts to (B, H, L, S) as one that broadcasts to (B, Hkv, H/Hkv, L, S)."""
+    while mask.ndim < 4:
+        mask = mask[None]
+    if mask.shape[1] == 1:
+        return mask[:, :, None]
+    b, _, rows, keys = mask.shape
+    return mask.reshape(b, kv_heads, heads // kv_heads, rows, keys)
+
+
+def composed_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Union[None, str, mx.array]):
+    """The same as :func:`fused_attention`, composed of two products and a compiled softmax.
+
+    ``mask``: None, ``"causal"`` (a key at or before its query, the queries being the last L
+    of the S keys) or an array that broadcasts to (B, H, L, S): boolean (True: attend) or
+    added to the scores. Every query must see at least one key."""
+    B, H, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    rep = H // Hkv
+    # (B, Hkv, rep*L, D) @ (B, Hkv, D, S): each key/value head once for all its queries.
+    s = (q.reshape(B, Hkv, rep * L, D) @ k.swapaxes(-1, -2)).astype(mx.float32)
+    s = s.reshape(B, Hkv, rep, L, S)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        mask = mx.arange(S)[None] <= mx.arange(S - L, S)[:, None]
+    if mask is None:
+        p = _exp(s, s.max(axis=-1, keepdims=True), scale)
+    elif mask.dtype == mx.bool_:
+        keep = _grouped_mask(mask, H, Hkv)
+        # The row's largest score among the keys it may see (masked ones may hold anything).
+        top = mx.where(keep, s, -mx.inf).max(axis=-1, keepdims=True)
+        p = _exp_masked(s, keep, top, scale)
+    else:  # added to the scaled scores
+        z = s * scale + _grouped_mask(mask, H, Hkv).astype(mx.float32)
+        p = _exp(z, z.max(axis=-1, keepdims=True), 1.0)
+    total = p.sum(axis=-1, keepdims=True)
+    out = (p.astype(v.dtype).reshape(B, Hkv, rep * L, S) @ v).reshape(B, Hkv, rep, L, D)
+    return (out / total.astype(v.dtype)).reshape(B, H, L, D)
+
+
+def attention_fn(form: str):
+    """The attention function of ``form`` (one of :data:`FORMS`)."""
+    if form == "fused":
+        return fused_attention
+    if form == "composed":
+        return composed_attention
+    raise ValueError(f"unknown attention form {form!r}; available: {', '.join(FORMS)}")

@@ -1,0 +1,150 @@
+"""Attention's composed form computes what MLX's fused call does; which one decodes is measured."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import specstream_mlx.models.base as base
+import specstream_mlx.runtime.attention_choice as choice
+from specstream_mlx.io.loading import load_model
+from specstream_mlx.method.streams import StreamConfig, new_streams
+from specstream_mlx.models.attention import composed_attention, fused_attention
+from specstream_mlx.runtime.attention_choice import (
+    HeadLayout,
+    attention_form,
+    choose_attention,
+    faster_form,
+    measured_form,
+    set_attention_form,
+)
+from specstream_mlx.runtime.loaded_model import load
+from tests.helpers.hf_reference import ARCHITECTURES
+from tests.test_fusion import _pass
+from tests.test_speculative import check_exact
+
+
+def _masks(B, H, L, S, rng):
+    sees_itself = mx.arange(S)[None] == mx.arange(S - L, S)[:, None]  # every query sees a key
+    rand = lambda shape: mx.array(rng.rand(*shape) > 0.4) | sees_itself  # noqa: E731
+    return [
+        None,
+        "causal",
+        rand((L, S)),
+        rand((B, 1, L, S)),
+        rand((B, H, L, S)),
+        rand((1, L, S)),
+        mx.array(rng.randn(L, S).astype(np.float32)),  # added to the scores
+    ]
+
+
+SHAPES = [(1, 9, 3, 1, 137, 64), (1, 9, 3, 13, 150, 64), (2, 4, 4, 5, 5, 16), (2, 8, 2, 7, 30, 32)]
+
+
+@pytest.mark.parametrize("B,H,Hkv,L,S,D", SHAPES)
+def test_composed_attention_equals_mlx_fused_attention(B, H, Hkv, L, S, D):
+    rng = np.random.RandomState(L)
+    q, k, v = (mx.array(rng.randn(B, h, n, D).astype(np.float32)) for h, n in ((H, L), (Hkv, S), (Hkv, S)))
+    for mask in _masks(B, H, L, S, rng):
+        want = np.array(fused_attention(q, k, v, D**-0.5, mask))
+        got = np.array(composed_attention(q, k, v, D**-0.5, mask))
+        what = mask if mask is None or isinstance(mask, str) else (mask.shape, mask.dtype)
+        assert np.abs(got - want).max() < 1e-5, what
+
+
+def test_composed_attention_ignores_what_masked_keys_hold():
+    """Masked keys within the span may hold anything a rejected draft left (huge scores
+    included): the softmax's largest score is taken over the keys a query sees."""
+    rng = np.random.RandomState(0)
+    q = mx.array(rng.randn(1, 4, 3, 16).astype(np.float32))
+    k = rng.randn(1, 2, 10, 16).astype(np.float32)
+    v = mx.array(rng.randn(1, 2, 10, 16).astype(np.float32))
+    mask = mx.arange(10)[None] <= mx.array([[5], [6], [7]])  # keys 8 and 9 hidden from every row
+    want = np.array(fused_attention(q, mx.array(k), v, 0.25, mask))
+    k[:, :, 8:] = 1e4  # scores of ~1e5 on hidden keys
+    got = np.array(composed_attention(q, mx.array(k), v, 0.25, mask))
+    assert np.isfinite(got).all() and np.abs(got - want).max() < 1e-5
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_model_gives_the_same_logits_and_ss_equals_ar_with_composed_attention(hf_models, arch):
+    """Prompts, tree passes with streams and sliding windows (gemma3) agree with the fused
+    form; greedy ss (composed in its passes) still equals ar."""
+    _, _, dst = hf_models(arch)
+    fused, _ = load_model(dst)
+    composed, _ = load_model(dst)
+    set_attention_form(composed, "composed")
+    assert attention_form(fused) == "fused" and attention_form(composed) == "composed"
+    streams = new_streams(fused, StreamConfig(num_streams=3, stream_layers=2, lora_rank=4))
+    ids = mx.array(np.random.RandomState(1).randint(3, 151, size=(2, 29)))
+    a, b = np.array(fused(ids)), np.array(composed(ids))
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+    prompt = mx.array(np.random.RandomState(2).randint(3, 151, size=17))
+    (ma, sa), (mb, sb) = _pass(fused, streams, prompt), _pass(composed, streams, prompt)
+    assert np.abs(ma - mb).max() <= 1e-5 * np.abs(ma).max()
+    assert np.abs(sa - sb).max() <= 1e-5 * np.abs(sa).max()
+    check_exact(composed, streams, 151, n_prompts=3, seed=5)
+
+
+def test_one_query_row_always_takes_the_fused_call(hf_models, monkeypatch):
+    """A plain step (one row) uses MLX's call whatever the form; several rows the form's."""
+    _, _, dst = hf_models("llama")
+    model, _ = load_model(dst)
+    set_attention_form(model, "composed")
+    called = []
+    real = base.attention_fn
+    monkeypatch.setattr(base, "attention_fn", lambda form: called.append(form) or real(form))
+    model(mx.array([[5]]))
+    assert set(called) == {"fused"}
+    called.clear()
+    model(mx.array([[5, 6, 7]]))
+    assert set(called) == {"composed"}
+
+
+def test_faster_form_takes_composed_only_when_clearly_faster():
+    assert faster_form({9: {"fused": 6.0, "composed": 4.4}}) == "composed"
+    assert faster_form({9: {"fused": 6.0, "composed": 5.9}}) == "fused"  # within the noise
+    assert faster_form({9: {"fused": 1.0, "composed": 2.5}}) == "fused"  # MLX's kernel (a GPU)
+
+
+def test_the_measured_form_is_stored_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))
+    layout = HeadLayout(heads=4, kv_heads=2, head_dim=16, layers=2, dtype="mlx.core.float32")
+    calls = []
+
+    def measure(lay, form):
+        calls.append(lay)
+        return {9: {"fused": 1.0, "composed": 0.5 if form == "composed" else 2.0}}
+
+    assert measured_form(layout, lambda lay: measure(lay, "composed")) == "composed"
+    assert measured_form(layout, lambda lay: measure(lay, "fused")) == "composed"  # stored: not measured again
+    assert len(calls) == 1
+    stored = json.loads((tmp_path / "attention.json").read_text())
+    (entry,) = stored.values()
+    assert entry["form"] == "composed" and entry["layout"]["heads"] == 4 and entry["ms"]["9"]["fused"] == 1000.0
+    other = HeadLayout(heads=8, kv_heads=2, head_dim=16, layers=2, dtype="mlx.core.float32")
+    assert measured_form(other, lambda lay: measure(lay, "fused")) == "fused"  # another layout: measured
+    assert len(calls) == 2
+    (tmp_path / "attention.json").write_text("{not json")  # a damaged store: measured again
+    assert measured_form(layout, lambda lay: measure(lay, "fused")) == "fused"
+
+
+def test_the_time_forms_measurement_runs_on_a_small_layout():
+    layout = HeadLayout(heads=4, kv_heads=2, head_dim=16, layers=2, dtype="mlx.core.float32")
+    times = choice.time_forms(layout, reps=1)
+    assert set(times) == set(choice.ROWS) and all(t["fused"] > 0 and t["composed"] > 0 for t in times.values())
+
+
+def test_the_setting_picks_the_form_and_a_bad_one_is_named(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_ATTENTION", "composed")
+    sm, _ = load(str(tiny_model_dir), warn=False)
+    assert attention_form(sm.base) == "composed"
+    sm, _ = load(str(tiny_model_dir), warn=False, attention="fused")  # the argument wins
+    assert attention_form(sm.base) == "fused"
+    monkeypatch.setenv("SPECSTREAM_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="SPECSTREAM_ATTENTION='fast' is not one of: auto, fused, composed"):
+        choose_attention(sm.base)
+    monkeypatch.setenv("SPECSTREAM_ATTENTION", "auto")
+    monkeypatch.setattr(choice, "measured_form", lambda layout: "composed")
+    assert choose_attention(sm.base) == "composed"
