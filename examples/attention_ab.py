@@ -9,7 +9,8 @@ each after a passage, about N tokens in all) and each form in turn, which goes f
 alternating: ``ar`` decodes 48 tokens, then greedy ``ss`` 48 tokens with each tree (no
 pruning). Printed: each form's ``ar`` ms per token and each tree's pass cost in that form's
 ``ar`` tokens (medians over rounds x prompts), the seconds ratios composed / fused (below 1:
-composed is faster), and whether both forms decoded the same text.
+composed is faster), whether both forms decoded the same text, and the seconds each form
+takes to process a 650-token prompt.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ def main() -> int:
     from specstream_mlx.method.tree import TreeSpec
     from specstream_mlx.platform_info import blas_in_use
     from specstream_mlx.runtime.attention_choice import set_attention_form
+    from specstream_mlx.runtime.cache import make_cache
     from specstream_mlx.runtime.generation import encode_prompt
     from specstream_mlx.runtime.sampling import SamplingParams
     from specstream_mlx.runtime.speculative import ss_steps
-    from specstream_mlx.runtime.steps import ar_steps
+    from specstream_mlx.runtime.steps import ar_steps, prefill
 
     forms = ("fused", "composed")
     sm, tok = load(a.model, warn=False, attention="fused")
@@ -93,6 +95,18 @@ def main() -> int:
         secs = [cc * sc / (ff * sf) for cc, ff, sc, sf in zip(c, f, step_ms["composed"], step_ms["fused"])]
         print(f"{spec:14s}   fused {med(f):6.2f}  composed {med(c):6.2f}  (ar tokens; seconds ratio {med(secs):.3f})")
     print("same text with both forms:", all(len(v) == 1 for v in texts.values()))
+    # Prompt processing: a 650-token prompt, each form in turn, alternating which goes first.
+    prefill_s = {f: [] for f in forms}
+    ids = mx.array(list(range(1000, 1650)))
+    for r in range(a.rounds):
+        for form in forms if r % 2 == 0 else forms[::-1]:
+            set_attention_form(sm.base, form)
+            cache = make_cache(sm)
+            t = time.perf_counter()
+            prefill(sm.base, ids, cache)
+            prefill_s[form].append(time.perf_counter() - t)
+    f, c = med(prefill_s["fused"]), med(prefill_s["composed"])
+    print(f"650-token prompt fused {f:.2f} s  composed {c:.2f} s  ratio {c / f:.3f}")
     return 0
 
 

@@ -8,9 +8,10 @@ pass of SmolLM2 on a 2-core CPU that softmax and its calls were a tenth of the s
 
 ``composed`` computes the same attention as two batched matrix products around a softmax
 whose exponentials are one compiled element-wise kernel (which :mod:`specstream_mlx.cpu_jit`
-builds with the CPU's vector instructions): queries are grouped by their key/value head,
-so grouped-query attention needs no repeated keys; the probabilities are normalised after
-the second product (L x D divisions instead of L x S). The same values to rounding.
+builds with the CPU's vector instructions): queries are grouped by their key/value head, so
+grouped-query attention needs no repeated keys (the batched products broadcast them); the
+probabilities are normalised after the second product (L x D divisions instead of L x S).
+The same values to rounding.
 
 Which form a loaded model decodes with is a measured choice per machine and head layout
 (:mod:`specstream_mlx.runtime.attention_choice`), never a check of the device: on a GPU
@@ -64,9 +65,9 @@ def composed_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask
     B, H, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     rep = H // Hkv
-    # (B, Hkv, rep*L, D) @ (B, Hkv, D, S): each key/value head once for all its queries.
-    s = (q.reshape(B, Hkv, rep * L, D) @ k.swapaxes(-1, -2)).astype(mx.float32)
-    s = s.reshape(B, Hkv, rep, L, S)
+    # (B, Hkv, rep, L, D) @ (B, Hkv, 1, D, S): the queries grouped by their key/value head,
+    # each product L rows (a BLAS or a kernel for few rows takes it as it takes the layer's).
+    s = (q.reshape(B, Hkv, rep, L, D) @ k[:, :, None].swapaxes(-1, -2)).astype(mx.float32)
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown attention mask {mask!r}")
@@ -82,7 +83,7 @@ def composed_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask
         z = s * scale + _grouped_mask(mask, H, Hkv).astype(mx.float32)
         p = _exp(z, z.max(axis=-1, keepdims=True), 1.0)
     total = p.sum(axis=-1, keepdims=True)
-    out = (p.astype(v.dtype).reshape(B, Hkv, rep * L, S) @ v).reshape(B, Hkv, rep, L, D)
+    out = p.astype(v.dtype) @ v[:, :, None]
     return (out / total.astype(v.dtype)).reshape(B, H, L, D)
 
 
