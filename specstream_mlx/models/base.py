@@ -255,7 +255,7 @@ class Attention(nn.Module):
         return q, k, v
 
     def attend(self, q, k, v, mask, adapter: Optional[Adapter] = None) -> mx.array:
-        """One fused attention call, then the output projection; (B, L, dim)."""
+        """One attention call (the form's), then the output projection; (B, L, dim)."""
         B, _, L, _ = q.shape
         # One query row (a plain step) always takes MLX's call: its softmax is small, and the
         # composed form's extra operations cost more than they save there.
