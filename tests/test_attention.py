@@ -148,3 +148,16 @@ def test_the_setting_picks_the_form_and_a_bad_one_is_named(tiny_model_dir, monke
     monkeypatch.setenv("SPECSTREAM_ATTENTION", "auto")
     monkeypatch.setattr(choice, "measured_form", lambda layout: "composed")
     assert choose_attention(sm.base) == "composed"
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_architecture_gets_a_measured_form(hf_models, tmp_path, monkeypatch, arch):
+    """The measurement runs on each architecture's head layout (gemma3's head size too)."""
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))
+    _, _, dst = hf_models(arch)
+    model, _ = load_model(dst)
+    form = choose_attention(model, "auto")
+    (entry,) = json.loads((tmp_path / "attention.json").read_text()).values()
+    assert form == entry["form"]
+    layout = entry["layout"]
+    assert (layout["heads"], layout["head_dim"]) == (model.args.num_attention_heads, model.args.head_dim)
