@@ -2,7 +2,8 @@
 
 ========================  ====================================================================
 ``SPECSTREAM_MLX_CACHE``  the user cache: converted bundled models, ``--tree auto``'s learned
-                          step costs (``step_costs.json``), base-model fingerprints, the
+                          step costs (``step_costs.json``), the attention form measured
+                          here (``attention.json``), base-model fingerprints, the
                           compiled one-row GEMV forwarder and MLX's compiled CPU kernels
                           (``jit-tmp-*``, with the ``g++`` that builds them). Default
                           ``$XDG_CACHE_HOME/specstream-mlx``, else ``~/.cache/specstream-mlx``.
@@ -10,10 +11,11 @@
                           shape); default op by op (docs/DESIGN.md, decision 18).
 ``SPECSTREAM_FUSE``       ``0``: decoding keeps each layer's q/k/v and gate/up products apart
                           as stored; default fused at load (docs/DESIGN.md, decision 35).
+``SPECSTREAM_ATTENTION``  how queries of several rows attend: ``fused``, ``composed`` or
+                          ``auto`` (default: the form measured faster here; docs/DESIGN.md,
+                          decision 37).
 ========================  ====================================================================
 
-``SPECSTREAM_ATTENTION`` (how queries of several rows attend: ``fused``, ``composed`` or
-``auto``, measured) is read by :mod:`specstream_mlx.runtime.attention_choice` at each load.
 The BLAS settings (``SPECSTREAM_BLAS``, ``SPECSTREAM_NO_OPENBLAS``, thread counts) act before
 MLX is imported and are read by :mod:`specstream_mlx.blas_env` (docs/USAGE.md);
 ``SPECSTREAM_JIT_AVX2=0`` (MLX's compiled CPU kernels built with MLX's own flags) acts at
@@ -37,11 +39,14 @@ class Settings:
         cache_dir: the user cache directory (not created here).
         compile_passes: run speculative passes as compiled graphs.
         fuse_projections: fuse q/k/v and gate/up at load for decoding.
+        attention: the attention form of several query rows, as given (checked where it
+            is used, :func:`specstream_mlx.runtime.attention_choice.configured_form`).
     """
 
     cache_dir: Path
     compile_passes: bool
     fuse_projections: bool = True
+    attention: str = "auto"
 
 
 def current() -> Settings:
@@ -56,4 +61,5 @@ def current() -> Settings:
         cache_dir=cache,
         compile_passes=os.environ.get("SPECSTREAM_COMPILE", "").strip() == "1",
         fuse_projections=os.environ.get("SPECSTREAM_FUSE", "").strip() != "0",
+        attention=os.environ.get("SPECSTREAM_ATTENTION", "").strip() or "auto",
     )

@@ -40,6 +40,18 @@ def _pass(model, streams, prompt):
     return np.array(out.main_logits), np.array(stream_logits(model, out, 4))
 
 
+def assert_same_outputs(a_model, b_model, streams):
+    """Logits of a 29-token batch, and a tree pass's main and stream logits after a prompt,
+    agree between two models to 1e-5 relative."""
+    ids = mx.array(np.random.RandomState(1).randint(3, 151, size=(2, 29)))
+    a, b = np.array(a_model(ids)), np.array(b_model(ids))
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+    prompt = mx.array(np.random.RandomState(2).randint(3, 151, size=17))
+    (ma, sa), (mb, sb) = _pass(a_model, streams, prompt), _pass(b_model, streams, prompt)
+    assert np.abs(ma - mb).max() <= 1e-5 * np.abs(ma).max()
+    assert np.abs(sa - sb).max() <= 1e-5 * np.abs(sa).max()
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES + ("llama-q",))
 def test_fused_layers_give_the_stored_layouts_logits_and_stream_logits(hf_models, tmp_path, arch):
     plain, fused = _pair(hf_models, tmp_path, arch)
@@ -52,14 +64,8 @@ def test_fused_layers_give_the_stored_layouts_logits_and_stream_logits(hf_models
     assert saved == 3 * n
     assert "qkv_proj" in fused.layers[0].self_attn and "q_proj" not in fused.layers[0].self_attn
     assert "gate_up_proj" in fused.layers[0].mlp and "gate_proj" not in fused.layers[0].mlp
-    ids = mx.array(np.random.RandomState(1).randint(3, 151, size=(2, 29)))
-    a, b = np.array(plain(ids)), np.array(fused(ids))
-    assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
     # The streams' LoRA on q/k/v and gate/up reaches the parts of the fused products.
-    prompt = mx.array(np.random.RandomState(2).randint(3, 151, size=17))
-    (ma, sa), (mb, sb) = _pass(plain, streams, prompt), _pass(fused, streams, prompt)
-    assert np.abs(ma - mb).max() <= 1e-5 * np.abs(ma).max()
-    assert np.abs(sa - sb).max() <= 1e-5 * np.abs(sa).max()
+    assert_same_outputs(plain, fused, streams)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "llama-q"])

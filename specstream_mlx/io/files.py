@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -158,3 +159,26 @@ def cache_root() -> Path:
     from ..settings import current
 
     return current().cache_dir
+
+
+def read_cache_table(path: Path) -> dict:
+    """A JSON object the user cache keeps (learned costs, verdicts, fingerprints); empty
+    when it is missing, unreadable or not an object: it is only learned again."""
+    try:
+        table = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def write_cache_table(path: Path, table: dict, indent: Optional[int] = None) -> None:
+    """Write ``table`` to ``path`` atomically (a concurrent reader sees the old or the new
+    one); a read-only or missing cache only means it is learned again next time."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=indent))
+        os.replace(tmp, path)
+    except OSError:
+        pass

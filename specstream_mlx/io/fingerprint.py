@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Dict, Optional
@@ -61,18 +60,12 @@ def _store() -> Optional[Path]:
 
 
 def _read(store: Path) -> Dict[str, str]:
-    try:
-        d = json.loads(store.read_text())
-        return {k: v for k, v in d.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(d, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    from .files import read_cache_table
+
+    return {k: v for k, v in read_cache_table(store).items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def _write(store: Path, known: Dict[str, str]) -> None:
-    try:  # atomic; a read-only or missing cache only costs the hashing next time
-        store.parent.mkdir(parents=True, exist_ok=True)
-        tmp = store.with_name(f".{store.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known))
-        os.replace(tmp, store)
-    except OSError:
-        pass
+    from .files import write_cache_table
+
+    write_cache_table(store, known)  # a read-only or missing cache only costs the hashing next time

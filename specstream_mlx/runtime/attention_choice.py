@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,8 +29,9 @@ from typing import Callable, Dict, Optional
 import mlx.core as mx
 
 from ..cpu_jit import jit_words
-from ..io.files import cache_root
+from ..io.files import cache_root, read_cache_table, write_cache_table
 from ..models.attention import FORMS, attention_fn
+from ..settings import current as current_settings
 
 SETTING = "SPECSTREAM_ATTENTION"
 # composed is taken where it takes at most this share of fused's time: a measurement's
@@ -75,7 +75,7 @@ def attention_form(model) -> str:
 
 def configured_form() -> str:
     """``SPECSTREAM_ATTENTION``, checked: a form, or ``auto``."""
-    value = os.environ.get(SETTING, "").strip() or "auto"
+    value = current_settings().attention
     if value != "auto" and value not in FORMS:
         raise ValueError(f"{SETTING}={value!r} is not one of: auto, {', '.join(FORMS)}")
     return value
@@ -131,12 +131,7 @@ def faster_form(times: Dict[int, Dict[str, float]]) -> str:
 def measured_form(layout: HeadLayout, measure: Callable[[HeadLayout], Dict[int, Dict[str, float]]] = time_forms) -> str:
     """The stored verdict for ``layout`` on this machine, else a new measurement (stored)."""
     key = _key(layout)
-    path = _store_file()
-    try:
-        table = json.loads(path.read_text())
-        table = table if isinstance(table, dict) else {}
-    except (OSError, ValueError):
-        table = {}
+    table = read_cache_table(_store_file())
     entry = table.get(key)
     if isinstance(entry, dict) and entry.get("form") in FORMS:
         return entry["form"]
@@ -147,13 +142,7 @@ def measured_form(layout: HeadLayout, measure: Callable[[HeadLayout], Dict[int, 
         "layout": vars(layout),
         "ms": {str(r): {f: round(s * 1e3, 4) for f, s in t.items()} for r, t in times.items()},
     }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache: measured again by the next process
+    write_cache_table(_store_file(), table, indent=1)
     return form
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Tuple
 import mlx.core as mx
 
 from ..cpu_jit import jit_words
-from ..io.files import cache_root
+from ..io.files import cache_root, read_cache_table, write_cache_table
 from ..platform_info import blas_in_use, forwarder_words, malloc_in_use
 from .attention_choice import attention_form
 
@@ -53,11 +52,7 @@ def cost_cache_file() -> Path:
 
 
 def _read_table() -> dict:
-    try:
-        table = json.loads(cost_cache_file().read_text())
-        return table if isinstance(table, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return read_cache_table(cost_cache_file())
 
 
 def cost_line(points: Dict[int, float]) -> Tuple[float, float, float]:
@@ -136,14 +131,7 @@ class PassCosts:
             entry["plain_seconds"] = self.stored_plain
         table = _read_table()
         table[self.key] = entry
-        try:
-            path = cost_cache_file()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=1))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only cache only means the next process learns them again
+        write_cache_table(cost_cache_file(), table, indent=1)
 
     def observe_pass(self, arm: Arm, seconds: float) -> None:
         n = self.timed.get(arm, 0)
