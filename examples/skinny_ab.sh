@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The skinny kernel's read-ahead, its split threshold and its yielding spin, each turned
-# off against the default, interleaved: `specstream-mlx floor` (a plain step as `ar` runs
+# The skinny kernel's settings (its prefetches, its split threshold, its worker's spin)
+# against the default, interleaved: `specstream-mlx floor` (a plain step as `ar` runs
 # it, against the floor measured in the same process) under each setting, ROUNDS times,
 # then the median step of each setting and its ratio to the default's step in the same
 # round. SETTINGS picks some of them (default among them), in that order in every round.
 #   [SETTINGS="default no-yield"] bash examples/skinny_ab.sh [MODEL] [ROUNDS]
-#   default:      read-ahead 8 MiB; products from 256K weights split once the weights
-#                 outgrow the last-level cache (512K while they fit)
-#   no-ahead:     SPECSTREAM_SKINNY_AHEAD=0
+#   default:      products from 256K weights split once the weights outgrow the last-level
+#                 cache (512K while they fit); NTA prefetches from two rows on; 50 µs spin
 #   split-512K:   SPECSTREAM_SKINNY_PARALLEL_MIN=524288 (512K whatever the weights)
-#   neither:      both
 #   no-yield:     SPECSTREAM_SKINNY_YIELD=0 (a waiting worker pauses instead of yielding its core)
+#   prefetch-t0:  SPECSTREAM_SKINNY_PREFETCH=t0 (every tile prefetches the next one's weight
+#                 rows into L1, one-row products too; default: NTA from two rows on)
+#   prefetch-off: SPECSTREAM_SKINNY_PREFETCH=off
+#   spin-N:       SPECSTREAM_SKINNY_SPIN_US=N for N in 0, 200, 1000, 5000 (a waiting worker
+#                 spins N µs before it sleeps; default 50)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=${1:-smollm2}
@@ -20,12 +23,16 @@ runs=$(mktemp -d)
 trap 'rm -rf "$runs"' EXIT
 declare -A settings=(
   [default]=""
-  [no-ahead]="SPECSTREAM_SKINNY_AHEAD=0"
   [split-512K]="SPECSTREAM_SKINNY_PARALLEL_MIN=524288"
-  [neither]="SPECSTREAM_SKINNY_AHEAD=0 SPECSTREAM_SKINNY_PARALLEL_MIN=524288"
   [no-yield]="SPECSTREAM_SKINNY_YIELD=0"
+  [prefetch-t0]="SPECSTREAM_SKINNY_PREFETCH=t0"
+  [prefetch-off]="SPECSTREAM_SKINNY_PREFETCH=off"
+  [spin-0]="SPECSTREAM_SKINNY_SPIN_US=0"
+  [spin-200]="SPECSTREAM_SKINNY_SPIN_US=200"
+  [spin-1000]="SPECSTREAM_SKINNY_SPIN_US=1000"
+  [spin-5000]="SPECSTREAM_SKINNY_SPIN_US=5000"
 )
-read -r -a order <<< "${SETTINGS:-default no-ahead split-512K neither no-yield}"
+read -r -a order <<< "${SETTINGS:-default prefetch-t0 split-512K no-yield}"
 for name in "${order[@]}"; do
   [ -n "${settings[$name]+set}" ] || { echo "skinny_ab.sh: unknown setting '$name' (known: ${!settings[*]})" >&2; exit 2; }
 done
@@ -44,10 +51,12 @@ echo "1-min load at end: $(cut -d' ' -f1 /proc/loadavg)"
 import statistics, sys
 from pathlib import Path
 runs, names = Path(sys.argv[1]), sys.argv[2:]
-steps = {n: [float(line.split()[0]) for line in (runs / n).read_text().split("\n") if line] for n in names}
-print("| setting | plain step, median ms | × default (median of per-round ratios) |")
-print("| --- | --- | --- |")
+rows = {n: [[float(x) for x in line.split()] for line in (runs / n).read_text().split("\n") if line] for n in names}
+steps = {n: [r[0] for r in rows[n]] for n in names}
+products = {n: [r[1] for r in rows[n]] for n in names}
+print("| setting | plain step, median ms | × default (median of per-round ratios) | products alone, median ms |")
+print("| --- | --- | --- | --- |")
 for n in names:
     ratios = [a / b for a, b in zip(steps[n], steps["default"])]
-    print(f"| {n} | {statistics.median(steps[n]):.2f} | {statistics.median(ratios):.3f} |")
+    print(f"| {n} | {statistics.median(steps[n]):.2f} | {statistics.median(ratios):.3f} | {statistics.median(products[n]):.2f} |")
 PY

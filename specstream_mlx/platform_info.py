@@ -42,9 +42,10 @@ library without the forwarder. The forwarder's kernel reads ``SPECSTREAM_SKINNY_
 (the most rows it takes, default 48 with AVX-512, else 32; 0: off),
 ``SPECSTREAM_SKINNY_THREADS``, ``SPECSTREAM_SKINNY_ISA=avx2``,
 ``SPECSTREAM_SKINNY_PARALLEL_MIN`` (the weight elements from which one row's product is
-split between its threads), ``SPECSTREAM_SKINNY_AHEAD`` (bytes of the next weight read
-ahead between products) and ``SPECSTREAM_SKINNY_YIELD=0`` (a waiting worker pauses instead
-of yielding its core). ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` |
+split between its threads), ``SPECSTREAM_SKINNY_PREFETCH`` = ``t0`` | ``off`` (how a tile
+prefetches the next weight rows; default: non-temporally from two rows on, not at one),
+``SPECSTREAM_SKINNY_YIELD=0`` (a waiting worker pauses instead of yielding its core) and
+``SPECSTREAM_SKINNY_SPIN_US`` (how long it spins before it sleeps, default 50). ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` |
 ``mimalloc`` | ``glibc`` (none preloaded) | a library path.
 """
 

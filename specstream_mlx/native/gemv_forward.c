@@ -25,9 +25,10 @@
  * SPECSTREAM_SKINNY_ISA=avx2 (AVX2 tiles even where AVX-512 is there),
  * SPECSTREAM_SKINNY_PARALLEL_MIN (weight elements from which a one-row product is split
  * between the threads; default 512K, 256K once the weights seen outgrow the last-level
- * cache; from two rows on half of it), SPECSTREAM_SKINNY_AHEAD
- * (bytes of the next weight an idle worker prefetches between products; default 8 MiB, 0 off),
- * SPECSTREAM_SKINNY_YIELD (0: a waiting worker pauses in its spin instead of yielding).
+ * cache; from two rows on half of it), SPECSTREAM_SKINNY_YIELD (0: a waiting worker pauses in its spin instead of yielding),
+ * SPECSTREAM_SKINNY_SPIN_US (how long it spins before it sleeps; default 50),
+ * SPECSTREAM_SKINNY_PREFETCH (t0 or off: how the next tile's weight rows are prefetched;
+ * default nta from two rows on, none at one).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -62,8 +63,9 @@ enum { SKINNY_MAX_ROWS = 48, MAX_THREADS = 8 };
  * it faster than one (SmolLM2's 576 x 576 output projection: 24 us split against 40 alone;
  * the plain step 17.0 ms against 17.2 at 512K, examples/skinny_ab.sh): 256K. */
 enum { PARALLEL_MIN_WEIGHTS = 512 * 1024, PARALLEL_MIN_STREAMING = 256 * 1024 };
-/* How long an idle worker spins for the next product before it sleeps, microseconds. */
-#define SPIN_US 50.0
+/* How long an idle worker spins for the next product before it sleeps, microseconds
+ * (SPECSTREAM_SKINNY_SPIN_US). */
+static double spin_us = 50.0;
 /* Outputs per work item: threads take items from a shared counter. */
 enum { ITEM_ROWS = 64 };
 
@@ -124,6 +126,15 @@ static inline void store(const product_t *p, int i, int j, float v) {
 /* Weight rows ahead to prefetch: the next tile's. Without it, 4-8 rows took 1.5-1.8x
  * as long (the reads of one tile and the arithmetic of the last did not overlap). */
 enum { PREFETCH = 4 };
+/* How the next tile's rows are prefetched (SPECSTREAM_SKINNY_PREFETCH): from two rows of a
+ * on, non-temporally (`nta`: the weight is read once, and a T0 prefetch into L1 evicted
+ * what the tile was still reading), and a one-row product not at all: its arithmetic is
+ * too short to hide anything behind, and the hardware prefetcher alone streamed the
+ * weights faster (SmolLM2's step products 12.8-12.9 ms against 13.6-14.4 with T0, the
+ * LM head 49-59 GB/s against 40; 9-13 rows 5-6% faster with NTA than T0, bench/README.md).
+ * `t0` prefetches into L1 at every row count (as before), `off` never. */
+enum { PREFETCH_OFF = 0, PREFETCH_NTA = 1, PREFETCH_T0 = 2 };
+static int prefetch_mode = PREFETCH_NTA;
 /* Weight rows per tile. */
 enum { NR = 4 };
 
@@ -151,11 +162,16 @@ enum { NR = 4 };
     for (int s = 0; s < nr; s++)                                                                            \
       br[s] = p->b + (size_t)(j0 + s) * p->ldb;                                                             \
     int kv = p->k & ~(LANES - 1), kk = 0;                                                                   \
+    const int pf = p->m > 1 || prefetch_mode == PREFETCH_T0 ? prefetch_mode : PREFETCH_OFF;                 \
     for (; kk < kv; kk += LANES) {                                                                          \
       VEC bv[NR];                                                                                           \
       for (int s = 0; s < nr; s++) {                                                                        \
         bv[s] = LOAD(br[s] + kk);                                                                           \
-        _mm_prefetch((const char *)(br[s] + kk + PREFETCH * p->ldb), _MM_HINT_T0);                          \
+        const char *ahead = (const char *)(br[s] + kk + PREFETCH * p->ldb);                                 \
+        if (pf == PREFETCH_NTA)                                                                             \
+          _mm_prefetch(ahead, _MM_HINT_NTA);                                                                \
+        else if (pf == PREFETCH_T0)                                                                         \
+          _mm_prefetch(ahead, _MM_HINT_T0);                                                                 \
       }                                                                                                     \
       for (int r = 0; r < mr; r++) {                                                                        \
         VEC av = LOAD(ar[r] + kk);                                                                          \
@@ -267,9 +283,8 @@ static struct {
   atomic_int next_item;  /* work items handed out */
   atomic_int gate;       /* workers that joined the current product; CLOSED once the caller is done */
   atomic_int finished;   /* joined workers that are done with it */
+  atomic_int sleepers;   /* workers in (or about to enter) a futex wait */
   int items;
-  const char *ahead;   /* what the workers read ahead after this product (NULL: nothing) */
-  size_t ahead_bytes;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 /* The caller never waits for a worker that has not started: on a loaded machine a woken
@@ -291,64 +306,6 @@ static void run_items(const product_t *p) {
       return;
     int j0 = it * ITEM_ROWS, j1 = j0 + ITEM_ROWS < p->n ? j0 + ITEM_ROWS : p->n;
     product_columns(p, j0, j1);
-  }
-}
-
-/* ---- reading the next weight ahead ---------------------------------------------------
- *
- * Between two products of a step the caller runs the step's other operations (norms,
- * rotations, attention: a few to some tens of microseconds each), and the memory bus idles.
- * A step issues the same products in the same order at every token, so the product that
- * follows a weight is known from the step before: while the caller is busy elsewhere, an
- * idle worker prefetches the start of the next weight into the caches (L2, then the shared
- * L3), and the next product reads that part from a cache instead of memory. Prefetch
- * instructions never fault, so a prediction whose weight has since been freed costs
- * reads, never a crash. Only products large enough to be split between the threads are
- * followed (their weights stream from memory); the table is written by the caller alone,
- * under the pool's lock. On SmolLM2's plain step here (two cores, 32 MiB L3), interleaved
- * (examples/skinny_ab.sh): 17.0 ms against 17.3 without (medians of 5 rounds); prefetching
- * into L2 (T1) beat L1 (T0), T2 and plain loads, and 8 MiB beat 2 MiB and 32 MiB (which
- * evicts what the step reads next). */
-enum { AHEAD_SLOTS = 1024 }; /* weights followed; a power of two */
-/* Bytes read ahead at most per gap (SPECSTREAM_SKINNY_AHEAD; 0 turns it off). */
-static size_t ahead_max = 8u << 20;
-static struct {
-  const float *key;
-  const char *next;
-  size_t bytes;
-} ahead_table[AHEAD_SLOTS];
-static const float *last_weight; /* the previous large product's weight */
-
-static size_t ahead_slot(const float *key) {
-  size_t h = ((size_t)key >> 6) * 0x9E3779B97F4A7C15ull;
-  return (h >> 32) & (AHEAD_SLOTS - 1);
-}
-
-/* Records that `p` followed the previous large product, and returns (via *bytes) what
- * followed `p`'s weight last time. */
-static const char *ahead_of(const product_t *p, size_t *bytes) {
-  size_t size = ((size_t)(p->trans_b ? p->n : p->k) * p->ldb) * sizeof(float);
-  if (last_weight) {
-    size_t s = ahead_slot(last_weight);
-    ahead_table[s].key = last_weight;
-    ahead_table[s].next = (const char *)p->b;
-    ahead_table[s].bytes = size;
-  }
-  last_weight = p->b;
-  size_t s = ahead_slot(p->b);
-  if (ahead_table[s].key != p->b)
-    return NULL;
-  *bytes = ahead_table[s].bytes < ahead_max ? ahead_table[s].bytes : ahead_max;
-  return ahead_table[s].next;
-}
-
-/* Prefetches [*from, end) a block at a time until it is done or the next product starts. */
-static void read_ahead(const char *from, const char *end, int seen) {
-  enum { BLOCK = 4096 };
-  while (from < end && atomic_load_explicit(&pool.generation, memory_order_relaxed) == seen) {
-    const char *stop = from + BLOCK < end ? from + BLOCK : end;
-    for (; from < stop; from += 64)
-      _mm_prefetch(from, _MM_HINT_T1);
   }
 }
 
@@ -375,8 +332,12 @@ static void *worker(void *arg) {
       else
         for (int s = 0; s < 16; s++)
           _mm_pause();
-      if (now_us() - t0 > SPIN_US) {
+      if (now_us() - t0 > spin_us) {
+        /* Counted before the wait: a caller that bumps the generation after this either
+         * sees the count and wakes us, or bumped it first and the wait returns at once. */
+        atomic_fetch_add(&pool.sleepers, 1);
         futex(&pool.generation, FUTEX_WAIT_PRIVATE, seen);
+        atomic_fetch_sub(&pool.sleepers, 1);
         t0 = now_us();
       }
     }
@@ -384,11 +345,7 @@ static void *worker(void *arg) {
     if (atomic_fetch_add(&pool.gate, 1) & CLOSED)
       continue; /* the caller finished this product alone */
     run_items(pool.job);
-    const char *ahead = pool.ahead; /* stable until `finished` lets the caller go on */
-    size_t ahead_bytes = pool.ahead_bytes;
     atomic_fetch_add(&pool.finished, 1);
-    if (ahead)
-      read_ahead(ahead, ahead + ahead_bytes, seen);
   }
   return NULL;
 }
@@ -492,9 +449,14 @@ static void setup(void) {
   if (pm && atol(pm) >= 0)
     parallel_min = parallel_min_streaming = atol(pm);
   cache_bytes = last_level_cache();
-  const char *ah = getenv("SPECSTREAM_SKINNY_AHEAD");
-  if (ah && atol(ah) >= 0)
-    ahead_max = (size_t)atol(ah);
+  const char *pf = getenv("SPECSTREAM_SKINNY_PREFETCH");
+  if (pf && strcmp(pf, "t0") == 0)
+    prefetch_mode = PREFETCH_T0;
+  else if (pf && strcmp(pf, "off") == 0)
+    prefetch_mode = PREFETCH_OFF;
+  const char *sp = getenv("SPECSTREAM_SKINNY_SPIN_US");
+  if (sp && atof(sp) >= 0)
+    spin_us = atof(sp);
   const char *sy = getenv("SPECSTREAM_SKINNY_YIELD");
   if (sy && *sy)
     spin_yield = atoi(sy) != 0;
@@ -531,13 +493,12 @@ static void skinny_product(const product_t *p) {
   }
   pool.job = p;
   pool.items = items;
-  pool.ahead_bytes = 0;
-  pool.ahead = ahead_max ? ahead_of(p, &pool.ahead_bytes) : NULL;
   atomic_store(&pool.next_item, 0);
   atomic_store(&pool.finished, 0);
   atomic_store(&pool.gate, 0); /* opens the product (after job, items and counters are set) */
   atomic_fetch_add(&pool.generation, 1);
-  futex(&pool.generation, FUTEX_WAKE_PRIVATE, pool.threads - 1);
+  if (atomic_load(&pool.sleepers) > 0) /* spinning workers see the generation; no system call */
+    futex(&pool.generation, FUTEX_WAKE_PRIVATE, pool.threads - 1);
   run_items(p);
   int joined = atomic_fetch_or(&pool.gate, CLOSED) & (CLOSED - 1);
   while (atomic_load(&pool.finished) < joined) /* only workers busy with an item remain */
