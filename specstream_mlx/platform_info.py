@@ -45,8 +45,9 @@ library without the forwarder. The forwarder's kernel reads ``SPECSTREAM_SKINNY_
 split between its threads), ``SPECSTREAM_SKINNY_PREFETCH`` = ``t0`` | ``off`` (how a tile
 prefetches the next weight rows; default: non-temporally from two rows on, not at one),
 ``SPECSTREAM_SKINNY_YIELD=0`` (a waiting worker pauses instead of yielding its core) and
-``SPECSTREAM_SKINNY_SPIN_US`` (how long it spins before it sleeps, default 50). ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` |
-``mimalloc`` | ``glibc`` (none preloaded) | a library path.
+``SPECSTREAM_SKINNY_SPIN_US`` (how long it spins before it sleeps, default 50).
+``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` | ``mimalloc`` | ``glibc`` (none
+preloaded) | a library path.
 """
 
 from __future__ import annotations
