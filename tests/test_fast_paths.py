@@ -214,7 +214,9 @@ for k, n in ((64, 96), (576, 192), (1536, 576), (7, 3)):
 # depths not a multiple of the vector, rows and weights with a leading stride, more rows
 # than the kernel takes (GEMM), alpha/beta, and a product large enough for the pool.
 for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 16, 31, 32, 33, 47, 48, 49, 80):
-    for k, n in ((576, 197), (13, 70), (1536, 576), (576, 4099)):
+    # (64, 40) and (64, 200): a short depth, as attention's scores and values have, with
+    # every column-block remainder of the transposed and the stored-(k x n) tiles.
+    for k, n in ((576, 197), (13, 70), (1536, 576), (576, 4099), (64, 40), (64, 200)):
         w = rng.standard_normal((n, k + 5)).astype(np.float32)[:, 2 : k + 2]  # ldb > k
         a = rng.standard_normal((m, k + 3)).astype(np.float32)[:, 1 : k + 1]  # lda > k
         cases.append((mx.array(a) @ mx.array(w).T, a @ w.T))

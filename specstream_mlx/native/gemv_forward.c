@@ -63,6 +63,11 @@ enum { SKINNY_MAX_ROWS = 48, MAX_THREADS = 8 };
  * it faster than one (SmolLM2's 576 x 576 output projection: 24 us split against 40 alone;
  * the plain step 17.0 ms against 17.2 at 512K, examples/skinny_ab.sh): 256K. */
 enum { PARALLEL_MIN_WEIGHTS = 512 * 1024, PARALLEL_MIN_STREAMING = 256 * 1024 };
+/* ... or this many multiply-adds, whatever the weight: a tree pass's attention products
+ * (27 query rows of a key/value head against 192 keys: 332K) are small weights but long
+ * arithmetic, and split by key blocks between two threads their scores took 1.75 against
+ * 2.44 ms a pass (320 keys: 2.8 against 4.6). */
+enum { PARALLEL_MIN_WORK = 256 * 1024 };
 /* How long an idle worker spins for the next product before it sleeps, microseconds
  * (SPECSTREAM_SKINNY_SPIN_US). */
 static double spin_us = 50.0;
@@ -248,9 +253,92 @@ __attribute__((target("avx2,fma"))) static void kn_block(const product_t *p, int
 __attribute__((target("avx2,fma"))) static void kn_block4(const product_t *p, int j) { kn_block(p, j, 4); }
 __attribute__((target("avx2,fma"))) static void kn_block1(const product_t *p, int j) { kn_block(p, j, 1); }
 
+/* The same with AVX-512: 16-lane columns and up to 6 rows a tile (24 accumulators + 4 b
+ * vectors), so a 64-wide block (attention's head dimension) is one tile of 6 rows. */
+__attribute__((target("avx512f"), always_inline)) static inline void tile_kn512(const product_t *p, int i0,
+                                                                               int j0, const int mr,
+                                                                               const int nv) {
+  __m512 acc[6][4];
+  const float *ar[6];
+  for (int r = 0; r < mr; r++) {
+    ar[r] = p->a + (size_t)(i0 + r) * p->lda;
+    for (int s = 0; s < nv; s++)
+      acc[r][s] = _mm512_setzero_ps();
+  }
+  for (int kk = 0; kk < p->k; kk++) {
+    const float *brow = p->b + (size_t)kk * p->ldb + j0;
+    __m512 bv[4];
+    for (int s = 0; s < nv; s++)
+      bv[s] = _mm512_loadu_ps(brow + 16 * s);
+    for (int r = 0; r < mr; r++) {
+      __m512 av = _mm512_set1_ps(ar[r][kk]);
+      for (int s = 0; s < nv; s++)
+        acc[r][s] = _mm512_fmadd_ps(av, bv[s], acc[r][s]);
+    }
+  }
+  float out[16];
+  for (int r = 0; r < mr; r++)
+    for (int s = 0; s < nv; s++) {
+      _mm512_storeu_ps(out, acc[r][s]);
+      for (int t = 0; t < 16; t++)
+        store(p, i0 + r, j0 + 16 * s + t, out[t]);
+    }
+}
+
+__attribute__((target("avx512f"), always_inline)) static inline void kn_block512(const product_t *p, int j,
+                                                                                const int nv) {
+  int i = 0;
+  for (; i + 6 <= p->m; i += 6)
+    tile_kn512(p, i, j, 6, nv);
+  switch (p->m - i) {
+  case 5: tile_kn512(p, i, j, 5, nv); break;
+  case 4: tile_kn512(p, i, j, 4, nv); break;
+  case 3: tile_kn512(p, i, j, 3, nv); break;
+  case 2: tile_kn512(p, i, j, 2, nv); break;
+  case 1: tile_kn512(p, i, j, 1, nv); break;
+  }
+}
+
+__attribute__((target("avx512f"))) static void kn512_block4(const product_t *p, int j) { kn_block512(p, j, 4); }
+__attribute__((target("avx512f"))) static void kn512_block1(const product_t *p, int j) { kn_block512(p, j, 1); }
+
+/* A weight (n x k) with a short k (attention's keys, k = the head dimension) against
+ * several rows of a: the trans_b tiles would end every output in a horizontal sum of a
+ * few vectors, so each block of up to 64 weight rows is transposed into a (k x 64) buffer
+ * and multiplied as stored (k x n), where the outputs stay in vector lanes. Returns the
+ * first column not done (the last few columns, fewer than 16, are left to the caller). */
+enum { KN_MAX_K = 128, KN_MIN_ROWS = 4 };
+__attribute__((target("avx512f"))) static int transposed_columns(const product_t *p, int j0, int j1) {
+  static __thread float buf[KN_MAX_K * 64];
+  int j = j0;
+  while (j + 16 <= j1) {
+    int cols = j1 - j >= 64 ? 64 : (j1 - j) / 16 * 16;
+    for (int c = 0; c < cols; c++) {
+      const float *row = p->b + (size_t)(j + c) * p->ldb;
+      for (int kk = 0; kk < p->k; kk++)
+        buf[kk * 64 + c] = row[kk];
+    }
+    product_t q = *p;
+    q.trans_b = 0;
+    q.b = buf;
+    q.ldb = 64;
+    q.n = cols;
+    q.c = p->c + j;
+    int c = 0;
+    for (; c + 64 <= cols; c += 64)
+      kn512_block4(&q, c);
+    for (; c + 16 <= cols; c += 16)
+      kn512_block1(&q, c);
+    j += cols;
+  }
+  return j;
+}
+
 /* Output columns [j0, j1) for every row of a. */
 static void product_columns(const product_t *p, int j0, int j1) {
   int j = j0;
+  if (p->trans_b && use_avx512 && p->k <= KN_MAX_K && p->m >= KN_MIN_ROWS)
+    j = transposed_columns(p, j0, j1);
   if (p->trans_b) {
     void (*many)(const product_t *, int) = use_avx512 ? rows4_avx512 : rows4_avx2;
     void (*one)(const product_t *, int) = use_avx512 ? rows1_avx512 : rows1_avx2;
@@ -259,6 +347,12 @@ static void product_columns(const product_t *p, int j0, int j1) {
     for (; j < j1; j++)
       one(p, j);
     return;
+  }
+  if (use_avx512) {
+    for (; j + 64 <= j1; j += 64)
+      kn512_block4(p, j);
+    for (; j + 16 <= j1; j += 16)
+      kn512_block1(p, j);
   }
   for (; j + 32 <= j1; j += 32)
     kn_block4(p, j);
@@ -486,8 +580,8 @@ static void skinny_product(const product_t *p) {
   int items = (p->n + ITEM_ROWS - 1) / ITEM_ROWS;
   note_weight(p);
   long least = atomic_load_explicit(&streaming, memory_order_relaxed) ? parallel_min_streaming : parallel_min;
-  if (pool.threads == 1 || items < 2 || (long)p->n * p->k * (p->m > 1 ? 2 : 1) < least ||
-      pthread_mutex_trylock(&pool.lock) != 0) {
+  int small = (long)p->n * p->k * (p->m > 1 ? 2 : 1) < least && (long)p->m * p->n * p->k < PARALLEL_MIN_WORK;
+  if (pool.threads == 1 || items < 2 || small || pthread_mutex_trylock(&pool.lock) != 0) {
     product_columns(p, 0, p->n);
     return;
   }
