@@ -85,6 +85,7 @@ class BlasLibrary:
         threads_env: the environment variable that sets its thread count.
         threads: the default thread count (the measured best on a 2-core machine).
         package: the Debian package that installs it.
+        settings: other environment entries it is loaded with (a value set by hand wins).
     """
 
     name: str
@@ -93,12 +94,27 @@ class BlasLibrary:
     threads_env: str
     threads: int
     package: str
+    settings: Tuple[Tuple[str, str], ...] = ()
+
+
+# OpenBLAS's threads spin for 2^28 cycles (~90 ms) after each product before they sleep, so
+# after a prompt's products (the kernel's are 1-48 rows; larger ones are OpenBLAS's) they
+# took the cores from the first decoding steps. 2^4 cycles: they sleep at once. A 24-token
+# reply after a ~290-token prompt, 4 interleaved pairs: 58.2-60.1 against 49.3-55.4 tok/s,
+# the prompt as fast (506-518 against 511-525 ms; bench/README.md).
+OPENBLAS_SETTINGS = (("OPENBLAS_THREAD_TIMEOUT", "4"),)
 
 
 LIBRARIES: Dict[str, BlasLibrary] = {
     "blis": BlasLibrary("blis", "libblis.so.4", ("blis-pthread", ""), "BLIS_NUM_THREADS", 1, "libblis4-pthread"),
     "openblas": BlasLibrary(
-        "openblas", "libopenblas.so.0", ("openblas-pthread", ""), "OPENBLAS_NUM_THREADS", 2, "libopenblas0-pthread"
+        "openblas",
+        "libopenblas.so.0",
+        ("openblas-pthread", ""),
+        "OPENBLAS_NUM_THREADS",
+        2,
+        "libopenblas0-pthread",
+        OPENBLAS_SETTINGS,
     ),
 }
 # The default, then what is used when it is not installed (bench/blas.md).
@@ -148,6 +164,8 @@ class BlasChoice:
         env = {"LD_PRELOAD": ":".join(preload)} if preload else {}
         if self.path is not None and self.library is not None and self.threads is not None:
             env[self.library.threads_env] = str(self.threads)
+        if self.path is not None and self.library is not None:
+            env.update(self.library.settings)
         return env
 
 
@@ -344,6 +362,8 @@ def preload_in_process() -> Optional[BlasChoice]:
         return None
     if choice.library is not None and choice.threads is not None:
         os.environ.setdefault(choice.library.threads_env, str(choice.threads))  # read when the library loads
+    for key, value in choice.library.settings if choice.library is not None else ():
+        os.environ.setdefault(key, value)
     os.environ[GEMV_NEXT_ENV] = choice.path
     try:
         for path in (choice.forwarder, choice.path):  # the forwarder first: it must be found first

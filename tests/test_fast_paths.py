@@ -110,7 +110,7 @@ def test_blas_setting_is_parsed_and_refused_in_one_line(monkeypatch):
     # The default falls through the preference order to what is installed.
     c = P.choose_blas(None, gemv=False)
     assert c.library.name == "openblas" and c.threads == P.LIBRARIES["openblas"].threads
-    assert c.env() == {"LD_PRELOAD": "/lib/openblas.so", "OPENBLAS_NUM_THREADS": "2"}
+    assert c.env() == {"LD_PRELOAD": "/lib/openblas.so", "OPENBLAS_NUM_THREADS": "2", "OPENBLAS_THREAD_TIMEOUT": "4"}
     monkeypatch.setattr(P, "gemv_forwarder", lambda: "/cache/libspecstream-gemv.so")
     assert P.choose_blas(None).env()["LD_PRELOAD"] == "/cache/libspecstream-gemv.so:/lib/openblas.so"
     assert P.choose_blas("openblas:1").env()["OPENBLAS_NUM_THREADS"] == "1"
@@ -438,6 +438,25 @@ def test_importing_the_library_loads_the_fast_blas_in_process(tiny_model_dir):
     )
     assert slow.returncode == 0 and slow.stdout.split()[0] == "reference", slow.stderr
     assert slow.stderr.count("reference BLAS") == 1 and "import specstream_mlx before mlx" in slow.stderr
+
+
+def test_openblas_threads_sleep_after_their_products_unless_set_by_hand():
+    """OpenBLAS's threads spun ~90 ms after a prompt's products, taking the cores from the
+    first decoding steps. A process that loads it in-process gets OPENBLAS_THREAD_TIMEOUT=4
+    (they sleep at once); a value set by hand is kept."""
+    import os
+
+    from specstream_mlx.platform_info import _uses_mlx_cpu_wheel, choose_blas
+
+    choice = choose_blas(None)
+    if not _uses_mlx_cpu_wheel() or choice.library is None or choice.library.name != "openblas":
+        pytest.fail("needs MLX's Linux CPU wheel and OpenBLAS (CI installs both)")
+    drop = ("LD_PRELOAD", "SPECSTREAM_BLAS", "SPECSTREAM_BLAS_REEXEC", "OPENBLAS_THREAD_TIMEOUT")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    code = "import os, specstream_mlx; print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))"
+    for extra, want in (({}, "4"), ({"OPENBLAS_THREAD_TIMEOUT": "20"}, "20")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, **extra})
+        assert out.returncode == 0 and out.stdout.split() == [want], out.stderr
 
 
 def test_the_kernel_compiler_adds_its_flags_only_where_the_cpu_has_them(tmp_path, monkeypatch):
