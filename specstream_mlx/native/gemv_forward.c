@@ -25,8 +25,9 @@
  * SPECSTREAM_SKINNY_ISA=avx2 (AVX2 tiles even where AVX-512 is there),
  * SPECSTREAM_SKINNY_PARALLEL_MIN (weight elements from which a one-row product is split
  * between the threads; default 512K, 256K once the weights seen outgrow the last-level
- * cache; from two rows on half of it), SPECSTREAM_SKINNY_YIELD (0: a waiting worker pauses in its spin instead of yielding),
- * SPECSTREAM_SKINNY_SPIN_US (how long it spins before it sleeps; default 50),
+ * cache; from two rows on half of it; products of 256K multiply-adds are split whatever
+ * their weight), SPECSTREAM_SKINNY_YIELD (0: a waiting worker pauses in its spin instead
+ * of yielding), SPECSTREAM_SKINNY_SPIN_US (how long it spins before it sleeps; default 50),
  * SPECSTREAM_SKINNY_PREFETCH (t0 or off: how the next tile's weight rows are prefetched;
  * default nta from two rows on, none at one).
  */
