@@ -215,93 +215,61 @@ DEFINE_TILES(avx512, "avx512f", __m512, 16, 6, _mm512_setzero_ps, _mm512_loadu_p
 
 static int use_avx512;
 
-/* b stored (k x n): rows i0..i0+mr-1 times columns j0..j0+8*nv-1, each column block a
- * vector accumulator, every a value broadcast (mr*nv accumulators + nv b vectors). */
-__attribute__((target("avx2,fma"), always_inline)) static inline void tile_kn(const product_t *p, int i0, int j0,
-                                                                             const int mr, const int nv) {
-  __m256 acc[2][4];
-  for (int r = 0; r < mr; r++)
-    for (int s = 0; s < nv; s++)
-      acc[r][s] = _mm256_setzero_ps();
-  for (int kk = 0; kk < p->k; kk++) {
-    const float *brow = p->b + (size_t)kk * p->ldb + j0;
-    __m256 bv[4];
-    for (int s = 0; s < nv; s++)
-      bv[s] = _mm256_loadu_ps(brow + 8 * s);
-    for (int r = 0; r < mr; r++) {
-      __m256 av = _mm256_broadcast_ss(p->a + (size_t)(i0 + r) * p->lda + kk);
-      for (int s = 0; s < nv; s++)
-        acc[r][s] = _mm256_fmadd_ps(av, bv[s], acc[r][s]);
-    }
-  }
-  float out[8];
-  for (int r = 0; r < mr; r++)
-    for (int s = 0; s < nv; s++) {
-      _mm256_storeu_ps(out, acc[r][s]);
-      for (int t = 0; t < 8; t++)
-        store(p, i0 + r, j0 + 8 * s + t, out[t]);
-    }
-}
+/* b stored (k x n), one macro for both vector widths as above: rows i0..i0+mr-1 times
+ * columns j0..j0+LANES*nv-1, each column block a vector accumulator, every a value
+ * broadcast (mr*nv accumulators + nv b vectors). kn4_ISA takes 4 vectors of columns, kn1_ISA
+ * one. AVX2 tiles take 2 rows (8 accumulators); AVX-512 tiles 6 rows (24), so a 64-wide
+ * block (attention's head dimension) is one tile. */
+#define DEFINE_KN_TILES(ISA, TARGET, VEC, LANES, MR, ZERO, LOAD, SET1, FMA, STOREU)                            \
+  __attribute__((target(TARGET), always_inline)) static inline void tile_kn_##ISA(const product_t *p, int i0, \
+                                                                                 int j0, const int mr,      \
+                                                                                 const int nv) {            \
+    VEC acc[MR][4];                                                                                         \
+    const float *ar[MR];                                                                                    \
+    for (int r = 0; r < mr; r++) {                                                                          \
+      ar[r] = p->a + (size_t)(i0 + r) * p->lda;                                                             \
+      for (int s = 0; s < nv; s++)                                                                          \
+        acc[r][s] = ZERO();                                                                                 \
+    }                                                                                                       \
+    for (int kk = 0; kk < p->k; kk++) {                                                                     \
+      const float *brow = p->b + (size_t)kk * p->ldb + j0;                                                  \
+      VEC bv[4];                                                                                            \
+      for (int s = 0; s < nv; s++)                                                                          \
+        bv[s] = LOAD(brow + LANES * s);                                                                     \
+      for (int r = 0; r < mr; r++) {                                                                        \
+        VEC av = SET1(ar[r][kk]);                                                                           \
+        for (int s = 0; s < nv; s++)                                                                        \
+          acc[r][s] = FMA(av, bv[s], acc[r][s]);                                                            \
+      }                                                                                                     \
+    }                                                                                                       \
+    float out[LANES];                                                                                       \
+    for (int r = 0; r < mr; r++)                                                                            \
+      for (int s = 0; s < nv; s++) {                                                                        \
+        STOREU(out, acc[r][s]);                                                                             \
+        for (int t = 0; t < LANES; t++)                                                                     \
+          store(p, i0 + r, j0 + LANES * s + t, out[t]);                                                     \
+      }                                                                                                     \
+  }                                                                                                         \
+  __attribute__((target(TARGET), always_inline)) static inline void kn_##ISA(const product_t *p, int j,      \
+                                                                            const int nv) {                 \
+    int i = 0;                                                                                              \
+    for (; i + MR <= p->m; i += MR)                                                                         \
+      tile_kn_##ISA(p, i, j, MR, nv);                                                                       \
+    switch (p->m - i) { /* fewer than MR rows left; cases past MR - 1 never run */                           \
+    case 5: if (MR > 5) tile_kn_##ISA(p, i, j, MR > 5 ? 5 : 1, nv); break;                                  \
+    case 4: if (MR > 4) tile_kn_##ISA(p, i, j, MR > 4 ? 4 : 1, nv); break;                                  \
+    case 3: if (MR > 3) tile_kn_##ISA(p, i, j, MR > 3 ? 3 : 1, nv); break;                                  \
+    case 2: if (MR > 2) tile_kn_##ISA(p, i, j, MR > 2 ? 2 : 1, nv); break;                                  \
+    case 1: tile_kn_##ISA(p, i, j, 1, nv); break;                                                           \
+    }                                                                                                       \
+  }                                                                                                         \
+  __attribute__((target(TARGET))) static void kn4_##ISA(const product_t *p, int j) { kn_##ISA(p, j, 4); }    \
+  __attribute__((target(TARGET))) static void kn1_##ISA(const product_t *p, int j) { kn_##ISA(p, j, 1); }
 
-__attribute__((target("avx2,fma"))) static void kn_block(const product_t *p, int j, const int nv) {
-  int i = 0;
-  for (; i + 2 <= p->m; i += 2)
-    tile_kn(p, i, j, 2, nv);
-  if (i < p->m)
-    tile_kn(p, i, j, 1, nv);
-}
-
-__attribute__((target("avx2,fma"))) static void kn_block4(const product_t *p, int j) { kn_block(p, j, 4); }
-__attribute__((target("avx2,fma"))) static void kn_block1(const product_t *p, int j) { kn_block(p, j, 1); }
-
-/* The same with AVX-512: 16-lane columns and up to 6 rows a tile (24 accumulators + 4 b
- * vectors), so a 64-wide block (attention's head dimension) is one tile of 6 rows. */
-__attribute__((target("avx512f"), always_inline)) static inline void tile_kn512(const product_t *p, int i0,
-                                                                               int j0, const int mr,
-                                                                               const int nv) {
-  __m512 acc[6][4];
-  const float *ar[6];
-  for (int r = 0; r < mr; r++) {
-    ar[r] = p->a + (size_t)(i0 + r) * p->lda;
-    for (int s = 0; s < nv; s++)
-      acc[r][s] = _mm512_setzero_ps();
-  }
-  for (int kk = 0; kk < p->k; kk++) {
-    const float *brow = p->b + (size_t)kk * p->ldb + j0;
-    __m512 bv[4];
-    for (int s = 0; s < nv; s++)
-      bv[s] = _mm512_loadu_ps(brow + 16 * s);
-    for (int r = 0; r < mr; r++) {
-      __m512 av = _mm512_set1_ps(ar[r][kk]);
-      for (int s = 0; s < nv; s++)
-        acc[r][s] = _mm512_fmadd_ps(av, bv[s], acc[r][s]);
-    }
-  }
-  float out[16];
-  for (int r = 0; r < mr; r++)
-    for (int s = 0; s < nv; s++) {
-      _mm512_storeu_ps(out, acc[r][s]);
-      for (int t = 0; t < 16; t++)
-        store(p, i0 + r, j0 + 16 * s + t, out[t]);
-    }
-}
-
-__attribute__((target("avx512f"), always_inline)) static inline void kn_block512(const product_t *p, int j,
-                                                                                const int nv) {
-  int i = 0;
-  for (; i + 6 <= p->m; i += 6)
-    tile_kn512(p, i, j, 6, nv);
-  switch (p->m - i) {
-  case 5: tile_kn512(p, i, j, 5, nv); break;
-  case 4: tile_kn512(p, i, j, 4, nv); break;
-  case 3: tile_kn512(p, i, j, 3, nv); break;
-  case 2: tile_kn512(p, i, j, 2, nv); break;
-  case 1: tile_kn512(p, i, j, 1, nv); break;
-  }
-}
-
-__attribute__((target("avx512f"))) static void kn512_block4(const product_t *p, int j) { kn_block512(p, j, 4); }
-__attribute__((target("avx512f"))) static void kn512_block1(const product_t *p, int j) { kn_block512(p, j, 1); }
+DEFINE_KN_TILES(avx2, "avx2,fma", __m256, 8, 2, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_set1_ps, _mm256_fmadd_ps,
+                _mm256_storeu_ps)
+DEFINE_KN_TILES(avx512, "avx512f", __m512, 16, 6, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_set1_ps,
+                _mm512_fmadd_ps, _mm512_storeu_ps)
 
 /* A weight (n x k) with a short k (attention's keys, k = the head dimension) against
  * several rows of a: the trans_b tiles would end every output in a horizontal sum of a
@@ -327,9 +295,9 @@ __attribute__((target("avx512f"))) static int transposed_columns(const product_t
     q.c = p->c + j;
     int c = 0;
     for (; c + 64 <= cols; c += 64)
-      kn512_block4(&q, c);
+      kn4_avx512(&q, c);
     for (; c + 16 <= cols; c += 16)
-      kn512_block1(&q, c);
+      kn1_avx512(&q, c);
     j += cols;
   }
   return j;
@@ -351,14 +319,14 @@ static void product_columns(const product_t *p, int j0, int j1) {
   }
   if (use_avx512) {
     for (; j + 64 <= j1; j += 64)
-      kn512_block4(p, j);
+      kn4_avx512(p, j);
     for (; j + 16 <= j1; j += 16)
-      kn512_block1(p, j);
+      kn1_avx512(p, j);
   }
   for (; j + 32 <= j1; j += 32)
-    kn_block4(p, j);
+    kn4_avx2(p, j);
   for (; j + 8 <= j1; j += 8)
-    kn_block1(p, j);
+    kn1_avx2(p, j);
   for (; j < j1; j++) /* the last columns, one at a time */
     for (int i = 0; i < p->m; i++) {
       float v = 0.0f;
