@@ -360,10 +360,9 @@ def preload_in_process() -> Optional[BlasChoice]:
         return None  # the CLI reports it (exit 2); a library user gets the load-time warning
     if choice.path is None:
         return None
-    if choice.library is not None and choice.threads is not None:
-        os.environ.setdefault(choice.library.threads_env, str(choice.threads))  # read when the library loads
-    for key, value in choice.library.settings if choice.library is not None else ():
-        os.environ.setdefault(key, value)
+    for key, value in choice.env().items():  # its thread count and settings, read when it loads
+        if key != "LD_PRELOAD":
+            os.environ.setdefault(key, value)  # a value set by hand wins
     os.environ[GEMV_NEXT_ENV] = choice.path
     try:
         for path in (choice.forwarder, choice.path):  # the forwarder first: it must be found first
