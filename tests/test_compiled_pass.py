@@ -57,6 +57,31 @@ def test_compiled_pass_equals_the_op_by_op_pass_across_capacity_growth(model_str
     assert caches["compiled"][0].capacity == 512
 
 
+def test_launching_the_lower_layers_early_computes_the_same_pass(model_streams, monkeypatch):
+    """The op-by-op pass queues its first layers' evaluation while it builds the rest:
+    the launches happen, and logits, stream states and cached rows are the same bits as
+    a pass evaluated at its end."""
+    from specstream_mlx.method import msa
+
+    model, streams = model_streams
+    launched = []
+    queue = mx.async_eval
+    monkeypatch.setattr(msa.mx, "async_eval", lambda *a: launched.append(1) or queue(*a))
+    outs, caches = {}, {}
+    for every in (0, 1):
+        monkeypatch.setattr(msa, "LAUNCH_EVERY", every)
+        caches[every] = _prefilled(model, 20)
+        outs[every] = ss_forward(model, streams, TREE, 20, caches[every], num_streams=2)
+        mx.eval(outs[every].main_logits, outs[every].stream_hidden)
+        assert len(launched) == every * streams.first_layer
+    assert np.array_equal(np.array(outs[0].main_logits), np.array(outs[1].main_logits))
+    assert np.array_equal(np.array(outs[0].stream_hidden), np.array(outs[1].stream_hidden))
+    for a, b in zip(caches[0], caches[1]):
+        assert a.offset == b.offset == 20 + len(TREE)
+        assert np.array_equal(np.array(a.keys), np.array(b.keys))
+        assert np.array_equal(np.array(a.values), np.array(b.values))
+
+
 def test_compiled_pass_reads_no_key_past_its_span(model_streams):
     """Past the tree's end rounded up to 64 rows the buffers hold NaN: the compiled pass
     never reads them (its logits equal the op-by-op pass's and are finite)."""
