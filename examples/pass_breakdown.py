@@ -7,7 +7,9 @@ On a 128-token context, medians of 12 repetitions (the cache is rolled back afte
 pass): a plain step (the compiled graph decoding uses), then ``ss_forward`` op by op with
 1 and 9 tree nodes, without streams, with γ streams at every node, and with streams at
 the root only. The differences say what the tree's main rows, the op-by-op pass and the
-stream rows each cost.
+stream rows each cost. Last, the 1-node and the 9-node pass with streams at the root with
+their evaluation queued every ``msa.LAUNCH_EVERY`` lower layers (as decoding runs them)
+against built whole and then evaluated, alternating pass by pass.
 """
 
 import sys
@@ -17,6 +19,7 @@ import numpy as np
 
 from specstream_mlx import load
 from specstream_mlx.bench.machine import median_ms
+from specstream_mlx.method import msa
 from specstream_mlx.method.msa import ss_forward
 from specstream_mlx.method.tree import Tree
 from specstream_mlx.platform_info import blas_in_use
@@ -58,6 +61,18 @@ def main() -> int:
         ("9 nodes, streams at the root", ss(tree9, gamma, np.array([0]))),
     ]:
         print(f"{label:32s} {median_ms(f, 12):7.1f} ms")
+    every = msa.LAUNCH_EVERY
+    for label, f in [("1 node", ss(tree1, 0)), ("9 nodes, streams at the root", ss(tree9, gamma, np.array([0])))]:
+        times = {every: [], 0: []}
+        for _ in range(12):
+            for launch in times:
+                msa.LAUNCH_EVERY = launch
+                times[launch].append(median_ms(f, 1))
+        msa.LAUNCH_EVERY = every
+        print(
+            f"{label}: queued every {every} layers {np.median(times[every]):.1f} ms, "
+            f"built then run {np.median(times[0]):.1f} ms"
+        )
     return 0
 
 

@@ -11,7 +11,9 @@ of the same round, so drifts of a shared machine hit every item alike.
 Decodes the model's first N held-out bench prompts (default 16, up to 64 tokens,
 stopping at EOS) once to warm up and once timed, per tree. tokens/s excludes the
 first token (prompt processing); τ = generated tokens / passes after the first.
-Run it with ``OPENBLAS_NUM_THREADS=1`` and without to compare BLAS threading.
+Run it with ``OPENBLAS_NUM_THREADS=1`` and without to compare BLAS threading, and with
+``LAUNCH_EVERY=0`` to build each op-by-op pass whole before it runs (default: its
+evaluation is queued every ``msa.LAUNCH_EVERY`` lower layers, docs/DESIGN.md decision 38).
 """
 
 import os
@@ -21,6 +23,7 @@ import sys
 from specstream_mlx import load
 from specstream_mlx.bench import decode_prompts, load_bench_prompts
 from specstream_mlx.io.loading import resolve_model_path
+from specstream_mlx.method import msa
 from specstream_mlx.method.tree import TreeSpec
 from specstream_mlx.platform_info import blas_in_use
 from specstream_mlx.runtime.generation import encode_prompt
@@ -43,9 +46,11 @@ def main() -> int:
         tree = tree_text if tree_text == "auto" else TreeSpec.parse(tree_text)
         items.append((s, tree, float(prune) if prune else None))
     rounds = int(os.environ.get("ROUNDS", "3"))
+    msa.LAUNCH_EVERY = int(os.environ.get("LAUNCH_EVERY", msa.LAUNCH_EVERY))
+    launch = f"queued every {msa.LAUNCH_EVERY} layers" if msa.LAUNCH_EVERY else "built whole"
     print(
         f"{name}; BLAS {blas_in_use()}; OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; "
-        f"{len(ids)} prompts x {rounds} rounds"
+        f"{len(ids)} prompts x {rounds} rounds; op-by-op passes {launch}"
     )
     run("ar")
     for _, tree, prune in items:  # warm-up (and --tree auto's cost measurement)

@@ -206,8 +206,9 @@ def lower_layers(
     the rest of the pass; 0 (inside a compiled graph, which cannot evaluate) never. A
     pass cannot be queued ahead of its predecessor as a plain step is (its tree comes from
     the previous pass's verdict), and building SmolLM2's pass op by op takes ~2 ms before
-    anything ran: launched every 4 layers, a 9-node pass took 23.5-24.3 ms against
-    25.3-26.0, a 1-node pass 17.4-17.9 against 19.2-20.0."""
+    anything runs: launched every 4 layers, a 9-node pass took 24.3 against 26.5 ms, a
+    1-node pass 18.5 against 20.3 (``examples/pass_breakdown.py``, docs/DESIGN.md
+    decision 38)."""
     h = model.embed(tokens)
     rot = model.rotation(positions)  # once for every layer
     for i in range(streams.first_layer):
