@@ -144,6 +144,23 @@ static int prefetch_mode = PREFETCH_NTA;
 /* Weight rows per tile. */
 enum { NR = 4 };
 
+/* Every row of a in tiles of MR rows, then one tile of the rows left over (fewer than MR):
+ * TILE(p, i0, j, mr, n) with a constant mr, so each tile's accumulators stay in registers;
+ * tiles sized for MR rows are never called with more. */
+#define ROW_TILES(TILE, MR, p, j, n)                                                                        \
+  do {                                                                                                      \
+    int i_ = 0;                                                                                             \
+    for (; i_ + (MR) <= (p)->m; i_ += (MR))                                                                 \
+      TILE(p, i_, j, MR, n);                                                                                \
+    switch ((p)->m - i_) {                                                                                  \
+    case 5: if ((MR) > 5) TILE(p, i_, j, (MR) > 5 ? 5 : 1, n); break;                                       \
+    case 4: if ((MR) > 4) TILE(p, i_, j, (MR) > 4 ? 4 : 1, n); break;                                       \
+    case 3: if ((MR) > 3) TILE(p, i_, j, (MR) > 3 ? 3 : 1, n); break;                                       \
+    case 2: if ((MR) > 2) TILE(p, i_, j, (MR) > 2 ? 2 : 1, n); break;                                       \
+    case 1: TILE(p, i_, j, 1, n); break;                                                                    \
+    }                                                                                                       \
+  } while (0)
+
 /* The kernel for one vector width: the loop is the same for AVX2 and AVX-512, only the
  * vector type and its intrinsics differ, so one macro writes both.
  *
@@ -195,16 +212,7 @@ enum { NR = 4 };
   }                                                                                                         \
   __attribute__((target(TARGET), always_inline)) static inline void rows_##ISA(const product_t *p, int j,     \
                                                                                 const int nr) {             \
-    int i = 0;                                                                                              \
-    for (; i + MR <= p->m; i += MR)                                                                         \
-      tile_##ISA(p, i, j, MR, nr);                                                                          \
-    switch (p->m - i) { /* fewer than MR rows left */                                                       \
-    case 5: tile_##ISA(p, i, j, 5, nr); break;                                                              \
-    case 4: tile_##ISA(p, i, j, 4, nr); break;                                                              \
-    case 3: tile_##ISA(p, i, j, 3, nr); break;                                                              \
-    case 2: tile_##ISA(p, i, j, 2, nr); break;                                                              \
-    case 1: tile_##ISA(p, i, j, 1, nr); break;                                                              \
-    }                                                                                                       \
+    ROW_TILES(tile_##ISA, MR, p, j, nr);                                                                    \
   }                                                                                                         \
   __attribute__((target(TARGET))) static void rows4_##ISA(const product_t *p, int j) { rows_##ISA(p, j, NR); } \
   __attribute__((target(TARGET))) static void rows1_##ISA(const product_t *p, int j) { rows_##ISA(p, j, 1); }
@@ -252,16 +260,7 @@ static int use_avx512;
   }                                                                                                         \
   __attribute__((target(TARGET), always_inline)) static inline void kn_##ISA(const product_t *p, int j,      \
                                                                             const int nv) {                 \
-    int i = 0;                                                                                              \
-    for (; i + MR <= p->m; i += MR)                                                                         \
-      tile_kn_##ISA(p, i, j, MR, nv);                                                                       \
-    switch (p->m - i) { /* fewer than MR rows left; cases past MR - 1 never run */                           \
-    case 5: if (MR > 5) tile_kn_##ISA(p, i, j, MR > 5 ? 5 : 1, nv); break;                                  \
-    case 4: if (MR > 4) tile_kn_##ISA(p, i, j, MR > 4 ? 4 : 1, nv); break;                                  \
-    case 3: if (MR > 3) tile_kn_##ISA(p, i, j, MR > 3 ? 3 : 1, nv); break;                                  \
-    case 2: if (MR > 2) tile_kn_##ISA(p, i, j, MR > 2 ? 2 : 1, nv); break;                                  \
-    case 1: tile_kn_##ISA(p, i, j, 1, nv); break;                                                           \
-    }                                                                                                       \
+    ROW_TILES(tile_kn_##ISA, MR, p, j, nv);                                                                 \
   }                                                                                                         \
   __attribute__((target(TARGET))) static void kn4_##ISA(const product_t *p, int j) { kn_##ISA(p, j, 4); }    \
   __attribute__((target(TARGET))) static void kn1_##ISA(const product_t *p, int j) { kn_##ISA(p, j, 1); }
