@@ -6,10 +6,13 @@
 On a 128-token context, medians of 12 repetitions (the cache is rolled back after each
 pass): a plain step (the compiled graph decoding uses), then ``ss_forward`` op by op with
 1 and 9 tree nodes, without streams, with γ streams at every node, and with streams at
-the root only. The differences say what the tree's main rows, the op-by-op pass and the
-stream rows each cost. Last, the 1-node and the 9-node pass with streams at the root with
-their evaluation queued every ``msa.LAUNCH_EVERY`` lower layers (as decoding runs them)
-against built whole and then evaluated, alternating pass by pass.
+the root and one other node (as ``@1`` trees host them); every pass with streams
+evaluates one host's stream logits, as greedy decoding does. The differences say what the
+tree's main rows, the op-by-op pass and the stream rows each cost. Last, alternating pass
+by pass: the 1-node and the 9-node pass with streams at two hosts with their evaluation
+queued every ``msa.LAUNCH_EVERY`` lower layers (as decoding runs them) against built whole
+and then evaluated, and the latter with its hosts' stream logits in the main rows' LM-head
+product (``msa.MERGED_STREAM_ROWS``) against after it.
 """
 
 import sys
@@ -20,7 +23,7 @@ import numpy as np
 from specstream_mlx import load
 from specstream_mlx.bench.machine import median_ms
 from specstream_mlx.method import msa
-from specstream_mlx.method.msa import ss_forward
+from specstream_mlx.method.msa import ss_forward, stream_logits
 from specstream_mlx.method.tree import Tree
 from specstream_mlx.platform_info import blas_in_use
 from specstream_mlx.runtime.cache import make_cache
@@ -40,10 +43,13 @@ def main() -> int:
     tree9 = Tree(tuple(range(300, 309)), (-1, 0, 0, 1, 1, 2, 3, 4, 5))
     tree1 = Tree((300,), (-1,))
 
-    def ss(tree, g, hosts=None):
+    none = np.zeros(0, dtype=np.int64)  # no node hosts streams
+
+    def ss(tree, hosts=None):  # hosts None: every node
         def f():
-            out = ss_forward(base, streams, tree, offset, cache, 0.0, g, hosts)
-            mx.eval(out.main_logits, out.stream_hidden)
+            out = ss_forward(base, streams, tree, offset, cache, 0.0, None, hosts)
+            # Greedy decoding evaluates one host's stream logits with the verdict (the first here).
+            mx.eval(out.main_logits, *([stream_logits(base, out, 0)] if len(out.hosts) else []))
             for c in cache:  # roll back: the next repetition sees the same prefix
                 c.commit([0])
                 c.offset = offset
@@ -54,25 +60,28 @@ def main() -> int:
     print(f"{name}; BLAS {blas_in_use()}; 128-token context")
     for label, f in [
         ("plain step (compiled)", lambda: next(plain_steps)),
-        ("1 node, no streams", ss(tree1, 0)),
-        ("9 nodes, no streams", ss(tree9, 0)),
-        (f"1 node, {gamma} streams", ss(tree1, gamma)),
-        (f"9 nodes, {gamma} streams each", ss(tree9, gamma)),
-        ("9 nodes, streams at the root", ss(tree9, gamma, np.array([0]))),
+        ("1 node, no streams", ss(tree1, none)),
+        ("9 nodes, no streams", ss(tree9, none)),
+        (f"1 node, {gamma} streams", ss(tree1)),
+        (f"9 nodes, {gamma} streams each", ss(tree9)),
+        ("9 nodes, streams at 2 hosts", ss(tree9, np.array([0, 1]))),
     ]:
         print(f"{label:32s} {median_ms(f, 12):7.1f} ms")
-    every = msa.LAUNCH_EVERY
-    for label, f in [("1 node", ss(tree1, 0)), ("9 nodes, streams at the root", ss(tree9, gamma, np.array([0])))]:
-        times = {every: [], 0: []}
+    two_hosts = ss(tree9, np.array([0, 1]))
+    for label, f, setting, ways in [
+        ("1 node", ss(tree1, none), "LAUNCH_EVERY", "queued every {} layers|built then run"),
+        ("9 nodes, streams at 2 hosts", two_hosts, "LAUNCH_EVERY", "queued every {} layers|built then run"),
+        ("9 nodes, streams at 2 hosts", two_hosts, "MERGED_STREAM_ROWS", "stream logits with the main rows|after"),
+    ]:
+        default = getattr(msa, setting)
+        times = {default: [], 0: []}
         for _ in range(12):
-            for launch in times:
-                msa.LAUNCH_EVERY = launch
-                times[launch].append(median_ms(f, 1))
-        msa.LAUNCH_EVERY = every
-        print(
-            f"{label}: queued every {every} layers {np.median(times[every]):.1f} ms, "
-            f"built then run {np.median(times[0]):.1f} ms"
-        )
+            for value in times:
+                setattr(msa, setting, value)
+                times[value].append(median_ms(f, 1))
+        setattr(msa, setting, default)
+        on, off = ways.format(default).split("|")
+        print(f"{label}: {on} {np.median(times[default]):.1f} ms, {off} {np.median(times[0]):.1f} ms")
     return 0
 
 

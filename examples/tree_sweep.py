@@ -4,9 +4,13 @@
         .venv/bin/python examples/tree_sweep.py demo-sql dynamic:2,dynamic:4,dynamic:8@1,dynamic:12/prune=0.25,auto [16]
 
 Each item is a tree (``--tree`` syntax), optionally ``/prune=T`` for an early-exit
-pruning threshold (default: the model's own). Rounds alternate ``ar`` and every
-item (3 rounds by default, ``ROUNDS=N``), and report the median ratio to ``ar``
-of the same round, so drifts of a shared machine hit every item alike.
+pruning threshold (default: the model's own) and ``/merge=R`` for the hosted stream rows
+up to which a pass computes their logits in the main rows' LM-head product
+(``msa.MERGED_STREAM_ROWS``; 0: after the verdict, for the accepted host only; op-by-op
+passes, as fixed trees run by default: a compiled pass keeps the setting it was traced
+with). Rounds alternate ``ar`` and every item (3 rounds by default, ``ROUNDS=N``), and
+report the median ratio to ``ar`` of the same round (and the pass's cost in plain steps,
+τ ÷ that ratio), so drifts of a shared machine hit every item alike.
 
 Decodes the model's first N held-out bench prompts (default 16, up to 64 tokens,
 stopping at EOS) once to warm up and once timed, per tree. tokens/s excludes the
@@ -36,15 +40,24 @@ def main() -> int:
     rows = load_bench_prompts(resolve_model_path(name), n)
     ids = [encode_prompt(tok, r["prompt"]) for r in rows]
 
-    def run(mode, tree=None, prune=None):
-        t = decode_prompts(model, tok, ids, mode, tree, prune)
+    merged = msa.MERGED_STREAM_ROWS
+
+    def run(mode, tree=None, options=None):
+        options = options or {}
+        msa.MERGED_STREAM_ROWS = int(options.get("merge", merged))
+        prune = options.get("prune")
+        t = decode_prompts(model, tok, ids, mode, tree, None if prune is None else float(prune))
         return t.tokens_per_second, t.tokens_per_step, t.pruned_share
 
     items = []
     for s in specs:
-        tree_text, _, prune = s.partition("/prune=")
+        tree_text, *settings = s.split("/")
         tree = tree_text if tree_text == "auto" else TreeSpec.parse(tree_text)
-        items.append((s, tree, float(prune) if prune else None))
+        options = dict(o.partition("=")[::2] for o in settings)
+        unknown = set(options) - {"prune", "merge"}
+        if unknown:
+            sys.exit(f"tree_sweep: unknown setting {sorted(unknown)[0]!r} in {s!r} (known: prune, merge)")
+        items.append((s, tree, options))
     rounds = int(os.environ.get("ROUNDS", "3"))
     msa.LAUNCH_EVERY = int(os.environ.get("LAUNCH_EVERY", msa.LAUNCH_EVERY))
     launch = f"queued every {msa.LAUNCH_EVERY} layers" if msa.LAUNCH_EVERY else "built whole"
@@ -53,20 +66,23 @@ def main() -> int:
         f"{len(ids)} prompts x {rounds} rounds; op-by-op passes {launch}"
     )
     run("ar")
-    for _, tree, prune in items:  # warm-up (and --tree auto's cost measurement)
-        run("ss", tree, prune)
+    for _, tree, options in items:  # warm-up (and --tree auto's cost measurement)
+        run("ss", tree, options)
     ratios = {s: [] for s, _, _ in items}
     taus, pruned_share, ar_rates = {}, {}, []
     for _ in range(rounds):
         ar, _, _ = run("ar")
         ar_rates.append(ar)
-        for s, tree, prune in items:
-            tps, taus[s], pruned_share[s] = run("ss", tree, prune)
+        for s, tree, options in items:
+            tps, taus[s], pruned_share[s] = run("ss", tree, options)
             ratios[s].append(tps / ar)
     print(f"ar           {statistics.median(ar_rates):7.1f} tok/s (median)")
     for s, _, _ in items:
         ratio = statistics.median(ratios[s])
-        print(f"{s:24s} {ratio:.2f}x  tau {taus[s]:.2f}  pruned {pruned_share[s]:.0%} of draft nodes")
+        print(
+            f"{s:24s} {ratio:.2f}x  tau {taus[s]:.2f}  pass {taus[s] / ratio:.2f} plain steps  "
+            f"pruned {pruned_share[s]:.0%} of draft nodes"
+        )
     return 0
 
 

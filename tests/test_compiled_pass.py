@@ -261,3 +261,29 @@ def test_auto_times_passes_and_plain_probes_without_changing_the_output(model_st
         rank = mx.argmax(order == full[len(prompt) :, None], axis=-1)
         before = mx.take_along_axis(mx.cumsum(sorted_p, axis=-1) - sorted_p, rank[:, None], axis=-1)
         assert (before < 0.9 + 1e-4).all().item()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["op-by-op", "compiled"])
+def test_few_hosted_streams_share_the_main_rows_lm_head_product(model_streams, monkeypatch, compiled):
+    """Up to ``MERGED_STREAM_ROWS`` hosted stream rows go through the LM head with the main
+    rows (one read of the head's weights): the pass returns every host's stream logits,
+    equal to the head applied to the stream states alone, and main logits equal to the
+    pass that leaves the streams for later. Above it the streams wait for the verdict."""
+    from specstream_mlx.method import msa
+
+    model, streams = model_streams
+    default, outs = msa.MERGED_STREAM_ROWS, {}
+    assert default >= 4
+    for rows in (default, 0):
+        monkeypatch.setattr(msa, "MERGED_STREAM_ROWS", rows)
+        fwd = SSPass(model, streams, compiled=compiled)  # a fresh trace per setting
+        outs[rows] = fwd(TREE, 20, _prefilled(model, 20), num_streams=2, hosts=np.array([0, 3]))  # 2 x 2 rows
+    merged, apart = outs[default], outs[0]
+    assert apart.stream_logits is None and merged.stream_logits is not None
+    assert merged.stream_logits.shape == (2, 2, model.args.vocab_size)
+    assert mx.allclose(merged.stream_logits, model.lm_logits(apart.stream_hidden), atol=1e-4).item()
+    assert mx.allclose(merged.main_logits, apart.main_logits, atol=1e-4).item()
+    monkeypatch.setattr(msa, "MERGED_STREAM_ROWS", default)
+    fwd = SSPass(model, streams, compiled=compiled)
+    every = fwd(TREE, 20, _prefilled(model, 20), num_streams=2)  # 5 hosts x 2 rows: above it
+    assert default < 10 and every.stream_logits is None

@@ -250,14 +250,23 @@ def msa_layers(
     return x
 
 
+# Hosted stream rows (hosts x γ) up to which every host's streams go through the LM head in
+# the main rows' product. The next draft needs one host's streams only, chosen by the verdict;
+# computed after it, the head's weights (SmolLM2: 113 MB, a fifth of what a step reads) are
+# read a second time. Sharing the read pays while the extra rows' arithmetic costs less than
+# that read: greedy SmolLM2 with streams at 2 hosts (8 rows) took 1.67 against 1.84 plain
+# steps a pass; at 3 hosts (12 rows) the two were even (docs/DESIGN.md decision 39).
+MERGED_STREAM_ROWS = 8
+
+
 def pass_outputs(model, x: mx.array, nk: int, n_hosts: int, gamma: int):
     """(main logits, stream hidden states, stream logits or None) of the top layers' output."""
     stream_hidden = x[0, nk:].reshape(n_hosts, gamma, x.shape[-1])
-    if n_hosts == 1:
-        # One host: its γ stream rows are the only ones the next draft can use, so one LM-head
-        # call over every row computes exactly what two calls would, in one dispatch.
+    if n_hosts == 1 or 0 < n_hosts * gamma <= MERGED_STREAM_ROWS:
+        # One host's rows are the only ones the next draft can use, a few hosts' cost less
+        # than a second read of the head: one LM-head product over every row.
         logits = model.lm_logits(x)[0]
-        return logits[:nk], stream_hidden, logits[nk:].reshape(1, gamma, -1)
+        return logits[:nk], stream_hidden, logits[nk:].reshape(n_hosts, gamma, -1)
     return model.lm_logits(x[:, :nk])[0], stream_hidden, None
 
 

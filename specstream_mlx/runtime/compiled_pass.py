@@ -151,7 +151,7 @@ class SSPass:
             0,
             offset,
             host_nodes,
-            s_logits if len(host_nodes) == 1 else None,
+            s_logits if s_logits.ndim == 3 else None,  # (0,): the pass left them for later
         )
 
     def _fn(self, every: bool):
