@@ -254,8 +254,8 @@ def msa_layers(
 # the main rows' product. The next draft needs one host's streams only, chosen by the verdict;
 # computed after it, the head's weights (SmolLM2: 113 MB, a fifth of what a step reads) are
 # read a second time. Sharing the read pays while the extra rows' arithmetic costs less than
-# that read: greedy SmolLM2 with streams at 2 hosts (8 rows) took 1.67 against 1.84 plain
-# steps a pass; at 3 hosts (12 rows) the two were even (docs/DESIGN.md decision 39).
+# that read: greedy SmolLM2 at dynamic:8@1 (2 hosts, 8 rows) took 1.64-1.69 against
+# 1.79-1.95 plain steps a pass (examples/tree_sweep.py, docs/DESIGN.md decision 39).
 MERGED_STREAM_ROWS = 8
 
 
