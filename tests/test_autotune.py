@@ -511,6 +511,30 @@ def test_calibrated_costs_decide_the_first_request(tiny_model_dir, tmp_path, mon
     assert A.PRIOR_REASON in _reason(auto.plan())  # plain decoding, no pass
 
 
+def test_the_prior_rates_only_the_arms_it_measured_and_explores_only_a_predicted_gain(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """The prior was measured with streams at every node: a cheaper pass hosting them at a
+    few nodes is not rated with its acceptance (it would promise b4@1 (1 + 0.9) / 1.6 =
+    1.19), and the best arm it measured, b4 at (1 + 0.9) / 1.95 = 0.97 (inside the band that
+    keeps measured estimates from flapping), is no predicted gain: the first request decodes
+    plainly, no pass explored."""
+    from specstream_mlx.runtime.sampling import SamplingParams
+
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))
+    costs = {(2, 0): 1.9, (4, 0): 1.95, (8, 0): 2.6, (2, 1): 1.55, (4, 1): 1.6, (8, 1): 1.7}
+    monkeypatch.setattr(A, "calibrate", lambda *a, **k: ArmCosts(dict(costs)))
+    model, _ = _auto_model(tiny_model_dir)
+    _with_prior(model, {2: 0.8, 4: 0.9, 8: 1.0, 12: 1.0, 16: 1.0, 24: 1.0})
+    auto = model.tuner(SamplingParams())
+    auto.new_request()
+    rates = auto.prior_rates()
+    assert all(hosting == 0 for _, hosting in rates)
+    assert A.FALLBACK_BELOW <= max(rates.values()) < 1.0
+    assert auto.pending and A.PRIOR_REASON in auto.pending
+    assert A.PRIOR_REASON in _reason(auto.plan())  # plain decoding, no pass
+
+
 def test_acceptance_priors_that_cannot_be_read_are_ignored():
     from specstream_mlx.runtime.acceptance_prior import AcceptancePrior
 
@@ -623,15 +647,22 @@ def test_a_one_shot_process_that_times_only_passes_stores_what_they_cost(tmp_pat
 
 def test_the_lookup_arm_wins_where_continuations_are_accepted():
     """Greedy: passes that host no streams and verify the n-gram continuation alone compete
-    with the stream arms, scored by the continuations' path scores over their own cost."""
+    with the stream arms, scored by what verified continuations accepted over their own
+    cost; the continuations' path scores alone (a uniform prior on the n-gram hit rates
+    before the request has judged any) do not choose the arm."""
     scores = [0.3, 0.2, 0.1, 0.05]
     costs = costs_of({2: 2.0, 4: 2.3, 8: 2.8})
     costs.stored[A.LOOKUP_ARM] = 1.3
     auto = AutoPolicy(costs, depth=4, budget=4, hosting=0)
     observe_many(auto, WARMUP_STEPS, accepted=0.6, scores=scores)  # streams: best (1 + 0.6) / 2.3 < 1
     for _ in range(30):
-        auto.observe_lookup(3.5)  # a copied span: (1 + 3.5) / 1.3
+        auto.observe_lookup(3.5)  # continuations promise a copied span...
     auto._choose()
+    assert auto.lookup_expected() is None and auto.pending is not None  # ...not yet judged: plain
+    for _ in range(A.WATCH_PASSES):
+        auto.observe_replayed(4)  # replayed over plain tokens, they accepted 4: (1 + 4) / 1.3
+    assert auto.resume_passes() and auto.lookup_expected() == pytest.approx(4.0)
+    auto._choose()  # and judged by what they accepted, the arm stays the best
     assert (auto.budget, auto.hosting) == A.LOOKUP_ARM and auto.pending is None
     plans = [auto.plan() for _ in range(A.LOOKUP_EXPLORE_EVERY)]
     assert all(p.label == "auto:lookup" for p in plans)
@@ -831,6 +862,8 @@ def test_a_continuation_is_verified_only_where_it_pays_for_its_pass():
         auto.observe_lookup(e)
     # Per step: 1 + 0.4 tokens for 1 + 0.5 * (1.5 - 1) plain-step times.
     assert auto.chain == pytest.approx(0.4, abs=0.03) and auto.chain_share == pytest.approx(0.5, abs=0.03)
+    assert auto.rate(A.LOOKUP_ARM) is None  # no verified continuation judged yet
+    auto.hits, auto.hits_n = 0.8, A.WATCH_PASSES  # verified ones accepted what they promised
     assert auto.rate(A.LOOKUP_ARM) == pytest.approx(1.4 / 1.25, abs=0.03)
 
 

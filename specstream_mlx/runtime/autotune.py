@@ -309,10 +309,14 @@ class AutoPolicy:
     # of how many steps would verify one; both observed after every pass.
     # ``lookup_passes``: the arm's steps timed; ``watched`` / ``watched_accepted``: this
     # request's replayed lookup passes over plain tokens and what they accepted, ``watched_last``
-    # what the last of them accepted.
+    # what the last of them accepted. ``hits``: EMA of what verified continuations accepted
+    # (the arm's own passes and replayed ones), ``hits_n`` how many (halved at each request,
+    # as the evidence is): the arm is rated only from WATCH_PASSES of them on.
     lookup_arm: bool = True
     chain: Optional[float] = None
     chain_share: Optional[float] = None
+    hits: Optional[float] = None
+    hits_n: int = 0
     lookup_passes: float = 0.0
     watched: int = 0
     watched_accepted: int = 0
@@ -353,7 +357,7 @@ class AutoPolicy:
 
     def rate(self, arm: Arm, cost: Optional[float] = None) -> Optional[float]:
         """Expected tokens per plain-token time of ``arm`` (plain decoding: 1)."""
-        e = self.chain if arm == LOOKUP_ARM else self.evidence.expected(*arm)
+        e = self.lookup_expected() if arm == LOOKUP_ARM else self.evidence.expected(*arm)
         if e is None:
             return None
         cost = self.costs.cost(arm) if cost is None else cost
@@ -361,15 +365,31 @@ class AutoPolicy:
             cost = 1.0 + (1.0 if self.chain_share is None else self.chain_share) * (cost - 1.0)
         return (1.0 + e) / cost
 
+    def lookup_expected(self) -> Optional[float]:
+        """Tokens a step of the lookup arm is expected to get accepted (None: not yet known):
+        what verified continuations accepted (the arm's own passes, or lookup passes replayed
+        over plain tokens), once WATCH_PASSES of them were seen, times the share of steps that
+        verify one. The continuations' path scores alone do not choose the arm: they start
+        from a uniform prior on the n-gram hit rates, which promises about a token for every
+        continuation before the request has judged any."""
+        if self.hits_n < WATCH_PASSES or self.chain_share is None:
+            return None
+        return self.chain_share * self.hits
+
     def prior_rates(self) -> Dict[Arm, float]:
-        """Predicted tokens per plain-token time of every stream arm from the prior alone
-        (how often a request's text repeats, which the lookup arm needs, is not known before it)."""
-        costs = self.costs.table(self.stream_arms())
+        """Predicted tokens per plain-token time of the stream arms the prior measured, from
+        it alone (how often a request's text repeats, which the lookup arm needs, is not known
+        before it). The prior was measured with streams at every node; an arm hosting them at
+        a few nodes drafts some trees from an ancestor's shifted streams and accepts less
+        (SmolLM2: τ 1.62 at ``dynamic:8@1`` against 1.69 at ``dynamic:8``), so its cheaper
+        pass with the prior's acceptance would promise a gain the arm does not make."""
+        costs = self.costs.table([arm for arm in self.stream_arms() if arm[1] == 0])
         return {arm: (1.0 + self.prior.expected(arm[0])) / c for arm, c in costs.items()}
 
     def new_request(self, pruning_levels=(0.0,)) -> None:
         self.evidence.halve()
         self.lookup_passes /= 2
+        self.hits_n //= 2
         self.watched = self.watched_accepted = self.watched_last = 0
         self.pruning.offer(pruning_levels)
         self.pending = None
@@ -380,7 +400,9 @@ class AutoPolicy:
             self.prior_consulted = True
             rates = self.prior_rates()
             best = max(rates, key=rates.get)
-            if rates[best] < FALLBACK_BELOW:
+            # Trees are tried only where one is predicted to pay: FALLBACK_BELOW's band keeps
+            # measured estimates from flapping, a first request must not pay to explore it.
+            if rates[best] < 1.0:
                 # As if trees had been tried and failed: re-tried after the back-off.
                 self.pending = f"{PRIOR_REASON} (best {rates[best]:.2f}x)"
                 self._back_off(1, rates[best])
@@ -423,6 +445,8 @@ class AutoPolicy:
             if lookup_pass:
                 if len(draft.tree) > 1:
                     self.costs.observe_pass(LOOKUP_ARM, seconds)
+                    self.hits = _ema(self.hits, accepted)
+                    self.hits_n += 1
                 else:
                     self.costs.observe_plain(seconds)
                 self.since_probe += 1
@@ -463,6 +487,8 @@ class AutoPolicy:
         self.watched += 1
         self.watched_accepted += accepted
         self.watched_last = accepted
+        self.hits = _ema(self.hits, accepted)
+        self.hits_n += 1
         self.observe_lookup(float(accepted), verified=True)
 
     def resume_passes(self) -> bool:
