@@ -445,8 +445,7 @@ class AutoPolicy:
             if lookup_pass:
                 if len(draft.tree) > 1:
                     self.costs.observe_pass(LOOKUP_ARM, seconds)
-                    self.hits = _ema(self.hits, accepted)
-                    self.hits_n += 1
+                    self._verified(accepted)
                 else:
                     self.costs.observe_plain(seconds)
                 self.since_probe += 1
@@ -487,9 +486,13 @@ class AutoPolicy:
         self.watched += 1
         self.watched_accepted += accepted
         self.watched_last = accepted
+        self._verified(accepted)
+        self.observe_lookup(float(accepted), verified=True)
+
+    def _verified(self, accepted: int) -> None:
+        """A verified continuation (a lookup pass, run or replayed) accepted ``accepted``."""
         self.hits = _ema(self.hits, accepted)
         self.hits_n += 1
-        self.observe_lookup(float(accepted), verified=True)
 
     def resume_passes(self) -> bool:
         """Asked during watched plain decoding after a replayed pass: True (and the arm is
