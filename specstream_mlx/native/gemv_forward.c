@@ -270,6 +270,16 @@ DEFINE_KN_TILES(avx2, "avx2,fma", __m256, 8, 2, _mm256_setzero_ps, _mm256_loadu_
 DEFINE_KN_TILES(avx512, "avx512f", __m512, 16, 6, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_set1_ps,
                 _mm512_fmadd_ps, _mm512_storeu_ps)
 
+/* Columns [j, j1) of a b stored (k x n) in AVX-512 tiles of 64 columns, then 16; returns the
+ * first column not done (fewer than 16 are left). */
+static int kn_columns_avx512(const product_t *p, int j, int j1) {
+  for (; j + 64 <= j1; j += 64)
+    kn4_avx512(p, j);
+  for (; j + 16 <= j1; j += 16)
+    kn1_avx512(p, j);
+  return j;
+}
+
 /* A weight (n x k) with a short k (attention's keys, k = the head dimension) against
  * several rows of a: the trans_b tiles would end every output in a horizontal sum of a
  * few vectors, so each block of up to 64 weight rows is transposed into a (k x 64) buffer
@@ -292,11 +302,7 @@ __attribute__((target("avx512f"))) static int transposed_columns(const product_t
     q.ldb = 64;
     q.n = cols;
     q.c = p->c + j;
-    int c = 0;
-    for (; c + 64 <= cols; c += 64)
-      kn4_avx512(&q, c);
-    for (; c + 16 <= cols; c += 16)
-      kn1_avx512(&q, c);
+    kn_columns_avx512(&q, 0, cols); /* cols is a multiple of 16: every column */
     j += cols;
   }
   return j;
@@ -316,12 +322,8 @@ static void product_columns(const product_t *p, int j0, int j1) {
       one(p, j);
     return;
   }
-  if (use_avx512) {
-    for (; j + 64 <= j1; j += 64)
-      kn4_avx512(p, j);
-    for (; j + 16 <= j1; j += 16)
-      kn1_avx512(p, j);
-  }
+  if (use_avx512)
+    j = kn_columns_avx512(p, j, j1);
   for (; j + 32 <= j1; j += 32)
     kn4_avx2(p, j);
   for (; j + 8 <= j1; j += 8)
