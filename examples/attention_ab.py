@@ -3,8 +3,8 @@
     env $(.venv/bin/python -m specstream_mlx.blas_env) .venv/bin/python examples/attention_ab.py \\
         [--model smollm2] [--trees dynamic:8@1,dynamic:2] [--rounds 3] [--context N]
 
-One model switches between the forms (:mod:`specstream_mlx.models.attention`; a plain step's
-single query row always takes the fused call). Each round, for three prompts (``--context N``:
+One model switches between the forms (:mod:`specstream_mlx.models.attention`), for its tree
+passes' several query rows and its plain steps' one row alike. Each round, for three prompts (``--context N``:
 each after a passage, about N tokens in all) and each form in turn, which goes first
 alternating: ``ar`` decodes 48 tokens, then greedy ``ss`` 48 tokens with each tree (no
 pruning). Printed: each form's ``ar`` ms per token and each tree's pass cost in that form's

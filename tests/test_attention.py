@@ -12,14 +12,17 @@ from specstream_mlx.io.loading import load_model
 from specstream_mlx.method.streams import StreamConfig, new_streams
 from specstream_mlx.models.attention import composed_attention, fused_attention
 from specstream_mlx.runtime.attention_choice import (
+    Forms,
     HeadLayout,
     attention_form,
     choose_attention,
-    faster_form,
-    measured_form,
+    faster_forms,
+    measured_forms,
     set_attention_form,
 )
+from specstream_mlx.runtime.cache import make_cache
 from specstream_mlx.runtime.loaded_model import load
+from specstream_mlx.runtime.plain_step import plain_step
 from tests.helpers.hf_reference import ARCHITECTURES
 from tests.test_fusion import assert_same_outputs
 from tests.test_speculative import check_exact
@@ -81,47 +84,87 @@ def test_a_model_gives_the_same_logits_and_ss_equals_ar_with_composed_attention(
     check_exact(composed, streams, 151, n_prompts=3, seed=5)
 
 
-def test_one_query_row_always_takes_the_fused_call(hf_models, monkeypatch):
-    """A plain step (one row) uses MLX's call whatever the form; several rows the form's."""
+def test_one_query_row_takes_its_own_form(hf_models, monkeypatch):
+    """A plain step (one row) attends with the one-row form, several rows with theirs; a
+    compiled plain step traced before a change is traced again."""
     _, _, dst = hf_models("llama")
     model, _ = load_model(dst)
-    set_attention_form(model, "composed")
     called = []
     real = base.attention_fn
     monkeypatch.setattr(base, "attention_fn", lambda form: called.append(form) or real(form))
-    model(mx.array([[5]]))
-    assert set(called) == {"fused"}
+    for forms in (Forms("composed", "fused"), Forms("fused", "composed")):
+        set_attention_form(model, forms)
+        called.clear()
+        model(mx.array([[5]]))
+        assert set(called) == {forms.one_row}
+        called.clear()
+        model(mx.array([[5, 6, 7]]))
+        assert set(called) == {forms.rows}
+    assert attention_form(model) == "fused, one row composed"
+    cache = make_cache(model)
+    model(mx.array([[5, 6, 7]]), cache=cache)
     called.clear()
-    model(mx.array([[5, 6, 7]]))
-    assert set(called) == {"composed"}
+    plain_step(model)(mx.array([8]), cache)
+    assert called == ["composed"] * len(model.layers)  # traced with the one-row form
+    set_attention_form(model, "fused")
+    called.clear()
+    plain_step(model)(mx.array([9]), cache)
+    assert called == ["fused"] * len(model.layers)  # traced again
 
 
-def test_faster_form_takes_composed_only_when_clearly_faster():
-    assert faster_form({9: {"fused": 6.0, "composed": 4.4}}) == "composed"
-    assert faster_form({9: {"fused": 6.0, "composed": 5.9}}) == "fused"  # within the noise
-    assert faster_form({9: {"fused": 1.0, "composed": 2.5}}) == "fused"  # MLX's kernel (a GPU)
+def test_one_row_composed_attention_in_a_compiled_step_equals_fused():
+    """The one-row form as a plain step runs it (compiled, a (1, S) mask hiding the
+    buffer's unwritten rows) and with every mask shape."""
+    rng = np.random.RandomState(3)
+    B, H, Hkv, S, D = 1, 9, 3, 128, 64
+    q, k, v = (mx.array(rng.randn(B, h, n, D).astype(np.float32)) for h, n in ((H, 1), (Hkv, S), (Hkv, S)))
+    k = mx.where(mx.arange(S)[:, None] < 70, k, 1e4)  # rows past the offset hold anything
+    mask = (mx.arange(S) <= 69)[None]
+    step = mx.compile(lambda q, k, v, m: composed_attention(q, k, v, D**-0.5, m))
+    want = np.array(fused_attention(q, k[:, :, :70], v[:, :, :70], D**-0.5, None))  # the written rows alone
+    assert np.abs(np.array(step(q, k, v, mask)) - want).max() < 1e-5
 
 
-def test_the_measured_form_is_stored_and_reused(tmp_path, monkeypatch):
+def test_faster_forms_take_composed_only_when_clearly_faster():
+    assert faster_forms({1: {"fused": 6.0, "composed": 4.4}, 9: {"fused": 6.0, "composed": 4.4}}) == Forms.both(
+        "composed"
+    )
+    assert faster_forms({1: {"fused": 6.0, "composed": 5.9}, 9: {"fused": 6.0, "composed": 4.4}}) == Forms(
+        "composed", "fused"  # one row within the noise
+    )
+    assert faster_forms({1: {"fused": 6.0, "composed": 4.4}, 9: {"fused": 1.0, "composed": 2.5}}) == Forms(
+        "fused", "composed"  # several rows: MLX's kernel
+    )
+    assert faster_forms({9: {"fused": 6.0, "composed": 4.4}}) == Forms("composed", "fused")  # one row not timed
+
+
+def test_the_measured_forms_are_stored_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))
     layout = HeadLayout(heads=4, kv_heads=2, head_dim=16, layers=2, dtype="mlx.core.float32")
     calls = []
 
     def measure(lay, form):
         calls.append(lay)
-        return {9: {"fused": 1.0, "composed": 0.5 if form == "composed" else 2.0}}
+        return {r: {"fused": 1.0, "composed": 0.5 if form == "composed" else 2.0} for r in (1, 9)}
 
-    assert measured_form(layout, lambda lay: measure(lay, "composed")) == "composed"
-    assert measured_form(layout, lambda lay: measure(lay, "fused")) == "composed"  # stored: not measured again
+    assert measured_forms(layout, lambda lay: measure(lay, "composed")) == Forms.both("composed")
+    assert measured_forms(layout, lambda lay: measure(lay, "fused")) == Forms.both("composed")  # stored
     assert len(calls) == 1
     stored = json.loads((tmp_path / "attention.json").read_text())
     (entry,) = stored.values()
-    assert entry["form"] == "composed" and entry["layout"]["heads"] == 4 and entry["ms"]["9"]["fused"] == 1000.0
+    assert entry["form"] == entry["one_row"] == "composed" and entry["layout"]["heads"] == 4
+    assert entry["ms"]["9"]["fused"] == entry["ms"]["1"]["fused"] == 1000.0
     other = HeadLayout(heads=8, kv_heads=2, head_dim=16, layers=2, dtype="mlx.core.float32")
-    assert measured_form(other, lambda lay: measure(lay, "fused")) == "fused"  # another layout: measured
+    assert measured_forms(other, lambda lay: measure(lay, "fused")) == Forms.both("fused")  # another layout
     assert len(calls) == 2
     (tmp_path / "attention.json").write_text("{not json")  # a damaged store: measured again
-    assert measured_form(layout, lambda lay: measure(lay, "fused")) == "fused"
+    assert measured_forms(layout, lambda lay: measure(lay, "fused")) == Forms.both("fused")
+    table = json.loads((tmp_path / "attention.json").read_text())
+    for entry in table.values():
+        del entry["one_row"]  # a verdict stored before one row was measured: measured again
+    (tmp_path / "attention.json").write_text(json.dumps(table))
+    assert measured_forms(layout, lambda lay: measure(lay, "composed")) == Forms.both("composed")
+    assert len(calls) == 4
 
 
 def test_the_time_forms_measurement_runs_on_a_small_layout():
@@ -140,8 +183,8 @@ def test_the_setting_picks_the_form_and_a_bad_one_is_named(tiny_model_dir, monke
     with pytest.raises(ValueError, match="SPECSTREAM_ATTENTION='fast' is not one of: auto, fused, composed"):
         choose_attention(sm.base)
     monkeypatch.setenv("SPECSTREAM_ATTENTION", "auto")
-    monkeypatch.setattr(choice, "measured_form", lambda layout: "composed")
-    assert choose_attention(sm.base) == "composed"
+    monkeypatch.setattr(choice, "measured_forms", lambda layout: Forms("composed", "fused"))
+    assert choose_attention(sm.base) == Forms("composed", "fused")
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -150,8 +193,8 @@ def test_every_architecture_gets_a_measured_form(hf_models, tmp_path, monkeypatc
     monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))
     _, _, dst = hf_models(arch)
     model, _ = load_model(dst)
-    form = choose_attention(model, "auto")
+    forms = choose_attention(model, "auto")
     (entry,) = json.loads((tmp_path / "attention.json").read_text()).values()
-    assert form == entry["form"]
+    assert forms == Forms(entry["form"], entry["one_row"])
     layout = entry["layout"]
     assert (layout["heads"], layout["head_dim"]) == (model.args.num_attention_heads, model.args.head_dim)

@@ -56,6 +56,45 @@ def _grouped_mask(mask: mx.array, heads: int, kv_heads: int) -> mx.array:
     return mask.reshape(b, kv_heads, heads // kv_heads, rows, keys)
 
 
+def _softmax_numerators(s: mx.array, scale: float, mask: Union[None, mx.array]) -> mx.array:
+    """exp(scale * s - the row's largest) where ``mask`` keeps (0 elsewhere); ``mask``
+    broadcasts to ``s``: boolean (True: attend) or added to the scaled scores."""
+    if mask is None:
+        return _exp(s, s.max(axis=-1, keepdims=True), scale)
+    if mask.dtype == mx.bool_:
+        # The row's largest score among the keys it may see (masked ones may hold anything).
+        top = mx.where(mask, s, -mx.inf).max(axis=-1, keepdims=True)
+        return _exp_masked(s, mask, top, scale)
+    z = s * scale + mask.astype(mx.float32)
+    return _exp(z, z.max(axis=-1, keepdims=True), 1.0)
+
+
+def _one_row_mask(mask: mx.array, heads: int, kv_heads: int) -> mx.array:
+    """A mask that broadcasts to (B, H, 1, S) as one that broadcasts to (B, Hkv, H/Hkv, S)."""
+    if mask.ndim <= 2:  # (1, S) or (S,): the same keys for every head
+        return mask
+    while mask.ndim < 4:
+        mask = mask[None]
+    mask = mask[:, :, 0]  # (B, H or 1, S)
+    if mask.shape[1] == 1:
+        return mask[:, :, None]
+    return mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, mask.shape[-1])
+
+
+def _one_row_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Union[None, mx.array]):
+    """:func:`composed_attention` for one query row (a plain decoding step).
+
+    The queries of a key/value head are the rows of one product, (H/Hkv x D) against the
+    head's keys: a few products of several rows per layer instead of one of a single row
+    per query head, and the same for the values."""
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    s = (q.reshape(B, Hkv, H // Hkv, D) @ k.swapaxes(-1, -2)).astype(mx.float32)  # (B, Hkv, rep, S)
+    p = _softmax_numerators(s, scale, None if mask is None else _one_row_mask(mask, H, Hkv))
+    out = p.astype(v.dtype) @ v
+    return (out / p.sum(axis=-1, keepdims=True).astype(v.dtype)).reshape(B, H, 1, D)
+
+
 def composed_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Union[None, str, mx.array]):
     """The same as :func:`fused_attention`, composed of two products and a compiled softmax.
 
@@ -65,23 +104,16 @@ def composed_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask
     B, H, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     rep = H // Hkv
+    if isinstance(mask, str) and mask != "causal":
+        raise ValueError(f"unknown attention mask {mask!r}")
+    if L == 1:  # "causal": the one query is the last key's, it sees them all
+        return _one_row_attention(q, k, v, scale, None if isinstance(mask, str) else mask)
     # (B, Hkv, rep, L, D) @ (B, Hkv, 1, D, S): the queries grouped by their key/value head,
     # each product L rows (a BLAS or a kernel for few rows takes it as it takes the layer's).
     s = (q.reshape(B, Hkv, rep, L, D) @ k[:, :, None].swapaxes(-1, -2)).astype(mx.float32)
     if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"unknown attention mask {mask!r}")
         mask = mx.arange(S)[None] <= mx.arange(S - L, S)[:, None]
-    if mask is None:
-        p = _exp(s, s.max(axis=-1, keepdims=True), scale)
-    elif mask.dtype == mx.bool_:
-        keep = _grouped_mask(mask, H, Hkv)
-        # The row's largest score among the keys it may see (masked ones may hold anything).
-        top = mx.where(keep, s, -mx.inf).max(axis=-1, keepdims=True)
-        p = _exp_masked(s, keep, top, scale)
-    else:  # added to the scaled scores
-        z = s * scale + _grouped_mask(mask, H, Hkv).astype(mx.float32)
-        p = _exp(z, z.max(axis=-1, keepdims=True), 1.0)
+    p = _softmax_numerators(s, scale, None if mask is None else _grouped_mask(mask, H, Hkv))
     total = p.sum(axis=-1, keepdims=True)
     out = p.astype(v.dtype) @ v[:, :, None]
     return (out / total.astype(v.dtype)).reshape(B, H, L, D)

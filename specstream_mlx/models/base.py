@@ -223,9 +223,11 @@ class Attention(nn.Module):
         self.rope = RoPE(hd, args)
         # Keys a query may reach, counting itself (sliding-window layers); None: all.
         self.window: Optional[int] = args.sliding_window if args.window_every_layer else None
-        # MLX's fused kernel, or the same arithmetic composed of products (models/attention.py)
-        # for queries of several rows; a loaded model decodes with the form measured faster here.
+        # MLX's fused kernel, or the same arithmetic composed of products (models/attention.py),
+        # for queries of several rows and for one; a loaded model decodes with the forms
+        # measured faster here (runtime/attention_choice.py).
         self.attention_form = "fused"
+        self.one_row_form = "fused"
 
     def project(self, x: mx.array, positions: mx.array, adapter: Optional[Adapter] = None):
         """Queries, keys and values of ``x`` (B, L, dim), rotated; each (B, heads, L, D).
@@ -257,9 +259,7 @@ class Attention(nn.Module):
     def attend(self, q, k, v, mask, adapter: Optional[Adapter] = None) -> mx.array:
         """One attention call (the form's), then the output projection; (B, L, dim)."""
         B, _, L, _ = q.shape
-        # One query row (a plain step) always takes MLX's call: its softmax is small, and the
-        # composed form's extra operations cost more than they save there.
-        out = attention_fn(self.attention_form if L > 1 else "fused")(q, k, v, self.scale, mask)
+        out = attention_fn(self.attention_form if L > 1 else self.one_row_form)(q, k, v, self.scale, mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         y = self.o_proj(out)
         return adapter("o_proj", out, y) if adapter else y

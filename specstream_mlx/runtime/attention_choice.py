@@ -3,17 +3,15 @@
 MLX's fused attention kernel is one launch where the device has it; where it has none the
 same call is composed at graph-building time around MLX's own softmax
 (:mod:`specstream_mlx.models.attention`). Which of the two forms is faster is a fact of the
-device and the build, so it is measured, not inferred from the device's name: both forms
-attend, once per layer of the model, for nine query rows (a tree pass) over 128 cached keys,
-interleaved, and ``composed`` is taken only where it is clearly faster. It serves queries of
-several rows (tree passes, prompts); a single row (a plain step) always takes the fused call:
-there the softmax is a few hundred exponentials per layer and the composed form's extra
-operations cost more than it saves (``ar`` 1.05x slower with it in
-``examples/attention_ab.py``). The verdict is kept in ``attention.json`` in the user cache, under
-what it depends on (MLX's version, the device, how MLX's CPU kernels are built, the heads,
-the dtype), so a model loads without measuring again.
+device and the build, so it is measured, not inferred from the device's name, for each of
+the two ways a model attends: several query rows (a tree pass, a prompt: nine rows, op by op
+as a pass runs) and one row (a plain step: compiled, as :mod:`.plain_step` runs it), both
+over 128 cached keys, once per layer of the model, the forms interleaved; ``composed`` is
+taken where it is clearly faster. The verdicts are kept in ``attention.json`` in the user
+cache, under what they depend on (MLX's version, the device, how MLX's CPU kernels are
+built, the heads, the dtype), so a model loads without measuring again.
 
-``SPECSTREAM_ATTENTION`` = ``fused`` | ``composed`` | ``auto`` (the default: measured).
+``SPECSTREAM_ATTENTION`` = ``fused`` | ``composed`` (both ways) | ``auto`` (the default: measured).
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Union
 
 import mlx.core as mx
 
@@ -32,13 +30,14 @@ from ..cpu_jit import jit_words
 from ..io.files import cache_root, read_cache_table, write_cache_table
 from ..models.attention import FORMS, attention_fn
 from ..settings import current as current_settings
+from .plain_step import forget_plain_step
 
 SETTING = "SPECSTREAM_ATTENTION"
 # composed is taken where it takes at most this share of fused's time: a measurement's
 # noise must not flip a model between forms from one process to the next.
 MARGIN = 0.95
-# Query rows timed: a tree pass of a budget-8 tree.
-ROWS = (9,)
+# Query rows timed: a plain step, and a tree pass of a budget-8 tree.
+ROWS = (1, 9)
 CONTEXT = 128
 REPS = 7
 
@@ -60,17 +59,36 @@ class HeadLayout:
         return cls(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.num_hidden_layers, dtype)
 
 
-def set_attention_form(model, form: str) -> None:
-    """Every layer of ``model`` attends with ``form``; before it decodes (compiled graphs
-    traced earlier keep the form they were traced with)."""
-    attention_fn(form)  # an unknown form is refused here
+@dataclass(frozen=True)
+class Forms:
+    """The form a model attends with for several query rows and for one."""
+
+    rows: str
+    one_row: str
+
+    @classmethod
+    def both(cls, form: str) -> "Forms":
+        return cls(form, form)
+
+    def label(self) -> str:
+        return self.rows if self.rows == self.one_row else f"{self.rows}, one row {self.one_row}"
+
+
+def set_attention_form(model, forms: Union[str, Forms]) -> None:
+    """Every layer of ``model`` attends with ``forms`` (a form name: both ways). Its compiled
+    plain step is traced again; compiled tree passes traced earlier keep their form."""
+    forms = Forms.both(forms) if isinstance(forms, str) else forms
+    attention_fn(forms.rows), attention_fn(forms.one_row)  # an unknown form is refused here
     for layer in model.layers:
-        layer.self_attn.attention_form = form
+        layer.self_attn.attention_form = forms.rows
+        layer.self_attn.one_row_form = forms.one_row
+    forget_plain_step(model)
 
 
 def attention_form(model) -> str:
-    """The form ``model`` attends with."""
-    return model.layers[0].self_attn.attention_form
+    """The forms ``model`` attends with, in words (one name where both ways agree)."""
+    attn = model.layers[0].self_attn
+    return Forms(attn.attention_form, attn.one_row_form).label()
 
 
 def configured_form() -> str:
@@ -92,27 +110,32 @@ def _key(layout: HeadLayout) -> str:
 
 def time_forms(layout: HeadLayout, reps: int = REPS) -> Dict[int, Dict[str, float]]:
     """Median seconds of ``layout.layers`` attention calls per form, per row count (the forms
-    interleaved, one warm-up each)."""
+    interleaved, one warm-up each). One row is timed compiled, as a plain step runs it."""
     dtype = getattr(mx, layout.dtype.split(".")[-1])
     hd, scale = layout.head_dim, layout.head_dim**-0.5
     out = {}
     for rows in ROWS:
         keys = CONTEXT + rows
-        q = mx.random.normal((1, layout.heads, rows, hd)).astype(dtype)
-        k = mx.random.normal((1, layout.kv_heads, keys, hd)).astype(dtype)
-        v = mx.random.normal((1, layout.kv_heads, keys, hd)).astype(dtype)
+        shape = lambda heads, n: (layout.layers, 1, heads, n, hd)  # noqa: E731
+        q = mx.random.normal(shape(layout.heads, rows)).astype(dtype)
+        k = mx.random.normal(shape(layout.kv_heads, keys)).astype(dtype)
+        v = mx.random.normal(shape(layout.kv_heads, keys)).astype(dtype)
         mask = mx.arange(keys)[None] <= mx.arange(CONTEXT, keys)[:, None]
         mx.eval(q, k, v, mask)
+        calls = {}
+        for form in FORMS:
+            fn = attention_fn(form)
+            layers = lambda q, k, v, mask, fn=fn: [fn(q[i], k[i], v[i], scale, mask) for i in range(len(q))]  # noqa: E731
+            calls[form] = mx.compile(layers) if rows == 1 else layers
         runs: Dict[str, list] = {f: [] for f in FORMS}
 
         def run(form: str, q=q, k=k, v=v, mask=mask) -> float:
-            fn = attention_fn(form)
             t = time.perf_counter()
-            mx.eval([fn(q, k, v, scale, mask) for _ in range(layout.layers)])
+            mx.eval(calls[form](q, k, v, mask))
             return time.perf_counter() - t
 
         for form in FORMS:
-            run(form)  # warm-up: MLX builds its compiled kernels once per process (or machine)
+            run(form)  # warm-up: MLX builds (and compiles) its kernels once per process (or machine)
         for _ in range(reps):
             for form in FORMS:
                 runs[form].append(run(form))
@@ -120,36 +143,44 @@ def time_forms(layout: HeadLayout, reps: int = REPS) -> Dict[int, Dict[str, floa
     return out
 
 
-def faster_form(times: Dict[int, Dict[str, float]]) -> str:
-    """``composed`` where it takes at most ``MARGIN`` of ``fused``'s time at every row count
-    timed; else MLX's own ``fused``."""
-    if all(t["composed"] <= MARGIN * t["fused"] for t in times.values()):
-        return "composed"
-    return "fused"
+def faster_forms(times: Dict[int, Dict[str, float]]) -> Forms:
+    """For one row and for several: ``composed`` where it takes at most ``MARGIN`` of
+    ``fused``'s time at every row count of that kind timed; else MLX's own ``fused``."""
+
+    def faster(counts) -> str:
+        counts = list(counts)
+        if counts and all(times[r]["composed"] <= MARGIN * times[r]["fused"] for r in counts):
+            return "composed"
+        return "fused"
+
+    return Forms(faster(r for r in times if r > 1), faster(r for r in times if r == 1))
 
 
-def measured_form(layout: HeadLayout, measure: Callable[[HeadLayout], Dict[int, Dict[str, float]]] = time_forms) -> str:
+def measured_forms(
+    layout: HeadLayout, measure: Callable[[HeadLayout], Dict[int, Dict[str, float]]] = time_forms
+) -> Forms:
     """The stored verdict for ``layout`` on this machine, else a new measurement (stored)."""
     key = _key(layout)
     table = read_cache_table(_store_file())
     entry = table.get(key)
-    if isinstance(entry, dict) and entry.get("form") in FORMS:
-        return entry["form"]
+    if isinstance(entry, dict) and entry.get("form") in FORMS and entry.get("one_row") in FORMS:
+        return Forms(entry["form"], entry["one_row"])
     times = measure(layout)
-    form = faster_form(times)
+    forms = faster_forms(times)
     table[key] = {
-        "form": form,
+        "form": forms.rows,
+        "one_row": forms.one_row,
         "layout": vars(layout),
         "ms": {str(r): {f: round(s * 1e3, 4) for f, s in t.items()} for r, t in times.items()},
     }
     write_cache_table(_store_file(), table, indent=1)
-    return form
+    return forms
 
 
-def choose_attention(model, setting: Optional[str] = None) -> str:
-    """The form ``model`` should decode with: ``setting`` (default ``SPECSTREAM_ATTENTION``),
-    or where that is ``auto``, the measured one."""
+def choose_attention(model, setting: Optional[str] = None) -> Forms:
+    """The forms ``model`` should decode with: ``setting`` (default ``SPECSTREAM_ATTENTION``),
+    or where that is ``auto``, the measured ones."""
     setting = setting or configured_form()
     if setting != "auto":
-        return setting
-    return measured_form(HeadLayout.of(model))
+        return Forms.both(setting)
+    return measured_forms(HeadLayout.of(model))

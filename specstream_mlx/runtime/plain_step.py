@@ -83,3 +83,9 @@ def plain_step(model) -> PlainStep:
             del _STEPS[key]
         entry = _STEPS[id(model)] = (weakref.ref(model), PlainStep(model))
     return entry[1]
+
+
+def forget_plain_step(model) -> None:
+    """Drops ``model``'s compiled step: the next one is traced anew (after its attention
+    form changed)."""
+    _STEPS.pop(id(model), None)
