@@ -129,7 +129,7 @@ def time_forms(layout: HeadLayout, reps: int = REPS) -> Dict[int, Dict[str, floa
             calls[form] = mx.compile(layers) if rows == 1 else layers
         runs: Dict[str, list] = {f: [] for f in FORMS}
 
-        def run(form: str, q=q, k=k, v=v, mask=mask) -> float:
+        def run(form: str, q=q, k=k, v=v, mask=mask, calls=calls) -> float:
             t = time.perf_counter()
             mx.eval(calls[form](q, k, v, mask))
             return time.perf_counter() - t
