@@ -130,10 +130,12 @@ def test_faster_forms_take_composed_only_when_clearly_faster():
         "composed"
     )
     assert faster_forms({1: {"fused": 6.0, "composed": 5.9}, 9: {"fused": 6.0, "composed": 4.4}}) == Forms(
-        "composed", "fused"  # one row within the noise
+        "composed",
+        "fused",  # one row within the noise
     )
     assert faster_forms({1: {"fused": 6.0, "composed": 4.4}, 9: {"fused": 1.0, "composed": 2.5}}) == Forms(
-        "fused", "composed"  # several rows: MLX's kernel
+        "fused",
+        "composed",  # several rows: MLX's kernel
     )
     assert faster_forms({9: {"fused": 6.0, "composed": 4.4}}) == Forms("composed", "fused")  # one row not timed
 
