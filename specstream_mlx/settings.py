@@ -11,9 +11,9 @@
                           shape); default op by op (docs/DESIGN.md, decision 18).
 ``SPECSTREAM_FUSE``       ``0``: decoding keeps each layer's q/k/v and gate/up products apart
                           as stored; default fused at load (docs/DESIGN.md, decision 35).
-``SPECSTREAM_ATTENTION``  how queries of several rows attend: ``fused``, ``composed`` or
-                          ``auto`` (default: the form measured faster here; docs/DESIGN.md,
-                          decision 37).
+``SPECSTREAM_ATTENTION``  how queries attend: ``fused``, ``composed`` or ``auto`` (default:
+                          the form measured faster here, for several query rows and for one;
+                          docs/DESIGN.md, decision 37).
 ========================  ====================================================================
 
 The BLAS settings (``SPECSTREAM_BLAS``, ``SPECSTREAM_NO_OPENBLAS``, thread counts) act before
@@ -39,8 +39,8 @@ class Settings:
         cache_dir: the user cache directory (not created here).
         compile_passes: run speculative passes as compiled graphs.
         fuse_projections: fuse q/k/v and gate/up at load for decoding.
-        attention: the attention form of several query rows, as given (checked where it
-            is used, :func:`specstream_mlx.runtime.attention_choice.configured_form`).
+        attention: the attention form, as given (checked where it is used,
+            :func:`specstream_mlx.runtime.attention_choice.configured_form`).
     """
 
     cache_dir: Path

@@ -11,7 +11,9 @@ whose exponentials are one compiled element-wise kernel (which :mod:`specstream_
 builds with the CPU's vector instructions): queries are grouped by their key/value head, so
 grouped-query attention needs no repeated keys (the batched products broadcast them); the
 probabilities are normalised after the second product (L x D divisions instead of L x S).
-The same values to rounding.
+The same values to rounding. One query row (a plain step) is a case of its own: the queries
+of a key/value head become the rows of one product (a few products of several rows a layer,
+where MLX's composition runs one single-row product per query head, and its softmax).
 
 Which form a loaded model decodes with is a measured choice per machine and head layout
 (:mod:`specstream_mlx.runtime.attention_choice`), never a check of the device: on a GPU

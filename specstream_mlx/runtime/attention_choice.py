@@ -78,7 +78,8 @@ def set_attention_form(model, forms: Union[str, Forms]) -> None:
     """Every layer of ``model`` attends with ``forms`` (a form name: both ways). Its compiled
     plain step is traced again; compiled tree passes traced earlier keep their form."""
     forms = Forms.both(forms) if isinstance(forms, str) else forms
-    attention_fn(forms.rows), attention_fn(forms.one_row)  # an unknown form is refused here
+    for form in (forms.rows, forms.one_row):
+        attention_fn(form)  # an unknown form is refused here
     for layer in model.layers:
         layer.self_attn.attention_form = forms.rows
         layer.self_attn.one_row_form = forms.one_row

@@ -43,7 +43,7 @@ TIME_EMA = 0.1
 TIME_MIN = 3
 # Bump when a pass changes what it computes or how its costs are measured: stored costs
 # are then ignored.
-COST_VERSION = 14
+COST_VERSION = 15
 
 
 def cost_cache_file() -> Path:
@@ -227,7 +227,7 @@ def model_key(model, streams, kind: str, compiled: bool) -> str:
         "quantized" if "Quantized" in str(type(model.layers[0].mlp.down_proj)) else "float",
         "fused" if getattr(model.layers[0].self_attn, "fused_qkv", False) else "apart",  # q/k/v: one product or three
         "compiled" if compiled else "eager",
-        attention_form(model),  # MLX's fused attention or the composed one (a tenth of a 9-node pass)
+        attention_form(model),  # MLX's fused attention or the composed one, for several rows and for one
     ]
     return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
 
