@@ -73,14 +73,9 @@ def _softmax_numerators(s: mx.array, scale: float, mask: Union[None, mx.array]) 
 
 def _one_row_mask(mask: mx.array, heads: int, kv_heads: int) -> mx.array:
     """A mask that broadcasts to (B, H, 1, S) as one that broadcasts to (B, Hkv, H/Hkv, S)."""
-    if mask.ndim <= 2:  # (1, S) or (S,): the same keys for every head
+    if mask.ndim <= 2:  # (1, S) or (S,), a plain step's: the same keys for every head, as it is
         return mask
-    while mask.ndim < 4:
-        mask = mask[None]
-    mask = mask[:, :, 0]  # (B, H or 1, S)
-    if mask.shape[1] == 1:
-        return mask[:, :, None]
-    return mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, mask.shape[-1])
+    return _grouped_mask(mask, heads, kv_heads)[..., 0, :]
 
 
 def _one_row_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Union[None, mx.array]):

@@ -125,8 +125,10 @@ def time_forms(layout: HeadLayout, reps: int = REPS) -> Dict[int, Dict[str, floa
         mx.eval(q, k, v, mask)
         calls = {}
         for form in FORMS:
-            fn = attention_fn(form)
-            layers = lambda q, k, v, mask, fn=fn: [fn(q[i], k[i], v[i], scale, mask) for i in range(len(q))]  # noqa: E731
+
+            def layers(q, k, v, mask, fn=attention_fn(form)):  # one call a layer
+                return [fn(q[i], k[i], v[i], scale, mask) for i in range(len(q))]
+
             calls[form] = mx.compile(layers) if rows == 1 else layers
         runs: Dict[str, list] = {f: [] for f in FORMS}
 
