@@ -47,7 +47,8 @@ prefetches the next weight rows; default: non-temporally from two rows on, not a
 ``SPECSTREAM_SKINNY_YIELD=0`` (a waiting worker pauses instead of yielding its core) and
 ``SPECSTREAM_SKINNY_SPIN_US`` (how long it spins before it sleeps, default 50).
 ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` | ``mimalloc`` | ``glibc`` (none
-preloaded) | a library path.
+preloaded) | a library path. jemalloc comes with ``MALLOC_CONF=thp:always`` (its memory in
+transparent huge pages); set ``MALLOC_CONF`` by hand (``thp:default``) to replace it.
 """
 
 from __future__ import annotations
@@ -126,15 +127,22 @@ MALLOC_ENV = "SPECSTREAM_MALLOC"
 
 @dataclass(frozen=True)
 class MallocLibrary:
-    """A drop-in ``malloc`` the CLI can preload (``SPECSTREAM_MALLOC`` names it)."""
+    """A drop-in ``malloc`` the CLI can preload (``SPECSTREAM_MALLOC`` names it), and the
+    environment it is preloaded with (a value set by hand wins)."""
 
     name: str
     soname: str
     package: str
+    settings: Tuple[Tuple[str, str], ...] = ()
 
 
+# jemalloc backs its memory with transparent huge pages (where the kernel offers them on
+# request, as Debian's default ``madvise`` does): a step reads 0.5 GB of weights and
+# prefill writes large activations, through 512x fewer TLB entries and page faults
+# (plain step 0.93x, 600-token prefill ~0.8x here; bench/README.md). numpy asks for them
+# for its large arrays itself, so the floor's read had them already.
 MALLOCS: Dict[str, MallocLibrary] = {
-    "jemalloc": MallocLibrary("jemalloc", "libjemalloc.so.2", "libjemalloc2"),
+    "jemalloc": MallocLibrary("jemalloc", "libjemalloc.so.2", "libjemalloc2", (("MALLOC_CONF", "thp:always"),)),
     "tcmalloc": MallocLibrary("tcmalloc", "libtcmalloc_minimal.so.4", "libtcmalloc-minimal4"),
     "mimalloc": MallocLibrary("mimalloc", "libmimalloc.so.2", "libmimalloc2.0"),
 }
@@ -166,7 +174,15 @@ class BlasChoice:
             env[self.library.threads_env] = str(self.threads)
         if self.path is not None and self.library is not None:
             env.update(self.library.settings)
+        env.update(malloc_settings(self.malloc))
         return env
+
+
+def malloc_settings(path: Optional[str]) -> Dict[str, str]:
+    """The environment the allocator at ``path`` is preloaded with (by its file name)."""
+    name = os.path.basename(path or "")
+    lib = next((m for m in MALLOCS.values() if path and name.startswith(m.soname.split(".so")[0] + ".so")), None)
+    return dict(lib.settings) if lib else {}
 
 
 def find_blas(name: str) -> Optional[str]:
@@ -522,7 +538,8 @@ def malloc_in_use() -> str:
     for line in _mapped_files().splitlines():
         for lib in MALLOCS.values():
             if line.split("/")[-1].startswith(lib.soname.split(".so")[0] + ".so"):
-                return f"{lib.name} ({line.split()[-1]})"
+                conf = "".join(f" {k}={os.environ[k]}" for k, _ in lib.settings if os.environ.get(k))
+                return f"{lib.name} ({line.split()[-1]}){conf}"
     return "glibc" if sys.platform.startswith("linux") else "system"
 
 

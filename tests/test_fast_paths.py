@@ -127,6 +127,7 @@ def test_allocator_setting_is_parsed_and_refused_in_one_line(monkeypatch):
 
     installed = {"tcmalloc": "/lib/libtcmalloc_minimal.so.4", "mimalloc": "/lib/libmimalloc.so.2"}
     monkeypatch.setattr(P, "find_malloc", lambda name: installed.get(name))
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
     monkeypatch.setattr(P.sys, "platform", "linux")
     # The default is the first of the preference order that is installed; glibc is none.
     assert P.choose_malloc(None) == P.choose_malloc("") == installed[P.MALLOC_PREFERENCE[1]]
@@ -142,19 +143,40 @@ def test_allocator_setting_is_parsed_and_refused_in_one_line(monkeypatch):
     assert env["LD_PRELOAD"] == "/lib/libtcmalloc_minimal.so.4:/cache/libspecstream-gemv.so:/lib/openblas.so"
     assert P.choose_blas("none", malloc="mimalloc").env() == {"LD_PRELOAD": "/lib/libmimalloc.so.2"}
     assert P.choose_blas(None).malloc is None  # the library call's default: no allocator
+    # jemalloc comes with its memory in huge pages; the others with nothing of the kind.
+    installed["jemalloc"] = "/lib/libjemalloc.so.2"
+    env = P.choose_blas("none", malloc="jemalloc").env()
+    assert env == {"LD_PRELOAD": "/lib/libjemalloc.so.2", "MALLOC_CONF": "thp:always"}
+    assert "MALLOC_CONF" not in P.choose_blas(None, malloc="tcmalloc").env()
 
 
 _ALLOCATOR = """
+import re
+import mlx.core as mx
 from specstream_mlx.platform_info import malloc_in_use
-print(malloc_in_use().split()[0])
+a = mx.ones((32 << 20,))  # 128 MB, as a model's weights are allocated
+mx.eval(a)
+huge = re.search(r"AnonHugePages:\\s*(\\d+)", open("/proc/self/smaps_rollup").read())
+print(malloc_in_use().split()[0], int(huge.group(1)) if huge else -1)
 """
+
+
+def _huge_pages_on_request() -> bool:
+    """Whether this kernel gives transparent huge pages to memory that asks for them."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
 
 
 def test_the_cli_runs_under_the_chosen_allocator():
     """MLX frees on its stream thread what the graph-building thread allocated; glibc's
     allocator took 2-5 ms of a SmolLM2 step for it (bench/malloc.md). The CLI re-executes
     itself once with the chosen allocator preloaded (only a process's start can replace
-    malloc), names it in doctor, and refuses a wrong setting in one line."""
+    malloc), names it in doctor, and refuses a wrong setting in one line. jemalloc comes
+    with ``MALLOC_CONF=thp:always`` (a value set by hand wins): its memory is then in huge
+    pages, which a plain step and prefill ran faster with."""
     import os
 
     from specstream_mlx.platform_info import MALLOC_PREFERENCE, _uses_mlx_cpu_wheel, choose_malloc, find_malloc
@@ -162,7 +184,7 @@ def test_the_cli_runs_under_the_chosen_allocator():
     if not _uses_mlx_cpu_wheel() or choose_malloc(None) is None:
         pytest.skip("needs MLX's Linux CPU wheel and an allocator package (CI installs both)")
     default = next(n for n in MALLOC_PREFERENCE if find_malloc(n))
-    keep = ("LD_PRELOAD", "SPECSTREAM_MALLOC", "SPECSTREAM_BLAS_REEXEC")
+    keep = ("LD_PRELOAD", "SPECSTREAM_MALLOC", "SPECSTREAM_BLAS_REEXEC", "MALLOC_CONF")
     env = {k: v for k, v in os.environ.items() if k not in keep}
 
     def doctor(**extra):
@@ -170,25 +192,29 @@ def test_the_cli_runs_under_the_chosen_allocator():
             [sys.executable, "-m", "specstream_mlx", "doctor"], capture_output=True, text=True, env={**env, **extra}
         )
         line = next((x for x in out.stdout.splitlines() if x.startswith("malloc:")), "malloc:")
-        return out, line.split()[1:2]
+        return out, line.split()[1:2], line.split()[3:]
 
-    out, name = doctor()
+    out, name, conf = doctor()
     assert out.returncode == 0 and name == [default], out
-    out, name = doctor(SPECSTREAM_MALLOC="glibc")
+    assert conf == (["MALLOC_CONF=thp:always"] if default == "jemalloc" else []), out.stdout
+    if default == "jemalloc":
+        out, _, conf = doctor(MALLOC_CONF="thp:never")
+        assert out.returncode == 0 and conf == ["MALLOC_CONF=thp:never"], out.stdout
+    out, name, _ = doctor(SPECSTREAM_MALLOC="glibc")
     assert out.returncode == 0 and name == ["glibc"], out
-    out, _ = doctor(SPECSTREAM_MALLOC="hoard")
+    out, _, _ = doctor(SPECSTREAM_MALLOC="hoard")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "SPECSTREAM_MALLOC" in out.stderr
     # Programs that import the library get it from the printed environment.
     words = subprocess.run(
         [sys.executable, "-m", "specstream_mlx.blas_env"], capture_output=True, text=True, env=env, check=True
     ).stdout.split()
-    preload = dict(w.split("=", 1) for w in words)["LD_PRELOAD"]
-    ran = subprocess.run(
-        [sys.executable, "-c", _ALLOCATOR], capture_output=True, text=True, env={**env, "LD_PRELOAD": preload}
-    )
-    assert ran.returncode == 0 and ran.stdout.split() == [default], ran.stderr
+    printed = dict(w.split("=", 1) for w in words)
+    ran = subprocess.run([sys.executable, "-c", _ALLOCATOR], capture_output=True, text=True, env={**env, **printed})
+    assert ran.returncode == 0 and ran.stdout.split()[0] == default, ran.stderr
+    if default == "jemalloc" and _huge_pages_on_request():
+        assert int(ran.stdout.split()[1]) >= 64 << 10, ran.stdout  # KB of the array in huge pages
     bare = subprocess.run([sys.executable, "-c", _ALLOCATOR], capture_output=True, text=True, env=env)
-    assert bare.stdout.split() == ["glibc"], bare.stderr
+    assert bare.stdout.split()[0] == "glibc", bare.stderr
 
 
 GEMV_CHECK = r"""
