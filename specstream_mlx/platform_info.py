@@ -136,11 +136,11 @@ class MallocLibrary:
     settings: Tuple[Tuple[str, str], ...] = ()
 
 
-# jemalloc backs its memory with transparent huge pages (where the kernel offers them on
-# request, as Debian's default ``madvise`` does): a step reads 0.5 GB of weights and
-# prefill writes large activations, through 512x fewer TLB entries and page faults
-# (plain step 0.93x, 600-token prefill ~0.8x here; bench/README.md). numpy asks for them
-# for its large arrays itself, so the floor's read had them already.
+# jemalloc backs its memory with transparent huge pages (where the kernel gives them on
+# request, as in Debian's default ``madvise`` mode): a step reads 0.5 GB of weights and
+# prefill writes large activations, through 512x fewer TLB entries and page faults (a
+# SmolLM2 plain step 0.95x as long; docs/DESIGN.md, decision 36). numpy asks for them for
+# its large arrays itself, so the floor's read test had them already.
 MALLOCS: Dict[str, MallocLibrary] = {
     "jemalloc": MallocLibrary("jemalloc", "libjemalloc.so.2", "libjemalloc2", (("MALLOC_CONF", "thp:always"),)),
     "tcmalloc": MallocLibrary("tcmalloc", "libtcmalloc_minimal.so.4", "libtcmalloc-minimal4"),

@@ -31,6 +31,12 @@ from tests.test_speculative import check_exact
 def _masks(B, H, L, S, rng):
     sees_itself = mx.arange(S)[None] == mx.arange(S - L, S)[:, None]  # every query sees a key
     rand = lambda shape: mx.array(rng.rand(*shape) > 0.4) | sees_itself  # noqa: E731
+
+    def every_row(shape):  # one row of keys for all queries (the last key always seen)
+        m = rng.rand(*shape) > 0.4
+        m[..., -1] = True
+        return mx.array(m)
+
     return [
         None,
         "causal",
@@ -38,7 +44,11 @@ def _masks(B, H, L, S, rng):
         rand((B, 1, L, S)),
         rand((B, H, L, S)),
         rand((1, L, S)),
+        every_row((1, S)),
+        every_row((B, H, 1, S)),  # per head, the same for every row
+        every_row((B, 1, 1, S)),
         mx.array(rng.randn(L, S).astype(np.float32)),  # added to the scores
+        mx.array(rng.randn(B, H, 1, S).astype(np.float32)),
     ]
 
 

@@ -238,8 +238,9 @@ for k, n in ((64, 96), (576, 192), (1536, 576), (7, 3)):
     ]
 # A few rows (a tree pass): every row-tile remainder, columns not a multiple of the tile,
 # depths not a multiple of the vector, rows and weights with a leading stride, more rows
-# than the kernel takes (GEMM), alpha/beta, and a product large enough for the pool.
-for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 16, 31, 32, 33, 47, 48, 49, 80):
+# than a tile takes (in blocks by a small weight, up to 192 rows; else GEMM), alpha/beta,
+# and a product large enough for the pool.
+for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 16, 31, 32, 33, 47, 48, 49, 51, 80, 97, 192, 193):
     # (64, 40) and (64, 200): a short depth, as attention's scores and values have, with
     # every column-block remainder of the transposed and the stored-(k x n) tiles.
     for k, n in ((576, 197), (13, 70), (1536, 576), (576, 4099), (64, 40), (64, 200)):

@@ -6,14 +6,14 @@ graph-building time, and its softmax is MLX's own build: on the Linux x86 wheel 
 x86-64) a scalar loop with a libm call per multiply-add of every ``exp``. On a 9-node tree
 pass of SmolLM2 on a 2-core CPU that softmax and its calls were a tenth of the stream thread.
 
-``composed`` computes the same attention as two batched matrix products around a softmax
-whose exponentials are one compiled element-wise kernel (which :mod:`specstream_mlx.cpu_jit`
-builds with the CPU's vector instructions): queries are grouped by their key/value head, so
-grouped-query attention needs no repeated keys (the batched products broadcast them); the
-probabilities are normalised after the second product (L x D divisions instead of L x S).
-The same values to rounding. One query row (a plain step) is a case of its own: the queries
-of a key/value head become the rows of one product (a few products of several rows a layer,
-where MLX's composition runs one single-row product per query head, and its softmax).
+``composed`` computes the same attention as matrix products around a softmax whose
+exponentials are one compiled element-wise kernel (which :mod:`specstream_mlx.cpu_jit`
+builds with the CPU's vector instructions). The queries of a key/value head, every row of
+each query head, are the rows of one product against the head's keys and one against its
+values: grouped-query attention needs no repeated keys, and a layer is 2 x Hkv products of
+H/Hkv x L rows, where MLX's composition runs 2 x H products of L rows (for one query row,
+single-row products). The probabilities are normalised after the second product (L x D
+divisions instead of L x S). The same values to rounding.
 
 Which form a loaded model decodes with is a measured choice per machine and head layout
 (:mod:`specstream_mlx.runtime.attention_choice`), never a check of the device: on a GPU
@@ -29,6 +29,9 @@ from typing import Union
 import mlx.core as mx
 
 FORMS = ("fused", "composed")
+# Raised when a form's arithmetic changes, so that verdicts stored for the previous one
+# (runtime.attention_choice) are measured again. 2: several query rows folded as one.
+FORMS_VERSION = 2
 
 
 def fused_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Union[None, str, mx.array]):
@@ -48,14 +51,19 @@ def _exp(s: mx.array, top: mx.array, scale: float) -> mx.array:
     return mx.exp((s - top) * scale)
 
 
-def _grouped_mask(mask: mx.array, heads: int, kv_heads: int) -> mx.array:
-    """A mask that broadcasts to (B, H, L, S) as one that broadcasts to (B, Hkv, H/Hkv, L, S)."""
+def _folded_mask(mask: mx.array, rep: int, rows: int) -> mx.array:
+    """A mask that broadcasts to (B, H, L, S) as one that broadcasts to (B, Hkv, rep·L, S):
+    the rows of a key/value head's query heads one after another, as the queries are folded."""
+    if mask.ndim == 1 or (mask.ndim == 2 and mask.shape[0] == 1):
+        return mask  # the same keys for every head and row (a plain step's): as it is
     while mask.ndim < 4:
         mask = mask[None]
-    if mask.shape[1] == 1:
-        return mask[:, :, None]
-    b, _, rows, keys = mask.shape
-    return mask.reshape(b, kv_heads, heads // kv_heads, rows, keys)
+    b, heads, mask_rows, keys = mask.shape
+    if heads == 1 and mask_rows == 1:
+        return mask
+    groups = heads // rep if heads > 1 else 1
+    m = mask.reshape(b, groups, heads // groups, mask_rows, keys)
+    return mx.broadcast_to(m, (b, groups, rep, rows, keys)).reshape(b, groups, rep * rows, keys)
 
 
 def _softmax_numerators(s: mx.array, scale: float, mask: Union[None, mx.array]) -> mx.array:
@@ -71,27 +79,6 @@ def _softmax_numerators(s: mx.array, scale: float, mask: Union[None, mx.array]) 
     return _exp(z, z.max(axis=-1, keepdims=True), 1.0)
 
 
-def _one_row_mask(mask: mx.array, heads: int, kv_heads: int) -> mx.array:
-    """A mask that broadcasts to (B, H, 1, S) as one that broadcasts to (B, Hkv, H/Hkv, S)."""
-    if mask.ndim <= 2:  # (1, S) or (S,), a plain step's: the same keys for every head, as it is
-        return mask
-    return _grouped_mask(mask, heads, kv_heads)[..., 0, :]
-
-
-def _one_row_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Union[None, mx.array]):
-    """:func:`composed_attention` for one query row (a plain decoding step).
-
-    The queries of a key/value head are the rows of one product, (H/Hkv x D) against the
-    head's keys: a few products of several rows per layer instead of one of a single row
-    per query head, and the same for the values."""
-    B, H, _, D = q.shape
-    Hkv = k.shape[1]
-    s = (q.reshape(B, Hkv, H // Hkv, D) @ k.swapaxes(-1, -2)).astype(mx.float32)  # (B, Hkv, rep, S)
-    p = _softmax_numerators(s, scale, None if mask is None else _one_row_mask(mask, H, Hkv))
-    out = p.astype(v.dtype) @ v
-    return (out / p.sum(axis=-1, keepdims=True).astype(v.dtype)).reshape(B, H, 1, D)
-
-
 def composed_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Union[None, str, mx.array]):
     """The same as :func:`fused_attention`, composed of two products and a compiled softmax.
 
@@ -101,19 +88,17 @@ def composed_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask
     B, H, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     rep = H // Hkv
-    if isinstance(mask, str) and mask != "causal":
-        raise ValueError(f"unknown attention mask {mask!r}")
-    if L == 1:  # "causal": the one query is the last key's, it sees them all
-        return _one_row_attention(q, k, v, scale, None if isinstance(mask, str) else mask)
-    # (B, Hkv, rep, L, D) @ (B, Hkv, 1, D, S): the queries grouped by their key/value head,
-    # each product L rows (a BLAS or a kernel for few rows takes it as it takes the layer's).
-    s = (q.reshape(B, Hkv, rep, L, D) @ k[:, :, None].swapaxes(-1, -2)).astype(mx.float32)
     if isinstance(mask, str):
-        mask = mx.arange(S)[None] <= mx.arange(S - L, S)[:, None]
-    p = _softmax_numerators(s, scale, None if mask is None else _grouped_mask(mask, H, Hkv))
-    total = p.sum(axis=-1, keepdims=True)
-    out = p.astype(v.dtype) @ v[:, :, None]
-    return (out / total.astype(v.dtype)).reshape(B, H, L, D)
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        # A key at or before its query (one query: the last key's, it sees them all).
+        mask = None if L == 1 else mx.arange(S)[None] <= mx.arange(S - L, S)[:, None]
+    # The queries of a key/value head, every row of each, are the rows of one product
+    # against the head's keys and one against its values: (B, Hkv, rep·L, D) @ (B, Hkv, D, S).
+    s = (q.reshape(B, Hkv, rep * L, D) @ k.swapaxes(-1, -2)).astype(mx.float32)
+    p = _softmax_numerators(s, scale, None if mask is None else _folded_mask(mask, rep, L))
+    out = p.astype(v.dtype) @ v
+    return (out / p.sum(axis=-1, keepdims=True).astype(v.dtype)).reshape(B, H, L, D)
 
 
 def attention_fn(form: str):

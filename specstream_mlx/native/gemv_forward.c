@@ -17,7 +17,9 @@
  * cblas_sgemm unchanged, as does every call on a CPU without AVX2 and FMA (one-row
  * products then to its cblas_sgemv).
  *
- * Where the CPU has AVX-512 the tiles use 16-lane vectors and take up to 48 rows.
+ * Where the CPU has AVX-512 the tiles use 16-lane vectors and take up to 48 rows. A product
+ * of more rows (up to 192) by a small operand (attention's keys or values of one head) runs
+ * here too, in blocks of rows the tiles take.
  *
  * Settings (read once): SPECSTREAM_SKINNY_THREADS (default: the online CPUs, at most 8),
  * SPECSTREAM_SKINNY_ROWS (default 48 with AVX-512, else 32; 0 or 1 turns the kernel off),
@@ -52,6 +54,9 @@
 #endif
 
 enum { ROW_MAJOR = 101 };
+/* Products of more rows than a tile takes that still run here, in blocks: at most this many
+ * rows, by an operand of at most this many elements (1 MB, in the L2 cache). */
+enum { BLOCKED_MAX_ROWS = 192, BLOCKED_MAX_WEIGHT = 1 << 18 };
 enum { NO_TRANS = 111, TRANS = 112 };
 enum { SKINNY_MAX_ROWS = 48, MAX_THREADS = 8 };
 /* Products smaller than this many weight elements (half as many from two rows on) run on
@@ -614,10 +619,26 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
   /* One row too: as fast as OpenBLAS's two-thread GEMV on a quiet machine, and on a
    * loaded one the pool's caller never waits for a worker without a core, where
    * OpenBLAS's GEMV took 2-3x as long (docs/DESIGN.md decision 15). */
+  int most = kernel_rows();
   if (order == ROW_MAJOR && ta == NO_TRANS && (tb == TRANS || tb == NO_TRANS) && k >= 1 && n >= 1 &&
-      m <= kernel_rows() && m >= skinny_min_rows) {
+      m <= most && m >= skinny_min_rows) {
     product_t p = {tb == TRANS, m, n, k, lda, ldb, ldc, alpha, beta, a, b, c};
     skinny_product(&p);
+    return;
+  }
+  /* Attention's products in a tree pass: a key/value head's queries folded into the rows of
+   * one product (SmolLM2's 17-row stream layers: 51 rows) against the head's keys or values,
+   * a few hundred KB at most. More rows than a tile takes, in equal blocks that it does,
+   * each reading that small operand from the cache again. */
+  if (order == ROW_MAJOR && ta == NO_TRANS && (tb == TRANS || tb == NO_TRANS) && k >= 1 && n >= 1 && most > 1 &&
+      m > most && m <= BLOCKED_MAX_ROWS && (long)n * k <= BLOCKED_MAX_WEIGHT) {
+    int blocks = (m + most - 1) / most;
+    for (int i = 0, i0 = 0; i < blocks; i++) {
+      int rows = (m - i0) / (blocks - i);
+      product_t p = {tb == TRANS, rows, n, k, lda, ldb, ldc, alpha, beta, a + (size_t)i0 * lda, b, c + (size_t)i0 * ldc};
+      skinny_product(&p);
+      i0 += rows;
+    }
     return;
   }
 #endif

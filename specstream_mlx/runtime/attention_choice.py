@@ -9,7 +9,7 @@ as a pass runs) and one row (a plain step: compiled, as :mod:`.plain_step` runs 
 over 128 cached keys, once per layer of the model, the forms interleaved; ``composed`` is
 taken where it is clearly faster. The verdicts are kept in ``attention.json`` in the user
 cache, under what they depend on (MLX's version, the device, how MLX's CPU kernels are
-built, the heads, the dtype), so a model loads without measuring again.
+built, the heads, the dtype, the forms' version), so a model loads without measuring again.
 
 ``SPECSTREAM_ATTENTION`` = ``fused`` | ``composed`` (both ways) | ``auto`` (the default: measured).
 """
@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from ..cpu_jit import jit_words
 from ..io.files import cache_root, read_cache_table, write_cache_table
-from ..models.attention import FORMS, attention_fn
+from ..models.attention import FORMS, FORMS_VERSION, attention_fn
 from ..settings import current as current_settings
 from .plain_step import forget_plain_step
 
@@ -105,7 +105,7 @@ def _store_file() -> Path:
 
 
 def _key(layout: HeadLayout) -> str:
-    ident = [mx.__version__, str(mx.default_device()), jit_words(), *vars(layout).values()]
+    ident = [mx.__version__, str(mx.default_device()), jit_words(), *vars(layout).values(), FORMS_VERSION]
     return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
 
 
