@@ -178,10 +178,14 @@ class BlasChoice:
         return env
 
 
+def malloc_named(file_name: str) -> Optional[MallocLibrary]:
+    """The allocator a library file is (``libjemalloc.so.2`` or a versioned name of it), or None."""
+    return next((m for m in MALLOCS.values() if file_name.startswith(m.soname.split(".so")[0] + ".so")), None)
+
+
 def malloc_settings(path: Optional[str]) -> Dict[str, str]:
     """The environment the allocator at ``path`` is preloaded with (by its file name)."""
-    name = os.path.basename(path or "")
-    lib = next((m for m in MALLOCS.values() if path and name.startswith(m.soname.split(".so")[0] + ".so")), None)
+    lib = malloc_named(os.path.basename(path)) if path else None
     return dict(lib.settings) if lib else {}
 
 
@@ -536,10 +540,10 @@ def _mapped_files() -> str:
 def malloc_in_use() -> str:
     """Which allocator serves this process's ``malloc`` (a preloaded one, else the C library's)."""
     for line in _mapped_files().splitlines():
-        for lib in MALLOCS.values():
-            if line.split("/")[-1].startswith(lib.soname.split(".so")[0] + ".so"):
-                conf = "".join(f" {k}={os.environ[k]}" for k, _ in lib.settings if os.environ.get(k))
-                return f"{lib.name} ({line.split()[-1]}){conf}"
+        lib = malloc_named(line.split("/")[-1])
+        if lib is not None:
+            conf = "".join(f" {k}={os.environ[k]}" for k, _ in lib.settings if os.environ.get(k))
+            return f"{lib.name} ({line.split()[-1]}){conf}"
     return "glibc" if sys.platform.startswith("linux") else "system"
 
 
