@@ -54,14 +54,10 @@ def _exp(s: mx.array, top: mx.array, scale: float) -> mx.array:
 def _folded_mask(mask: mx.array, rep: int, rows: int) -> mx.array:
     """A mask that broadcasts to (B, H, L, S) as one that broadcasts to (B, Hkv, rep·L, S):
     the rows of a key/value head's query heads one after another, as the queries are folded."""
-    if mask.ndim == 1 or (mask.ndim == 2 and mask.shape[0] == 1):
-        return mask  # the same keys for every head and row (a plain step's): as it is
-    while mask.ndim < 4:
-        mask = mask[None]
-    b, heads, mask_rows, keys = mask.shape
+    b, heads, mask_rows, keys = (1,) * (4 - mask.ndim) + mask.shape
     if heads == 1 and mask_rows == 1:
-        return mask
-    groups = heads // rep if heads > 1 else 1
+        return mask  # the same keys for every head and row (a plain step's): it broadcasts as it is
+    groups = 1 if heads == 1 else heads // rep
     m = mask.reshape(b, groups, heads // groups, mask_rows, keys)
     return mx.broadcast_to(m, (b, groups, rep, rows, keys)).reshape(b, groups, rep * rows, keys)
 

@@ -620,18 +620,13 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
    * loaded one the pool's caller never waits for a worker without a core, where
    * OpenBLAS's GEMV took 2-3x as long (docs/DESIGN.md decision 15). */
   int most = kernel_rows();
-  if (order == ROW_MAJOR && ta == NO_TRANS && (tb == TRANS || tb == NO_TRANS) && k >= 1 && n >= 1 &&
-      m <= most && m >= skinny_min_rows) {
-    product_t p = {tb == TRANS, m, n, k, lda, ldb, ldc, alpha, beta, a, b, c};
-    skinny_product(&p);
-    return;
-  }
-  /* Attention's products in a tree pass: a key/value head's queries folded into the rows of
-   * one product (SmolLM2's 17-row stream layers: 51 rows) against the head's keys or values,
-   * a few hundred KB at most. More rows than a tile takes, in equal blocks that it does,
-   * each reading that small operand from the cache again. */
-  if (order == ROW_MAJOR && ta == NO_TRANS && (tb == TRANS || tb == NO_TRANS) && k >= 1 && n >= 1 && most > 1 &&
-      m > most && m <= BLOCKED_MAX_ROWS && (long)n * k <= BLOCKED_MAX_WEIGHT) {
+  int layout = order == ROW_MAJOR && ta == NO_TRANS && (tb == TRANS || tb == NO_TRANS) && k >= 1 && n >= 1;
+  /* More rows than a tile takes, by a small operand: attention's products in a tree pass, a
+   * key/value head's queries folded into the rows of one product (SmolLM2's 17-row stream
+   * layers: 51 rows) against the head's keys or values, a few hundred KB at most. They run
+   * in equal blocks of rows the tiles take, each reading that operand from the cache again. */
+  int blocked = most > 1 && m <= BLOCKED_MAX_ROWS && (long)n * k <= BLOCKED_MAX_WEIGHT;
+  if (layout && m >= skinny_min_rows && (m <= most || blocked)) {
     int blocks = (m + most - 1) / most;
     for (int i = 0, i0 = 0; i < blocks; i++) {
       int rows = (m - i0) / (blocks - i);

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from ..cpu_jit import jit_words
 from ..io.files import cache_root, read_cache_table, write_cache_table
+from ..models.attention import FORMS_VERSION
 from ..platform_info import blas_in_use, forwarder_words, malloc_in_use
 from .attention_choice import attention_form
 
@@ -228,6 +229,7 @@ def model_key(model, streams, kind: str, compiled: bool) -> str:
         "fused" if getattr(model.layers[0].self_attn, "fused_qkv", False) else "apart",  # q/k/v: one product or three
         "compiled" if compiled else "eager",
         attention_form(model),  # MLX's fused attention or the composed one, for several rows and for one
+        FORMS_VERSION,  # and the forms' arithmetic (what a pass costs changes with it)
     ]
     return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
 
