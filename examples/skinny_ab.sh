@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The skinny kernel's settings (its prefetches, its split threshold, its worker's spin)
-# and the allocator's huge pages
+# the allocator's huge pages and the mutexes' spin
 # against the default, interleaved: `specstream-mlx floor` (a plain step as `ar` runs
 # it, against the floor measured in the same process) under each setting, ROUNDS times,
 # then the median step of each setting and its ratio to the default's step in the same
@@ -16,6 +16,8 @@
 #   spin-N:       SPECSTREAM_SKINNY_SPIN_US=N for N in 0, 200, 1000, 5000 (a waiting worker
 #                 spins N µs before it sleeps; default 50)
 #   no-huge-pages: MALLOC_CONF=thp:default (jemalloc's memory without transparent huge pages)
+#   no-lock-spin: SPECSTREAM_LOCK_SPIN=0 (MLX's mutexes sleep at once when contended; default:
+#                 100 tries first)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=${1:-smollm2}
@@ -34,6 +36,7 @@ declare -A settings=(
   [spin-1000]="SPECSTREAM_SKINNY_SPIN_US=1000"
   [spin-5000]="SPECSTREAM_SKINNY_SPIN_US=5000"
   [no-huge-pages]="MALLOC_CONF=thp:default"
+  [no-lock-spin]="SPECSTREAM_LOCK_SPIN=0"
 )
 read -r -a order <<< "${SETTINGS:-default prefetch-t0 split-512K no-yield}"
 for name in "${order[@]}"; do

@@ -73,6 +73,9 @@ BLAS_ENV = "SPECSTREAM_BLAS"
 DISABLE_ENV = "SPECSTREAM_NO_OPENBLAS"
 GEMV_ENV = "SPECSTREAM_BLAS_GEMV"
 GEMV_SOURCE = Path(__file__).parent / "native" / "gemv_forward.c"
+# Built into the same library as the forwarder: mutexes that spin before they sleep.
+LOCK_SOURCE = Path(__file__).parent / "native" / "lock_spin.c"
+LOCK_SPIN_ENV = "SPECSTREAM_LOCK_SPIN"
 
 
 @dataclass(frozen=True)
@@ -246,12 +249,14 @@ def choose_malloc(setting: Optional[str] = None) -> Optional[str]:
 
 
 def gemv_forwarder(cache_dir: Optional[Path] = None) -> Optional[str]:
-    """Path of the compiled one-row forwarder (``native/gemv_forward.c``), built once per
+    """Path of the compiled one-row forwarder (``native/gemv_forward.c``, with
+    ``native/lock_spin.c``'s mutexes in the same library), built once per
     source version into ``cache_dir`` (default: the user cache) with the system C
     compiler; None where it cannot be built (no compiler, no source, not Linux)."""
-    if not sys.platform.startswith("linux") or not GEMV_SOURCE.exists():
+    sources = (GEMV_SOURCE, LOCK_SOURCE)
+    if not sys.platform.startswith("linux") or not all(p.exists() for p in sources):
         return None
-    src = GEMV_SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in sources)
     if cache_dir is None:  # the user cache of converted models
         from .settings import current
 
@@ -265,7 +270,7 @@ def gemv_forwarder(cache_dir: Optional[Path] = None) -> Optional[str]:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cc, "-O3", "-shared", "-fPIC", str(GEMV_SOURCE), "-o", str(tmp), "-ldl", "-lpthread"]
+        cmd = [cc, "-O3", "-shared", "-fPIC", *map(str, sources), "-o", str(tmp), "-ldl", "-lpthread"]
         done = subprocess.run(cmd, capture_output=True, timeout=60)
         if done.returncode != 0:
             return None
@@ -299,6 +304,9 @@ def choose_blas(setting: Optional[str] = None, gemv: bool = True, malloc: Option
 def configured_choice(malloc: bool = True) -> BlasChoice:
     """:func:`choose_blas` as this process's environment sets it (``SPECSTREAM_BLAS``,
     ``SPECSTREAM_BLAS_GEMV``, and with ``malloc`` ``SPECSTREAM_MALLOC``; without, none)."""
+    spin = os.environ.get(LOCK_SPIN_ENV, "").strip()
+    if spin and not (spin.isdigit() and int(spin) <= 1 << 20):
+        raise BlasSettingError(f"{LOCK_SPIN_ENV}={spin!r}: expected a number of tries from 0 to {1 << 20}")
     return choose_blas(
         os.environ.get(BLAS_ENV),
         gemv=os.environ.get(GEMV_ENV, "1") != "0",
@@ -413,10 +421,11 @@ def maybe_reexec_with_blas(argv: Optional[list] = None) -> None:
     """Re-execute this CLI process with the chosen BLAS and allocator preloaded
     (:func:`configured_choice`).
 
-    The BLAS: not when ``import specstream_mlx`` loaded it in-process, when one is
-    preloaded already, for ``none`` (or ``SPECSTREAM_NO_OPENBLAS=1``); one warning with
-    the fix when none is installed. The allocator: whenever the chosen one is not
-    preloaded yet (only a process's start can replace ``malloc``). Nothing off Linux, when
+    The BLAS: not when one is preloaded already, for ``none`` (or
+    ``SPECSTREAM_NO_OPENBLAS=1``); one warning with the fix when none is installed; one
+    that ``import specstream_mlx`` loaded in-process is preloaded instead, so that the
+    forwarder's mutexes serve the process (:func:`lock_spins`). The allocator: whenever
+    the chosen one is not preloaded yet (only a process's start can replace ``malloc``). Nothing off Linux, when
     MLX is not the CPU wheel, for ``--help`` and after one re-exec. A wrong setting is an
     error (one line, exit status 2): a library asked for by name is never silently replaced.
     """
@@ -438,11 +447,18 @@ def maybe_reexec_with_blas(argv: Optional[list] = None) -> None:
             )
         want_blas = False
     want_malloc = not malloc_preloaded(choice.malloc)
-    if not (want_blas or want_malloc):
+    # The forwarder's library also holds the mutexes that spin (native/lock_spin.c), which
+    # replace the C library's only from LD_PRELOAD: a BLAS loaded in-process here is
+    # preloaded there, with the forwarder in front of it.
+    want_locks = (
+        _in_process is not None
+        and _in_process.forwarder is not None
+        and os.environ.get(LOCK_SPIN_ENV, "").strip() != "0"
+    )
+    if not (want_blas or want_malloc or want_locks):
         return
-    # A BLAS loaded in-process here is loaded in-process there again (on import).
     malloc = choice.malloc if want_malloc else None
-    if want_blas:
+    if want_blas or _in_process is not None:
         add = BlasChoice(choice.library, choice.path, choice.threads, choice.forwarder, malloc).env()
     else:
         add = BlasChoice(None, None, None, malloc=malloc).env()
@@ -507,17 +523,26 @@ def skinny_kernel() -> Optional[Tuple[int, int, int, int]]:
     return (least.value, rows.value, threads.value, bits.value) if rows.value > 0 else None
 
 
+def lock_spins() -> int:
+    """The tries this process's mutexes make before they sleep (``native/lock_spin.c``,
+    built into the forwarder's library); 0 where it is not preloaded or is turned off."""
+    spins = _symbol("specstream_lock_spins")
+    return int(spins()) if spins is not None else 0
+
+
 def forwarder_words() -> str:
-    """What the forwarder adds to the BLAS, as a phrase for a report ('' without it)."""
+    """What the forwarder's library adds to the BLAS, as a phrase for a report ('' without it)."""
     if not gemv_forwarding():
         return ""
+    spins = lock_spins()
+    locks = f", mutexes spin {spins} tries" if spins else ""
     skinny = skinny_kernel()
     if skinny is None:
-        return ", one-row products as GEMV"
+        return ", one-row products as GEMV" + locks
     least, most, threads, bits = skinny
     isa = "AVX-512" if bits == 512 else "AVX2"
     gemv = ", one-row products as GEMV" if least > 1 else ""
-    return f"{gemv}, {least}-{most} rows by the skinny kernel ({isa}, {threads} threads)"
+    return f"{gemv}, {least}-{most} rows by the skinny kernel ({isa}, {threads} threads){locks}"
 
 
 def blas_words() -> str:
@@ -592,6 +617,7 @@ def runtime_info() -> dict:
         "blas_threads": blas_threads(),
         "blas_gemv_forwarding": gemv_forwarding(),
         "blas_forwarder": forwarder_words().lstrip(", "),
+        "lock_spin": lock_spins(),
         "cpu_kernels": jit_words(),
         "malloc": malloc_in_use(),
     }

@@ -217,6 +217,95 @@ def test_the_cli_runs_under_the_chosen_allocator():
     assert bare.stdout.split()[0] == "glibc", bare.stderr
 
 
+LOCK_CHECK = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+
+enum { THREADS = 4, TURNS = 200000 };
+static pthread_mutex_t shared = PTHREAD_MUTEX_INITIALIZER;
+static volatile long counter;
+
+static void *add(void *arg) {
+  for (int i = 0; i < TURNS; i++) {
+    pthread_mutex_lock(&shared);
+    long seen = counter; /* a lost update shows if two threads ever hold the mutex at once */
+    counter = seen + 1;
+    pthread_mutex_unlock(&shared);
+  }
+  return arg;
+}
+
+int main(void) {
+  pthread_t t[THREADS];
+  for (int i = 0; i < THREADS; i++)
+    pthread_create(&t[i], NULL, add, NULL);
+  for (int i = 0; i < THREADS; i++)
+    pthread_join(t[i], NULL);
+  pthread_mutexattr_t attr;
+  pthread_mutex_t rec, chk;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_RECURSIVE);
+  pthread_mutex_init(&rec, &attr);
+  int twice = pthread_mutex_lock(&rec) == 0 && pthread_mutex_lock(&rec) == 0;  /* a recursive mutex counts */
+  twice = twice && pthread_mutex_unlock(&rec) == 0 && pthread_mutex_unlock(&rec) == 0;
+  twice = twice && pthread_mutex_unlock(&rec) != 0;  /* ... and is free after two unlocks */
+  pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
+  pthread_mutex_init(&chk, &attr);
+  pthread_mutex_lock(&chk);
+  int again = pthread_mutex_lock(&chk);  /* the owner locking again: EDEADLK, not a hang */
+  int (*spins)(void) = (int (*)(void))dlsym(RTLD_DEFAULT, "specstream_lock_spins");
+  printf("%ld %d %d %d\n", counter, twice, again == EDEADLK, spins ? spins() : -1);
+  return 0;
+}
+"""
+
+
+def test_mutexes_spin_then_lock_and_still_exclude(tmp_path):
+    """MLX's graph-building and stream threads contend for a few mutexes at every
+    operation; preloaded, the forwarder's library makes a contended pthread_mutex_lock try
+    a bounded number of times before it sleeps (SPECSTREAM_LOCK_SPIN, default 100). A C
+    program's threads then still never hold a mutex together (no lost update in 800,000
+    increments), a recursive mutex still counts, an error-checking one still refuses its
+    owner; the CLI runs with it (doctor) and refuses a bad setting in one line."""
+    import os
+    import shutil
+
+    from specstream_mlx import platform_info as P
+
+    if not P._uses_mlx_cpu_wheel():
+        pytest.skip("needs MLX's Linux CPU wheel (CI installs it)")
+    choice = P.choose_blas("openblas")
+    assert choice.forwarder is not None, "the forwarder did not build (no C compiler?)"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    (tmp_path / "check.c").write_text(LOCK_CHECK)
+    subprocess.run([cc, "-O2", str(tmp_path / "check.c"), "-o", str(tmp_path / "check"), "-lpthread", "-ldl"], check=True)
+    bare = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", P.LOCK_SPIN_ENV)}
+    for spin, want in ((None, 100), ("7", 7), ("0", 0)):
+        env = {**bare, "LD_PRELOAD": choice.forwarder, **({P.LOCK_SPIN_ENV: spin} if spin else {})}
+        out = subprocess.run([str(tmp_path / "check")], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.split() == ["800000", "1", "1", str(want)], (spin, out)
+    out = subprocess.run([str(tmp_path / "check")], env=bare, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["800000", "1", "1", "-1"], out  # not preloaded: the C library's own
+
+    env = {k: v for k, v in bare.items() if k not in ("SPECSTREAM_BLAS_REEXEC", "MALLOC_CONF")}
+
+    def doctor(**extra):
+        done = subprocess.run(
+            [sys.executable, "-m", "specstream_mlx", "doctor"], capture_output=True, text=True, env={**env, **extra}
+        )
+        return done, next((x.split()[1] for x in done.stdout.splitlines() if x.startswith("lock_spin:")), None)
+
+    done, spins = doctor()
+    assert done.returncode == 0 and spins == "100", done
+    done, spins = doctor(SPECSTREAM_LOCK_SPIN="0")
+    assert done.returncode == 0 and spins == "0", done
+    done, _ = doctor(SPECSTREAM_LOCK_SPIN="lots")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and P.LOCK_SPIN_ENV in done.stderr
+
+
 GEMV_CHECK = r"""
 import json, sys
 import mlx.core as mx, numpy as np

@@ -1,0 +1,93 @@
+"""What mutexes that spin before they sleep are worth, in one process.
+
+    env $(.venv/bin/python -m specstream_mlx.blas_env) \\
+        .venv/bin/python examples/lock_spin_ab.py [--model smollm2] [--tries 100,0] [--rounds 12]
+
+The forwarder's library (``native/lock_spin.c``), preloaded, makes a contended
+``pthread_mutex_lock`` try a number of times before it sleeps. This script sets that
+number in turn (``--tries``, first is the reference) within one process, round by round,
+and times under each: plain decoding as ``ar`` runs it (ms a token, the engine's
+pipelined loop over the compiled step, 40 tokens after a 128-token context), and an
+op-by-op speculative pass over a 9-node tree with streams at two hosts, as greedy
+decoding runs it (its verdict's stream logits evaluated with it). Prints the medians and
+the median per-round ratio to the first setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+
+import numpy as np
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--tries", default="100,0", help="comma-separated tries; the first is the reference")
+    ap.add_argument("--rounds", type=int, default=12)
+    args = ap.parse_args()
+
+    import specstream_mlx  # noqa: F401  (first: the BLAS before mlx.core)
+
+    # isort: split
+    import mlx.core as mx
+
+    from specstream_mlx import load
+    from specstream_mlx.bench.machine import median_ms, plain_step_ms
+    from specstream_mlx.method.msa import ss_forward, stream_logits
+    from specstream_mlx.method.tree import Tree
+    from specstream_mlx.platform_info import blas_words, lock_spins
+    from specstream_mlx.runtime.cache import make_cache
+    from specstream_mlx.runtime.steps import prefill
+
+    if lock_spins() == 0:
+        print(
+            "lock_spin_ab.py: the mutexes are not spinning here; start under "
+            "env $(.venv/bin/python -m specstream_mlx.blas_env) without SPECSTREAM_LOCK_SPIN=0",
+            file=sys.stderr,
+        )
+        return 2
+    setter = ctypes.CDLL(None).specstream_lock_spin_set
+    tries = [int(t) for t in args.tries.split(",")]
+
+    sm, _ = load(args.model, warn=False)
+    base, streams = sm.base, sm.streams
+    cache = make_cache(sm)
+    prefill(base, mx.array(list(range(100, 228))), cache, 512)
+    offset = cache[0].offset
+    tree = Tree(tuple(range(300, 309)), (-1, 0, 0, 1, 1, 2, 3, 4, 5))
+    hosts = np.array([0, 1])
+
+    def one_pass():
+        out = ss_forward(base, streams, tree, offset, cache, 0.0, None, hosts)
+        mx.eval(out.main_logits, stream_logits(base, out, 0))
+        for c in cache:  # roll back: every repetition sees the same prefix
+            c.commit([0])
+            c.offset = offset
+
+    step = {t: [] for t in tries}
+    passes = {t: [] for t in tries}
+    print(f"{args.model}; {args.rounds} rounds; BLAS {blas_words()}")
+    for _ in range(args.rounds):
+        for t in tries:
+            setter(t)
+            step[t].append(statistics.median(plain_step_ms(base, 40)))
+            passes[t].append(median_ms(one_pass, 5))
+    setter(tries[0])
+    ref = tries[0]
+    print("| tries | plain step, median ms | × reference | 9-node pass, 2 hosts, median ms | × reference |")
+    print("| --- | --- | --- | --- | --- |")
+    for t in tries:
+        rs = statistics.median(a / b for a, b in zip(step[t], step[ref]))
+        rp = statistics.median(a / b for a, b in zip(passes[t], passes[ref]))
+        print(
+            f"| {t} | {statistics.median(step[t]):.2f} | {rs:.3f} | {statistics.median(passes[t]):.2f} | {rp:.3f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
