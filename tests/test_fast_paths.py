@@ -281,13 +281,14 @@ def test_mutexes_spin_then_lock_and_still_exclude(tmp_path):
     assert choice.forwarder is not None, "the forwarder did not build (no C compiler?)"
     cc = shutil.which("cc") or shutil.which("gcc")
     (tmp_path / "check.c").write_text(LOCK_CHECK)
-    subprocess.run([cc, "-O2", str(tmp_path / "check.c"), "-o", str(tmp_path / "check"), "-lpthread", "-ldl"], check=True)
+    program = str(tmp_path / "check")
+    subprocess.run([cc, "-O2", str(tmp_path / "check.c"), "-o", program, "-lpthread", "-ldl"], check=True)
     bare = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", P.LOCK_SPIN_ENV)}
     for spin, want in ((None, 100), ("7", 7), ("0", 0)):
         env = {**bare, "LD_PRELOAD": choice.forwarder, **({P.LOCK_SPIN_ENV: spin} if spin else {})}
-        out = subprocess.run([str(tmp_path / "check")], env=env, capture_output=True, text=True, timeout=120)
+        out = subprocess.run([program], env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and out.stdout.split() == ["800000", "1", "1", str(want)], (spin, out)
-    out = subprocess.run([str(tmp_path / "check")], env=bare, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([program], env=bare, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["800000", "1", "1", "-1"], out  # not preloaded: the C library's own
 
     env = {k: v for k, v in bare.items() if k not in ("SPECSTREAM_BLAS_REEXEC", "MALLOC_CONF")}
