@@ -83,9 +83,7 @@ def main() -> int:
     for t in tries:
         rs = statistics.median(a / b for a, b in zip(step[t], step[ref]))
         rp = statistics.median(a / b for a, b in zip(passes[t], passes[ref]))
-        print(
-            f"| {t} | {statistics.median(step[t]):.2f} | {rs:.3f} | {statistics.median(passes[t]):.2f} | {rp:.3f} |"
-        )
+        print(f"| {t} | {statistics.median(step[t]):.2f} | {rs:.3f} | {statistics.median(passes[t]):.2f} | {rp:.3f} |")
     return 0
 
 
