@@ -35,6 +35,13 @@ like it (``specstream-mlx bench-blas --libraries 'openblas:2+skinny@jemalloc,...
 it comes with ``LD_PRELOAD`` alone: the CLI re-executes itself once to add it, and
 ``python -m specstream_mlx.blas_env`` names it for other programs.
 
+MLX's graph-building and stream threads also take the same few mutexes for every
+operation (the allocator's buffer cache, the task queue), and the C library's mutex sleeps
+at the first contention. ``native/lock_spin.c``, built into the forwarder's library, defines
+a ``pthread_mutex_lock`` that tries first (:func:`lock_spins`); it serves a process only
+from ``LD_PRELOAD``, so the CLI's re-execution preloads the BLAS and the forwarder it would
+otherwise load on import.
+
 Settings: ``SPECSTREAM_BLAS`` = ``openblas`` | ``blis`` |
 ``none`` | a library path, optionally ``:THREADS`` (``openblas:2``); the older
 ``SPECSTREAM_NO_OPENBLAS=1`` means ``none``. ``SPECSTREAM_BLAS_GEMV=0`` preloads the
@@ -45,7 +52,8 @@ library without the forwarder. The forwarder's kernel reads ``SPECSTREAM_SKINNY_
 split between its threads), ``SPECSTREAM_SKINNY_PREFETCH`` = ``t0`` | ``off`` (how a tile
 prefetches the next weight rows; default: non-temporally from two rows on, not at one),
 ``SPECSTREAM_SKINNY_YIELD=0`` (a waiting worker pauses instead of yielding its core) and
-``SPECSTREAM_SKINNY_SPIN_US`` (how long it spins before it sleeps, default 50).
+``SPECSTREAM_SKINNY_SPIN_US`` (how long it spins before it sleeps, default 50);
+``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none).
 ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` | ``mimalloc`` | ``glibc`` (none
 preloaded) | a library path. jemalloc comes with ``MALLOC_CONF=thp:always`` (its memory in
 transparent huge pages); set ``MALLOC_CONF`` by hand (``thp:default``) to replace it.
@@ -425,9 +433,10 @@ def maybe_reexec_with_blas(argv: Optional[list] = None) -> None:
     ``SPECSTREAM_NO_OPENBLAS=1``); one warning with the fix when none is installed; one
     that ``import specstream_mlx`` loaded in-process is preloaded instead, so that the
     forwarder's mutexes serve the process (:func:`lock_spins`). The allocator: whenever
-    the chosen one is not preloaded yet (only a process's start can replace ``malloc``). Nothing off Linux, when
-    MLX is not the CPU wheel, for ``--help`` and after one re-exec. A wrong setting is an
-    error (one line, exit status 2): a library asked for by name is never silently replaced.
+    the chosen one is not preloaded yet (only a process's start can replace ``malloc``).
+    Nothing off Linux, when MLX is not the CPU wheel, for ``--help`` and after one
+    re-exec. A wrong setting is an error (one line, exit status 2): a library asked for by
+    name is never silently replaced.
     """
     args = argv if argv is not None else sys.argv[1:]
     if not _uses_mlx_cpu_wheel() or os.environ.get(REEXEC_ENV) or any(a in ("-h", "--help") for a in args):

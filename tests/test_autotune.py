@@ -533,6 +533,16 @@ def test_the_prior_rates_only_the_arms_it_measured_and_explores_only_a_predicted
     assert A.FALLBACK_BELOW <= max(rates.values()) < 1.0
     assert auto.pending and A.PRIOR_REASON in auto.pending
     assert A.PRIOR_REASON in _reason(auto.plan())  # plain decoding, no pass
+    # Just over break-even (b4 at (1 + 0.9) / 1.87 = 1.016) is inside the same band: a gain
+    # smaller than the estimate's noise is not worth a first request's exploration.
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path / "near"))  # an empty cost store
+    monkeypatch.setattr(A, "calibrate", lambda *a, **k: ArmCosts({**costs, (4, 0): 1.87}))
+    near, _ = _auto_model(tiny_model_dir)
+    _with_prior(near, {2: 0.8, 4: 0.9, 8: 1.0, 12: 1.0, 16: 1.0, 24: 1.0})
+    auto = near.tuner(SamplingParams())
+    auto.new_request()
+    assert 1.0 < max(auto.prior_rates().values()) < 1.0 / A.FALLBACK_BELOW
+    assert auto.pending and A.PRIOR_REASON in _reason(auto.plan())
 
 
 def test_acceptance_priors_that_cannot_be_read_are_ignored():
