@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The skinny kernel's settings (its prefetches, its split threshold, its worker's spin)
+# The skinny kernel's settings (its prefetches, its split threshold, its worker's spin),
 # the allocator's huge pages and the mutexes' spin
 # against the default, interleaved: `specstream-mlx floor` (a plain step as `ar` runs
 # it, against the floor measured in the same process) under each setting, ROUNDS times,
