@@ -456,18 +456,14 @@ def maybe_reexec_with_blas(argv: Optional[list] = None) -> None:
             )
         want_blas = False
     want_malloc = not malloc_preloaded(choice.malloc)
-    # The forwarder's library also holds the mutexes that spin (native/lock_spin.c), which
-    # replace the C library's only from LD_PRELOAD: a BLAS loaded in-process here is
-    # preloaded there, with the forwarder in front of it.
-    want_locks = (
-        _in_process is not None
-        and _in_process.forwarder is not None
-        and os.environ.get(LOCK_SPIN_ENV, "").strip() != "0"
-    )
-    if not (want_blas or want_malloc or want_locks):
+    # A BLAS loaded in-process here is preloaded there, with the forwarder in front of it:
+    # the forwarder's library also holds the mutexes that spin (native/lock_spin.c), which
+    # replace the C library's only from LD_PRELOAD.
+    preload_blas = want_blas or _in_process is not None
+    if not (preload_blas or want_malloc):
         return
     malloc = choice.malloc if want_malloc else None
-    if want_blas or _in_process is not None:
+    if preload_blas:
         add = BlasChoice(choice.library, choice.path, choice.threads, choice.forwarder, malloc).env()
     else:
         add = BlasChoice(None, None, None, malloc=malloc).env()

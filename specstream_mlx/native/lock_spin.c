@@ -79,5 +79,5 @@ int specstream_lock_spin_set(int n) {
  * serve the process's pthread_mutex_lock (not preloaded) or the setting turned it off. */
 int specstream_lock_spins(void) {
   void *served = dlsym(RTLD_DEFAULT, "pthread_mutex_lock");
-  return served == (void *)spin_then_lock ? tries : 0;
+  return served == (void *)spin_then_lock ? __atomic_load_n(&tries, __ATOMIC_RELAXED) : 0;
 }

@@ -402,9 +402,9 @@ class AutoPolicy:
             best = max(rates, key=rates.get)
             # Trees are tried only where one is predicted to pay by more than FALLBACK_BELOW's
             # band: that band keeps measured estimates from flapping, and a first request must
-            # not pay to explore a gain smaller than its own estimate's noise (a SmolLM2 demo
-            # on an empty cost store once predicted just over 1.0x, warmed up on trees and
-            # decoded at 0.94x of ar; other runs predicted 0.84-0.98x and decoded plainly).
+            # not pay to explore a gain smaller than its own estimate's noise (SmolLM2's demo on
+            # an empty cost store: a prediction just over 1.0x warmed up on trees and decoded
+            # at 0.94x of ar; predictions of 0.84-0.98x decoded plainly).
             if rates[best] < 1.0 / FALLBACK_BELOW:
                 # As if trees had been tried and failed: re-tried after the back-off.
                 self.pending = f"{PRIOR_REASON} (best {rates[best]:.2f}x)"
