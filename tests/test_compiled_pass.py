@@ -68,18 +68,44 @@ def test_launching_the_lower_layers_early_computes_the_same_pass(model_streams, 
     queue = mx.async_eval
     monkeypatch.setattr(msa.mx, "async_eval", lambda *a: launched.append(1) or queue(*a))
     outs, caches = {}, {}
-    for every in (0, 1):
+    first = streams.first_layer
+    # After the first layer, then after every `every` layers (layer indices every-1, 2·every-1, ...).
+    expected = {0: 0, 1: first, 4: 1 + first // 4}
+    for every in (0, 1, 4):
+        launched.clear()
         monkeypatch.setattr(msa, "LAUNCH_EVERY", every)
         caches[every] = _prefilled(model, 20)
         outs[every] = ss_forward(model, streams, TREE, 20, caches[every], num_streams=2)
         mx.eval(outs[every].main_logits, outs[every].stream_hidden)
-        assert len(launched) == every * streams.first_layer
-    assert np.array_equal(np.array(outs[0].main_logits), np.array(outs[1].main_logits))
-    assert np.array_equal(np.array(outs[0].stream_hidden), np.array(outs[1].stream_hidden))
-    for a, b in zip(caches[0], caches[1]):
-        assert a.offset == b.offset == 20 + len(TREE)
-        assert np.array_equal(np.array(a.keys), np.array(b.keys))
-        assert np.array_equal(np.array(a.values), np.array(b.values))
+        assert len(launched) == expected[every]
+    for every in (1, 4):
+        assert np.array_equal(np.array(outs[0].main_logits), np.array(outs[every].main_logits))
+        assert np.array_equal(np.array(outs[0].stream_hidden), np.array(outs[every].stream_hidden))
+        for a, b in zip(caches[0], caches[every]):
+            assert a.offset == b.offset == 20 + len(TREE)
+            assert np.array_equal(np.array(a.keys), np.array(b.keys))
+            assert np.array_equal(np.array(a.values), np.array(b.values))
+
+
+def test_a_pass_without_stream_rows_runs_none_of_the_streams_lora(model_streams, monkeypatch):
+    """The streams' LoRA changes stream rows only: a pass that hosts no streams (a lookup
+    branch's) computes none of it, one that hosts them does, and both verify the tree
+    with the same main rows."""
+    from specstream_mlx.method.streams import LoRA
+
+    model, streams = model_streams
+    calls = []
+    apply = LoRA.__call__
+    monkeypatch.setattr(LoRA, "__call__", lambda self, x: calls.append(x.shape) or apply(self, x))
+    outs = {}
+    for name, hosts in (("none", np.zeros(0, dtype=np.int64)), ("two", np.array([0, 3]))):
+        calls.clear()
+        outs[name] = ss_forward(model, streams, TREE, 20, _prefilled(model, 20), num_streams=2, hosts=hosts)
+        mx.eval(outs[name].main_logits)
+        n_loras = sum(len(layer) for layer in streams.lora.values())
+        assert len(calls) == (0 if name == "none" else n_loras)
+    assert outs["none"].stream_hidden.shape[0] == 0 and outs["two"].stream_hidden.shape[0] == 2
+    assert mx.allclose(outs["none"].main_logits, outs["two"].main_logits, atol=1e-5).item()
 
 
 def test_compiled_pass_reads_no_key_past_its_span(model_streams):

@@ -202,18 +202,19 @@ def lower_layers(
     """The tree's main rows through layers 0 .. N-Ns-1 (the input of the stream-insertion layer).
 
     ``launch_every``: queue the evaluation of the rows built so far (``mx.async_eval``) after
-    every that many layers, so the device computes the first layers while the host builds
-    the rest of the pass; 0 (inside a compiled graph, which cannot evaluate) never. A
-    pass cannot be queued ahead of its predecessor as a plain step is (its tree comes from
-    the previous pass's verdict), and building SmolLM2's pass op by op takes ~2 ms before
-    anything runs: launched every 4 layers, a 9-node pass took 24.3 against 26.5 ms, a
-    1-node pass 18.5 against 20.3 (``examples/pass_breakdown.py``, docs/DESIGN.md
-    decision 38)."""
+    the first layer and then after every that many layers, so the device computes the
+    first layers while the host builds the rest of the pass; 0 (inside a compiled graph,
+    which cannot evaluate) never. A pass cannot be queued ahead of its predecessor as a
+    plain step is (its tree comes from the previous pass's verdict), and building
+    SmolLM2's pass op by op takes ~2 ms before anything runs: launched every 4 layers, a
+    9-node pass took 24.3 against 26.5 ms, a 1-node pass 18.5 against 20.3
+    (``examples/pass_breakdown.py``); launched after the first layer too, greedy
+    ``dynamic:8@1`` decoded 1.009-1.011x as fast (docs/DESIGN.md decision 38)."""
     h = model.embed(tokens)
     rot = model.rotation(positions)  # once for every layer
     for i in range(streams.first_layer):
         h = model.layers[i](h, mask, cache[i] if cache else None, rot)
-        if launch_every and i % launch_every == launch_every - 1:
+        if launch_every and (i == 0 or i % launch_every == launch_every - 1):
             mx.async_eval(h)
     return h
 
@@ -241,10 +242,13 @@ def msa_layers(
         pos_all = mx.concatenate([positions, stream_pos], axis=1)
     else:  # no node hosts streams: the top layers run the main rows only
         x, pos_all = h, positions
-    row_mask = stream_row_mask(nk, x.shape[1], x.dtype) if streams.lora else None
+    # The LoRA confined to stream rows: none without them (a lookup branch's pass), where
+    # every delta would be masked to zero after its products.
+    lora = bool(streams.lora) and n_hosts > 0
+    row_mask = stream_row_mask(nk, x.shape[1], x.dtype) if lora else None
     rot = model.rotation(pos_all)
     for i in range(streams.first_layer, len(model.layers)):
-        loras = streams.layer_lora(i)
+        loras = streams.layer_lora(i) if lora else None
         adapter = LoRAAdapter(loras, row_mask) if loras else None
         x = model.layers[i](x, mask, cache[i] if cache else None, rot, adapter, cached_rows=nk)
     return x
