@@ -11,6 +11,7 @@ weights, these tensors (PyTorch ``nn.Linear`` conventions, ``weight`` is
     speculative_streaming.lora.layers.<i>.<module>.lora_B.weight (out, r)
     speculative_streaming.pruning.down.weight                    (8, hidden)
     speculative_streaming.pruning.up.weight                      (hidden, 8)
+    speculative_streaming.draft_vocab                            (N,) int32, optional
 
 ``<module>`` is the projection's path inside the decoder layer, e.g.
 ``self_attn.q_proj`` or ``mlp.down_proj``. The LoRA delta on a stream row x is
@@ -27,8 +28,9 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 import mlx.core as mx
+import numpy as np
 
-from specstream_mlx.method.streams import StreamConfig, StreamParams, lora_key
+from specstream_mlx.method.streams import DRAFT_VOCAB_KEY, StreamConfig, StreamParams, lora_key
 
 PREFIX = "speculative_streaming."
 CONFIG_KEY = "speculative_streaming"
@@ -52,6 +54,8 @@ def streams_to_hf(model, streams: StreamParams) -> Tuple[Dict[str, mx.array], di
             out[base + ".lora_B.weight"] = lora.b.T
     out[PREFIX + "pruning.down.weight"] = streams.pruning.down.T
     out[PREFIX + "pruning.up.weight"] = streams.pruning.up.T
+    if streams.draft_vocab is not None:
+        out[PREFIX + DRAFT_VOCAB_KEY] = streams.draft_vocab.ids
     return out, streams.config.to_json()
 
 
@@ -66,6 +70,12 @@ def streams_from_hf(model, cfg_obj: dict, tensors: Dict[str, mx.array], where: s
     """Build :class:`StreamParams` from HF-layout tensors (names without the prefix)."""
     cfg = StreamConfig.from_json(cfg_obj)
     sp = StreamParams(model, cfg)
+    draft_ids = tensors.pop(DRAFT_VOCAB_KEY, None)
+    if (draft_ids is None) != (cfg.draft_vocab == 0) or (draft_ids is not None and draft_ids.size != cfg.draft_vocab):
+        have = "none" if draft_ids is None else f"{draft_ids.size} ids"
+        raise ValueError(
+            f"{where}: {PREFIX}{DRAFT_VOCAB_KEY} holds {have}, the config says draft_vocab {cfg.draft_vocab}"
+        )
     mapped = {
         "embeddings": tensors.pop("stream_embeddings", None),
         "pruning.down": _t(tensors.pop("pruning.down.weight", None)),
@@ -89,6 +99,11 @@ def streams_from_hf(model, cfg_obj: dict, tensors: Dict[str, mx.array], where: s
         sp.load_weights(list(mapped.items()), strict=True)
     except ValueError as e:
         raise ValueError(f"{where}: speculative_streaming tensors do not match the config ({e})") from e
+    if draft_ids is not None:
+        try:
+            sp.use_draft_vocab(model, np.array(draft_ids))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
     return sp
 
 

@@ -63,7 +63,7 @@ def main() -> int:
 
     def one_pass():
         out = ss_forward(base, streams, tree, offset, cache, 0.0, None, hosts)
-        mx.eval(out.main_logits, stream_logits(base, out, 0))
+        mx.eval(out.main_logits, stream_logits(base, streams, out, 0))
         for c in cache:  # roll back: every repetition sees the same prefix
             c.commit([0])
             c.offset = offset

@@ -49,7 +49,7 @@ def main() -> int:
         def f():
             out = ss_forward(base, streams, tree, offset, cache, 0.0, None, hosts)
             # Greedy decoding evaluates one host's stream logits with the verdict (the first here).
-            mx.eval(out.main_logits, *([stream_logits(base, out, 0)] if len(out.hosts) else []))
+            mx.eval(out.main_logits, *([stream_logits(base, streams, out, 0)] if len(out.hosts) else []))
             for c in cache:  # roll back: the next repetition sees the same prefix
                 c.commit([0])
                 c.offset = offset

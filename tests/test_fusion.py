@@ -37,7 +37,7 @@ def _pass(model, streams, prompt):
     cache = make_cache(model)
     prefill(model, prompt, cache, 512)
     out = ss_forward(model, streams, TREE, cache[0].offset, cache)
-    return np.array(out.main_logits), np.array(stream_logits(model, out, 4))
+    return np.array(out.main_logits), np.array(stream_logits(model, streams, out, 4))
 
 
 def assert_same_outputs(a_model, b_model, streams):

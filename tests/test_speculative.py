@@ -127,7 +127,7 @@ def test_perfect_streams_accept_everything(hf_models, monkeypatch):
     full = prompt.tolist() + ref
     cache = make_cache(model)
 
-    def oracle_logits(model_, out, node):
+    def oracle_logits(model_, streams_, out, node):
         # The accepted node sits at position offset + depth; the bonus token
         # follows it and stream j must predict the token j places after the bonus.
         pos = out.offset + int(out.buffers.depths[int(node.item() if hasattr(node, "item") else node)])
@@ -160,7 +160,7 @@ def test_perfect_streams_from_a_hosting_ancestor(hf_models, monkeypatch):
     full = prompt.tolist() + ref
     hosted_rows = []
 
-    def oracle_logits(model_, out, slot):
+    def oracle_logits(model_, streams_, out, slot):
         host = int(out.hosts[int(slot.item() if hasattr(slot, "item") else slot)])
         hosted_rows.append(out.stream_hidden.shape[0])
         pos = out.offset + int(out.buffers.depths[host])

@@ -64,7 +64,7 @@ def test_torch_stream_logits_match_the_mlx_speculative_pass(hf_models, variant):
     # MLX: a chain tree over the tokens, every node hosting all γ streams, no cache.
     n = len(tokens)
     out = ss_forward(loaded.model, t.streams, Tree(tuple(int(x) for x in tokens), tuple(range(-1, n - 1))), 0, None)
-    ref = np.stack([np.array(stream_logits(loaded.model, out, i)) for i in range(n)])
+    ref = np.stack([np.array(stream_logits(loaded.model, t.streams, out, i)) for i in range(n)])
     got = torch_backend.teacher_forced_stream_logits(loaded.model, t, loaded.config, tokens[None])[0]
     assert got.shape == ref.shape
     assert np.abs(got - ref).max() < 1e-4

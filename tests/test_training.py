@@ -313,6 +313,10 @@ def test_train_export_convert_roundtrip(tmp_path, corpus, base_dir):
         learning_rate=5e-3,
     )
     train(str(base_dir), str(data), str(tmp_path / "t"), cfg, progress=False, log=lambda s: None)
+    from specstream_mlx.train.draft_vocab import write_draft_vocab
+
+    draft_ids = np.random.RandomState(0).permutation(200)[:60].astype(np.int32)  # a draft vocabulary travels too
+    write_draft_vocab(tmp_path / "t", draft_ids)
     hf = export_hf(str(tmp_path / "t"), str(tmp_path / "hf"))
     cfg_json = json.loads((hf / "config.json").read_text())
     assert cfg_json["speculative_streaming"]["num_streams"] == 3
@@ -329,6 +333,8 @@ def test_train_export_convert_roundtrip(tmp_path, corpus, base_dir):
     b, _ = load(str(back))
     for k, v in dict(tree_flatten(a.streams.parameters())).items():
         assert mx.array_equal(v, dict(tree_flatten(b.streams.parameters()))[k]).item(), k
+    assert (np.array(a.streams.draft_vocab.ids) == draft_ids).all()
+    assert (np.array(b.streams.draft_vocab.ids) == draft_ids).all()
     for p in sorted(table)[:2]:
         for mode in ("ss", "ar"):
             ra = (

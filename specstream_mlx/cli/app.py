@@ -739,6 +739,72 @@ def measure_acceptance_cmd(
         typer.echo(f"wrote extra.acceptance to {cfg_path}", err=True)
 
 
+@app.command("draft-vocab")
+def draft_vocab_cmd(
+    model: str = typer.Option(..., "--model", help="Model directory (or bundled name) with speculative streams."),
+    data: str = typer.Option(..., "--data", help="Data directory: the reply tokens of its train.jsonl are counted."),
+    size: int = typer.Option(
+        8192, "--size", help="Token ids the streams draft from, most frequent first; 0: the whole vocabulary."
+    ),
+    write: bool = typer.Option(False, "--write", help="Store them with the model's streams."),
+):
+    """Choose the token ids the streams draft from: the most frequent reply tokens of the data."""
+    import numpy as np
+
+    from ..io.loading import ModelLoadError, bundled_models_dir, resolve_model_path
+    from ..method.streams import CONFIG_FILE, no_streams_message
+    from ..runtime.loaded_model import load
+    from ..train.data import DataError
+    from ..train.draft_vocab import (
+        DraftVocabReport,
+        count_reply_tokens,
+        coverage,
+        most_frequent,
+        write_draft_vocab,
+    )
+
+    if size < 0:
+        _err("--size must be 0 (the whole vocabulary) or a positive number of token ids")
+    train_path, valid_path = Path(data) / "train.jsonl", Path(data) / "valid.jsonl"
+    if not train_path.is_file():
+        _err(f"--data: {train_path} is not a file")
+    try:
+        path = resolve_model_path(model)
+        m, tok = load(str(path), warn=False)
+        if m.streams is None:
+            _err(no_streams_message(path))
+        vocab_size = m.args.vocab_size
+        if size >= vocab_size:
+            _err(f"--size {size} is not smaller than the model's vocabulary ({vocab_size}); use 0 for all of it")
+        counts = count_reply_tokens(
+            train_path, tok, vocab_size, progress=lambda n: typer.echo(f"{train_path.name}: {n} records", err=True)
+        )
+        if not counts.sum():
+            _err(f"{train_path}: no reply tokens to count")
+        ids = most_frequent(counts, size) if size else None
+        report = DraftVocabReport(
+            size=0 if ids is None else len(ids),
+            counted_tokens=int(counts.sum()),
+            distinct_tokens=int((counts > 0).sum()),
+            train_coverage=1.0 if ids is None else coverage(counts, ids),
+        )
+        if ids is not None and valid_path.is_file():
+            report.valid_coverage = coverage(count_reply_tokens(valid_path, tok, vocab_size), ids)
+    except (ModelLoadError, DataError, ValueError, OSError) as e:
+        _err(str(e))
+    typer.echo(json.dumps(report.to_json()))
+    if write:
+        # A bundle's streams live in its folder (copied into the converted model's cache).
+        shipped = bundled_models_dir() / model
+        target = shipped if (shipped / CONFIG_FILE).is_file() else path
+        try:
+            m.streams.use_draft_vocab(m.base, None if ids is None else np.asarray(ids))  # checks the ids
+            write_draft_vocab(target, ids)
+        except (ValueError, OSError) as e:
+            _err(f"{target}: {e}")
+        typer.echo(f"wrote draft_vocab ({report.size or 'the whole vocabulary'}) to {target}", err=True)
+
+
 @app.command()
 def floor(
     model: str = typer.Option("smollm2", "--model", help="Model directory or bundled name."),

@@ -189,6 +189,15 @@ def measure_acceptance(name: str, data_dir: Path) -> None:
     subprocess.run(cmd + ["--prompts", str(data_dir / "valid.jsonl"), "--write"], check=True)
 
 
+def add_draft_vocab(name: str, data_dir: Path) -> None:
+    """Have the shipped streams draft from the most frequent reply tokens of their training
+    data (``specstream-mlx draft-vocab``, its default size; docs/DESIGN.md decision 41)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "specstream_mlx", "draft-vocab", "--model", name, "--data", str(data_dir)]
+    subprocess.run(cmd + ["--write"], check=True)
+
+
 def write_bench_prompts(model_dir: Path, data_dir: Path, n: int = 24) -> None:
     """Held-out prompts (test split) shipped with a model for `specstream-mlx bench`."""
     rows = []
@@ -531,6 +540,7 @@ def build_smollm2(scale: float = 1.0, seed: int = 0) -> None:
         if (out / extra).exists():
             shutil.copyfile(out / extra, dst / extra)
     write_bench_prompts(dst, data)
+    add_draft_vocab("smollm2", data)
     measure_acceptance("smollm2", data)
     size = (dst / "streams.safetensors").stat().st_size / 1e6
     log(f"models/smollm2: streams {size:.1f} MB, base {cfg['base_fingerprint']}")

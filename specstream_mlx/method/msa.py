@@ -117,7 +117,7 @@ class SSOutput:
     pruned: int
     offset: int = 0
     hosts: Optional[np.ndarray] = None
-    # (n_hosts, g, V) stream logits when the pass computed them with the main logits.
+    # (n_hosts, g, V') stream logits (over the draft vocabulary) when the pass computed them.
     stream_logits: Optional[mx.array] = None
 
     def sources(self) -> "tuple[np.ndarray, np.ndarray]":
@@ -176,7 +176,7 @@ def ss_forward(
     x = msa_layers(
         model, streams, h, positions, hi, len(host_nodes), gamma, msa_mask(offset, kept_buf, gamma, host_nodes), cache
     )
-    main_logits, stream_hidden, s_logits = pass_outputs(model, x, nk, len(host_nodes), gamma)
+    main_logits, stream_hidden, s_logits = pass_outputs(model, streams, x, nk, len(host_nodes), gamma)
     return SSOutput(kept_tree, kept_buf, kept, main_logits, stream_hidden, n - nk, offset, host_nodes, s_logits)
 
 
@@ -259,14 +259,20 @@ def msa_layers(
 # computed after it, the head's weights (SmolLM2: 113 MB, a fifth of what a step reads) are
 # read a second time. Sharing the read pays while the extra rows' arithmetic costs less than
 # that read: greedy SmolLM2 at dynamic:8@1 (2 hosts, 8 rows) took 1.64-1.69 against
-# 1.79-1.95 plain steps a pass (examples/tree_sweep.py, docs/DESIGN.md decision 39).
+# 1.79-1.95 plain steps a pass (examples/tree_sweep.py, docs/DESIGN.md decision 39). Streams
+# with a draft vocabulary have a head of their own, a fraction of the vocabulary's rows: up to
+# as many rows, every host's streams go through it in the pass (decision 41).
 MERGED_STREAM_ROWS = 8
 
 
-def pass_outputs(model, x: mx.array, nk: int, n_hosts: int, gamma: int):
+def pass_outputs(model, streams: StreamParams, x: mx.array, nk: int, n_hosts: int, gamma: int):
     """(main logits, stream hidden states, stream logits or None) of the top layers' output."""
     stream_hidden = x[0, nk:].reshape(n_hosts, gamma, x.shape[-1])
-    if n_hosts == 1 or 0 < n_hosts * gamma <= MERGED_STREAM_ROWS:
+    few = n_hosts == 1 or 0 < n_hosts * gamma <= MERGED_STREAM_ROWS
+    if few and streams.draft_vocab is not None:
+        s_logits = streams.draft_logits(model, x[:, nk:])[0].reshape(n_hosts, gamma, -1)
+        return model.lm_logits(x[:, :nk])[0], stream_hidden, s_logits
+    if few:
         # One host's rows are the only ones the next draft can use, a few hosts' cost less
         # than a second read of the head: one LM-head product over every row.
         logits = model.lm_logits(x)[0]
@@ -286,17 +292,17 @@ def _early_exit_keep(model, streams: StreamParams, h, tree: Tree, buf: TreeBuffe
     return subtree_keep(tree.parents, np.concatenate([[True], trans >= threshold]))
 
 
-def stream_logits(model, out: SSOutput, slot) -> mx.array:
-    """(g, V) logits of the streams of host ``slot`` (int or device scalar; with every
-    node hosting, the slot is the kept node index)."""
+def stream_logits(model, streams: StreamParams, out: SSOutput, slot) -> mx.array:
+    """(g, V') logits of the streams of host ``slot`` (int or device scalar; with every
+    node hosting, the slot is the kept node index) over the streams' draft vocabulary."""
     if out.stream_logits is not None:
         return out.stream_logits[slot]
-    return model.lm_logits(out.stream_hidden[slot][None])[0]
+    return streams.draft_logits(model, out.stream_hidden[slot][None])[0]
 
 
-def all_stream_logits(model, out: SSOutput) -> mx.array:
-    """(n_hosts, g, V) logits of every hosted stream."""
-    return out.stream_logits if out.stream_logits is not None else model.lm_logits(out.stream_hidden)
+def all_stream_logits(model, streams: StreamParams, out: SSOutput) -> mx.array:
+    """(n_hosts, g, V') logits of every hosted stream over the streams' draft vocabulary."""
+    return out.stream_logits if out.stream_logits is not None else streams.draft_logits(model, out.stream_hidden)
 
 
 def slot_index(slots: "list[int]") -> Optional[mx.array]:

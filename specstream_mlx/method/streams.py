@@ -6,7 +6,8 @@ A model with streams is an mlx-lm model directory plus:
   stream_layers, mode, lora, pruning, trained).
 * ``streams.safetensors``: ``embeddings`` (γ, h); ``lora.layer<i>.<proj>.a``
   (in, r) and ``.b`` (r, out) for the MSA layers; ``pruning.down`` (h, 8) and
-  ``pruning.up`` (8, h).
+  ``pruning.up`` (8, h); optionally ``draft_vocab`` (N,) int32, the token ids the
+  streams draft from.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from ..models.fusion import fused_part, linear_dims
 FORMAT_VERSION = 1
 CONFIG_FILE = "specstream.json"
 WEIGHTS_FILE = "streams.safetensors"
+# The draft vocabulary's token ids in WEIGHTS_FILE (not a parameter: never trained).
+DRAFT_VOCAB_KEY = "draft_vocab"
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -59,6 +62,8 @@ class StreamConfig:
         trained: False for freshly initialised streams.
         base_fingerprint: fingerprint of the base weights the streams were trained on
             (``specstream_mlx.io.fingerprint``); None for streams that name no base.
+        draft_vocab: how many vocabulary entries the streams draft from (the ids, most
+            frequent first, are ``draft_vocab`` in the weights file); 0: all of them.
     """
 
     num_streams: int = 4
@@ -71,6 +76,7 @@ class StreamConfig:
     pruning_threshold: float = 0.0
     trained: bool = False
     base_fingerprint: Optional[str] = None
+    draft_vocab: int = 0
     version: int = FORMAT_VERSION
     extra: Dict = field(default_factory=dict)
 
@@ -109,6 +115,8 @@ class StreamConfig:
 
     def check(self) -> None:
         """ValueError naming the first field with a wrong type or value."""
+        if not (_is_int(self.draft_vocab) and self.draft_vocab >= 0):
+            raise ValueError(f"'draft_vocab' must be a non-negative integer, got {self.draft_vocab!r}")
         for name in ("num_streams", "stream_layers", "pruning_rank"):
             v = getattr(self, name)
             if not (_is_int(v) and v >= 1):
@@ -248,10 +256,39 @@ class StreamParams(nn.Module):
                 model, range(self.first_layer, n_layers), cfg.lora_targets, cfg.lora_rank, cfg.lora_scale
             )
         self.pruning = PruningAdapter(hidden, cfg.pruning_rank)
+        # Not parameters (leading underscore): the draft vocabulary and its head's rows.
+        self._draft_vocab: Optional[DraftVocab] = None
+        self._draft_head = None
 
     @property
     def num_streams(self) -> int:
         return self.config.num_streams
+
+    @property
+    def draft_vocab(self) -> Optional["DraftVocab"]:
+        """The vocabulary entries the streams draft from, or None for all of them."""
+        return self._draft_vocab
+
+    def use_draft_vocab(self, model, ids) -> None:
+        """Draft from the vocabulary entries ``ids`` only (None: all of them).
+
+        A stream row's logits only rank draft candidates, which verification accepts or
+        not, so a head over the entries the streams' data uses keeps the output exact and
+        reads a sixth of SmolLM2's 49,152-row head (docs/DESIGN.md decision 41)."""
+        if ids is None:
+            self._draft_vocab, self._draft_head = None, None
+            self.config.draft_vocab = 0
+            return
+        ids = np.asarray(ids)
+        check_draft_vocab(ids, model.args.vocab_size)
+        self._draft_vocab = DraftVocab(mx.array(ids.astype(np.int32)), model.args.vocab_size)
+        self._draft_head = model.head_rows(self._draft_vocab.ids)
+        self.config.draft_vocab = len(ids)
+
+    def draft_logits(self, model, h: mx.array) -> mx.array:
+        """Logits of stream rows' hidden states ``h`` over the draft vocabulary (in the
+        order of its ids; the whole vocabulary's without one)."""
+        return model.lm_logits(h) if self._draft_head is None else self._draft_head(h)
 
     def insert(self, M: mx.array) -> mx.array:
         """Stream insertion ``S[.., j, :] = M[.., :] + P[j]``: (..., h) -> (..., γ, h)."""
@@ -272,6 +309,35 @@ class StreamParams(nn.Module):
         return sum(v.size for _, v in tree_flatten(self.parameters()))
 
 
+@dataclass(frozen=True)
+class DraftVocab:
+    """The vocabulary entries streams draft from: ``ids`` (N,) int32, most frequent first,
+    of a vocabulary of ``size`` entries."""
+
+    ids: mx.array
+    size: int
+
+    def tokens(self, index: mx.array) -> mx.array:
+        """Token ids of positions in the draft vocabulary (any shape)."""
+        return mx.take(self.ids, index)
+
+    def spread(self, probs: mx.array) -> mx.array:
+        """(..., N) distributions over the draft vocabulary as (..., size), 0 elsewhere."""
+        full = mx.zeros((*probs.shape[:-1], self.size), dtype=probs.dtype)
+        return mx.put_along_axis(full, mx.broadcast_to(self.ids, probs.shape), probs, axis=-1)
+
+
+def check_draft_vocab(ids: np.ndarray, vocab_size: int) -> None:
+    """ValueError unless ``ids`` are distinct integer token ids below ``vocab_size``."""
+    if ids.ndim != 1 or not len(ids) or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"draft_vocab must be a non-empty 1-D array of token ids, got shape {ids.shape} {ids.dtype}")
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if len(outside):
+        raise ValueError(f"draft_vocab holds token id {int(outside[0])}, outside the vocabulary (0..{vocab_size - 1})")
+    if len(np.unique(ids)) != len(ids):
+        raise ValueError("draft_vocab repeats a token id")
+
+
 def default_targets(model_type: str) -> Tuple[str, ...]:
     return PHI3_TARGETS if model_type == "phi3" else ATTN_TARGETS + MLP_TARGETS
 
@@ -289,6 +355,10 @@ def new_streams(model, cfg: StreamConfig, seed: int = 0) -> StreamParams:
 def save_streams(streams: StreamParams, out_dir: Path) -> None:
     out_dir = Path(out_dir)
     weights = dict(tree_flatten(streams.parameters()))
+    vocab = streams.draft_vocab
+    streams.config.draft_vocab = 0 if vocab is None else vocab.ids.size
+    if vocab is not None:
+        weights[DRAFT_VOCAB_KEY] = vocab.ids
     mx.save_safetensors(str(out_dir / WEIGHTS_FILE), weights, metadata={"format": "specstream"})
     with open(out_dir / CONFIG_FILE, "w") as f:
         json.dump(streams.config.to_json(), f, indent=2)
@@ -317,6 +387,12 @@ def load_streams(model, model_dir: Path, warn=True) -> Optional[StreamParams]:
         weights = mx.load(str(w_path))
     except Exception as e:  # corrupt file
         raise ValueError(f"{w_path}: cannot read safetensors ({e})") from e
+    draft_ids = weights.pop(DRAFT_VOCAB_KEY, None)
+    if (draft_ids is None) != (cfg.draft_vocab == 0) or (draft_ids is not None and draft_ids.size != cfg.draft_vocab):
+        have = "none" if draft_ids is None else f"{draft_ids.size} ids"
+        raise ValueError(
+            f"{w_path}: '{DRAFT_VOCAB_KEY}' holds {have}, {CONFIG_FILE} says draft_vocab {cfg.draft_vocab}"
+        )
     try:
         sp.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -324,6 +400,11 @@ def load_streams(model, model_dir: Path, warn=True) -> Optional[StreamParams]:
     dtype = model.model.norm.weight.dtype
     sp.update(tree_unflatten([(k, v.astype(dtype)) for k, v in tree_flatten(sp.parameters())]))
     mx.eval(sp.parameters())
+    if draft_ids is not None:
+        try:
+            sp.use_draft_vocab(model, np.array(draft_ids))
+        except ValueError as e:
+            raise ValueError(f"{w_path}: {e}") from e
     if warn and not cfg.trained:
         print(
             f"specstream-mlx: warning: {model_dir.name} has untrained speculative streams; "

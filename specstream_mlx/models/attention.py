@@ -31,7 +31,7 @@ import mlx.core as mx
 FORMS = ("fused", "composed")
 # Raised when a form's arithmetic changes, so that verdicts stored for the previous one
 # (runtime.attention_choice) are measured again. 2: several query rows folded as one;
-# 3: the softmax's shift, reduction and exponentials compiled as one function.
+# 3: the masked scores scaled in one compiled kernel.
 FORMS_VERSION = 3
 
 
@@ -40,27 +40,27 @@ def fused_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: U
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
-# The shift by the row's largest score, its reduction and the exponentials are one compiled
-# function: op by op (a tree pass) its three operations were one MLX task each, and together
-# they took 1.8 against 2.4 ms over SmolLM2's 30 layers at 9 rows. Shapeless: the key count
-# grows every step. A Python float scale is a constant of the trace.
+# Element-wise work around the row's largest score, compiled: op by op (a tree pass) MLX's
+# CPU backend runs a select or an add whose mask broadcasts over heads and rows as a general
+# strided loop, and the two compiled kernels took 2.35 against 2.97 ms over SmolLM2's 30
+# layers at 9 rows. Shapeless (the key count grows every step). The reduction stays outside:
+# with it inside the compiled function too, the HTTP server crashed on its first request, in
+# a segfault inside MLX's max reduction (tests/test_hostile.py), where only element-wise
+# kernels compiled this way have ever run. A Python float scale is a constant of the trace.
 @partial(mx.compile, shapeless=True)
-def _numerators(s: mx.array, scale: float) -> mx.array:
-    z = s * scale
-    return mx.exp(z - z.max(axis=-1, keepdims=True))
+def _exp(s: mx.array, top: mx.array, scale: float) -> mx.array:
+    return mx.exp((s - top) * scale)
 
 
 @partial(mx.compile, shapeless=True)
-def _numerators_kept(s: mx.array, keep: mx.array, scale: float) -> mx.array:
+def _scaled_kept(s: mx.array, keep: mx.array, scale: float) -> mx.array:
     # Masked keys at -inf: their exponential is 0, and every row keeps at least one key.
-    z = mx.where(keep, s * scale, -mx.inf)
-    return mx.exp(z - z.max(axis=-1, keepdims=True))
+    return mx.where(keep, s * scale, -mx.inf)
 
 
 @partial(mx.compile, shapeless=True)
-def _numerators_added(s: mx.array, added: mx.array, scale: float) -> mx.array:
-    z = s * scale + added
-    return mx.exp(z - z.max(axis=-1, keepdims=True))
+def _scaled_added(s: mx.array, added: mx.array, scale: float) -> mx.array:
+    return s * scale + added
 
 
 def _folded_mask(mask: mx.array, rep: int, rows: int) -> mx.array:
@@ -78,10 +78,12 @@ def _softmax_numerators(s: mx.array, scale: float, mask: Union[None, mx.array]) 
     """exp(scale * s - the row's largest) where ``mask`` keeps (0 elsewhere); ``mask``
     broadcasts to ``s``: boolean (True: attend) or added to the scaled scores."""
     if mask is None:
-        return _numerators(s, scale)
+        return _exp(s, s.max(axis=-1, keepdims=True), scale)
     if mask.dtype == mx.bool_:
-        return _numerators_kept(s, mask, scale)
-    return _numerators_added(s, mask.astype(mx.float32), scale)
+        z = _scaled_kept(s, mask, scale)
+    else:
+        z = _scaled_added(s, mask.astype(mx.float32), scale)
+    return _exp(z, z.max(axis=-1, keepdims=True), 1.0)
 
 
 def composed_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Union[None, str, mx.array]):

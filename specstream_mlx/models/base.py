@@ -438,6 +438,35 @@ class Model(nn.Module):
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
 
+    def head_rows(self, ids: mx.array) -> Callable[[mx.array], mx.array]:
+        """The final norm and the LM head restricted to the vocabulary entries ``ids``:
+        ``head_rows(ids)(h)`` is ``lm_logits(h)[..., ids]`` (to rounding), reading and
+        multiplying ``len(ids)`` rows of the head's weights instead of the vocabulary's.
+        The rows are copied now, float or quantized as the head is."""
+        layer = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
+        rows = {k: layer[k][ids] for k in ("weight", "scales", "biases", "bias") if k in layer}
+        mx.eval(rows)
+        norm = self.model.norm
+        if "scales" in rows:
+            mode = getattr(layer, "mode", "affine")
+
+            def product(x: mx.array) -> mx.array:
+                return mx.quantized_matmul(
+                    x, rows["weight"], rows["scales"], rows.get("biases"), True, layer.group_size, layer.bits, mode
+                )
+
+        else:
+            weight_t = rows["weight"].T
+
+            def product(x: mx.array) -> mx.array:
+                return x @ weight_t
+
+        def head(h: mx.array) -> mx.array:
+            y = product(norm(h))
+            return y + rows["bias"] if "bias" in rows else y
+
+        return head
+
     def __call__(
         self,
         inputs: mx.array,

@@ -126,7 +126,9 @@ def measure_acceptance(
         cache = make_cache(model.base)
         prefill(model.base, ids[:-1], cache)
         out = ss_forward(model.base, model.streams, chain, cache[0].offset, cache)
-        cand = stream_candidates(all_stream_logits(model.base, out), CANDIDATES, greedy)
+        cand = stream_candidates(
+            all_stream_logits(model.base, model.streams, out), CANDIDATES, greedy, vocab=model.streams.draft_vocab
+        )
         mx.eval(*cand.arrays())
         cand = cand.to_host()  # (nodes, γ, K)
         gamma = cand.top.shape[1]

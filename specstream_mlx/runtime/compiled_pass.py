@@ -167,7 +167,7 @@ class SSPass:
                 mask = span_mask(offset, msa_part, n, span_positions)
                 rows = None if every else host_nodes
                 x = msa_layers(model, streams, h, positions, rows, n_hosts, gamma, mask, writers)
-                main_logits, stream_hidden, s_logits = pass_outputs(model, x, n, n_hosts, gamma)
+                main_logits, stream_hidden, s_logits = pass_outputs(model, streams, x, n, n_hosts, gamma)
                 if s_logits is None:
                     s_logits = mx.zeros((0,), dtype=main_logits.dtype)  # compiled outputs are always arrays
                 return main_logits, stream_hidden, s_logits, [w.keys for w in writers], [w.values for w in writers]

@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..method.acceptance import draw_rows
+from ..method.streams import DraftVocab
 from ..method.tree import (
     Tree,
     TreeSpec,
@@ -101,17 +102,28 @@ class Candidates:
 
 
 def stream_candidates(
-    logits: mx.array, K: int, sampling: SamplingParams, key: Optional[mx.array] = None, draws: int = 0
+    logits: mx.array,
+    K: int,
+    sampling: SamplingParams,
+    key: Optional[mx.array] = None,
+    draws: int = 0,
+    vocab: Optional[DraftVocab] = None,
 ) -> Candidates:
     """Device-side candidates of stream logits (..., γ, V): the top-K token ids and
     their probabilities in descending order and, when sampling, the processed
     distributions the drafts are drawn from and ``draws`` i.i.d. draws from each (with
     ``key``), so only the draws leave the device. Lazy: the caller evaluates them in
-    the same sync as verification."""
+    the same sync as verification.
+
+    ``vocab``: the logits are over these draft-vocabulary entries (V = N), not the
+    whole vocabulary: ids and draws are mapped to token ids, and the distributions
+    spread over the whole vocabulary (0 outside the draft vocabulary), which is what
+    lossless verification compares them with."""
     logits = logits.astype(mx.float32)
     K = min(K, logits.shape[-1])
     if sampling.greedy:
-        return _greedy_candidates(logits, K)
+        cand = _greedy_candidates(logits, K)
+        return cand if vocab is None else Candidates(vocab.tokens(cand.top), cand.ptop)
     # Sampled drafts are drawn from the processed distributions; their top-K are the candidates
     # (one softmax over the vocabulary, not two).
     probs = target_probs(logits, sampling)
@@ -121,6 +133,8 @@ def stream_candidates(
     top = mx.take_along_axis(part, order, axis=-1)
     ptop = mx.take_along_axis(ptop, order, axis=-1)
     drawn = draw_rows(probs, mx.random.uniform(shape=(*probs.shape[:-1], max(draws, 1)), key=key))
+    if vocab is not None:
+        return Candidates(vocab.tokens(top), ptop, vocab.spread(probs), vocab.tokens(drawn))
     return Candidates(top, ptop, probs, drawn)
 
 

@@ -106,14 +106,16 @@ def pass_fn(forward: SSPass, cache, context: int, b: int, sampled: bool, hosting
         if sampled:
             # Verification and draws on the device; per-node decisions and draws come back.
             dec = verification_target(out.main_logits, kind, out.tree, out.buffers, q, keys.next())
-            cand = stream_candidates(stream_logits(model, out, 0), 8, kind, keys.next())  # host slot 0
+            cand = stream_candidates(
+                stream_logits(model, streams, out, 0), 8, kind, keys.next(), vocab=streams.draft_vocab
+            )  # host slot 0
             mx.eval(dec, *cand.arrays())
             np.array(dec)
             cand = cand.to_host()
         else:
             am = mx.argmax(out.main_logits, axis=-1)
             node = greedy_accepted_node(out.tree.tokens, out.buffers, am)
-            cand = stream_candidates(stream_logits(model, out, node), 8, kind)
+            cand = stream_candidates(stream_logits(model, streams, out, node), 8, kind, vocab=streams.draft_vocab)
             mx.eval(am, node, *cand.arrays())
             cand = cand.to_host()
         for c in cache:

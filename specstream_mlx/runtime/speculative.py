@@ -118,13 +118,14 @@ def _usable(cand: Candidates, slot: int, shift: int) -> Candidates:
 def verify_greedy(sm: SpeculativeModel, out: SSOutput, K: int, sampling: SamplingParams) -> PassResult:
     """Verification and the next draft's candidates in one sync."""
     slot, shift = out.sources()
+    vocab = sm.streams.draft_vocab
     has_hosts = out.stream_hidden.shape[0] > 0
     am = verification_target(out.main_logits, sampling)
     node_dev = greedy_accepted_node(out.tree.tokens, out.buffers, am)
     cand = None
     if has_hosts:
         slot_dev = node_dev if out.every_node_hosts else mx.maximum(mx.array(slot)[node_dev], 0)
-        cand = stream_candidates(stream_logits(sm.base, out, slot_dev), K, sampling)
+        cand = stream_candidates(stream_logits(sm.base, sm.streams, out, slot_dev), K, sampling, vocab=vocab)
         mx.eval(am, node_dev, *cand.arrays())
     else:
         mx.eval(am, node_dev)
@@ -132,7 +133,7 @@ def verify_greedy(sm: SpeculativeModel, out: SSOutput, K: int, sampling: Samplin
     node = verdict.path[-1]
     resync = node != int(node_dev.item())
     if resync and has_hosts and slot[node] >= 0:  # not expected; the host verdict wins
-        cand = stream_candidates(stream_logits(sm.base, out, int(slot[node])), K, sampling)
+        cand = stream_candidates(stream_logits(sm.base, sm.streams, out, int(slot[node])), K, sampling, vocab=vocab)
         mx.eval(*cand.arrays())
     if cand is None:
         return PassResult(verdict, Candidates.empty(K), resync)
@@ -146,13 +147,16 @@ def verify_sampled(
     stream candidates and draws in the same sync when small, else after it for the
     accepted node's host only."""
     slot, shift = out.sources()
-    n_stream_logits = out.stream_hidden.shape[0] * out.stream_hidden.shape[1] * sm.args.vocab_size
+    vocab = sm.streams.draft_vocab
+    width = sm.args.vocab_size if vocab is None else vocab.ids.size
+    n_stream_logits = out.stream_hidden.shape[0] * out.stream_hidden.shape[1] * width
     eager = 0 < n_stream_logits <= EAGER_STREAM_LOGITS
     q_rows = None if draft.q_rows is None else draft.q_rows[out.kept]
     decisions = verification_target(
         out.main_logits, sampling, out.tree, out.buffers, draft.draft_q, keys.next(), q_rows
     )
-    cand = stream_candidates(all_stream_logits(sm.base, out), K, sampling, keys.next(), draws) if eager else None
+    logits = all_stream_logits(sm.base, sm.streams, out) if eager else None
+    cand = stream_candidates(logits, K, sampling, keys.next(), draws, vocab) if eager else None
     mx.eval(decisions, *(cand.arrays() if eager else ()))
     verdict = verify(out.tree, out.buffers, sampling, np.array(decisions))
     node = verdict.path[-1]
@@ -162,7 +166,7 @@ def verify_sampled(
     if eager:
         cand = cand.map(lambda a: a[s])
     else:
-        cand = stream_candidates(stream_logits(sm.base, out, s), K, sampling, keys.next(), draws)
+        cand = stream_candidates(stream_logits(sm.base, sm.streams, out, s), K, sampling, keys.next(), draws, vocab)
         mx.eval(*cand.arrays())
     return PassResult(verdict, _usable(cand, s, sh).to_host())
 

@@ -219,6 +219,7 @@ def model_key(model, streams, kind: str, compiled: bool) -> str:
         a.num_key_value_heads,
         streams.num_streams,
         streams.config.stream_layers,
+        streams.config.draft_vocab,  # the stream rows' head: the vocabulary's rows or a fraction
         str(mx.default_device()),
         blas_in_use(),
         forwarder_words(),  # the forwarder and its kernel set the plain step's and the passes' speed
