@@ -41,7 +41,8 @@ def export_hf(model_path: str, hf_path: str, force: bool = False, log=lambda s: 
     if streams is not None:
         tensors, scfg = streams_to_hf(model, streams)
         dtype = model.model.norm.weight.dtype
-        stream_tensors = {k: v.astype(dtype) for k, v in tensors.items()}
+        # Float tensors in the base's dtype; token ids (the draft vocabulary) stay integers.
+        stream_tensors = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in tensors.items()}
         # In a file of their own, named from config.json: model.safetensors stays the
         # plain base that transformers and mlx-lm load without unexpected keys.
         out_config[CONFIG_KEY] = {**scfg, "weights_file": STREAMS_FILE}
