@@ -650,6 +650,7 @@ def build_smollm2_fc(scale: float = 1.0, seed: int = 0) -> None:
     for run in ("smollm2-fc-ss", "smollm2-fc-lora"):
         write_tools_file(RUNS / run)
     ship_smollm2_fc(RUNS / "smollm2-fc-lora", RUNS / "smollm2-fc-streams", data)
+    add_draft_vocab("smollm2-fc", data)
     measure_acceptance("smollm2-fc", data)
 
 
