@@ -25,8 +25,9 @@ PROMPTS = [
 ]
 
 
-def softmax_candidates(logits, K, sampling, key=None, draws=0):
-    """The previous greedy candidates: the vocabulary's softmax, then a partition of it."""
+def softmax_candidates(logits, K, sampling, key=None, draws=0, vocab=None):
+    """The previous greedy candidates: the vocabulary's softmax, then a partition of it
+    (positions in a draft vocabulary mapped to its token ids)."""
     import mlx.core as mx
 
     from specstream_mlx.runtime.drafting import Candidates
@@ -35,7 +36,8 @@ def softmax_candidates(logits, K, sampling, key=None, draws=0):
     part = mx.argpartition(-probs, kth=K - 1, axis=-1)[..., :K]
     ptop = mx.take_along_axis(probs, part, axis=-1)
     order = mx.argsort(-ptop, axis=-1)
-    return Candidates(mx.take_along_axis(part, order, axis=-1), mx.take_along_axis(ptop, order, axis=-1))
+    top = mx.take_along_axis(part, order, axis=-1)
+    return Candidates(top if vocab is None else vocab.tokens(top), mx.take_along_axis(ptop, order, axis=-1))
 
 
 def main() -> int:
