@@ -164,6 +164,15 @@ def test_most_frequent_reply_tokens_are_counted_from_the_replies(tiny_model_dir,
         count_reply_tokens(data, tok, 512)
 
 
+def test_the_command_drafts_from_the_measured_default_size():
+    import inspect
+
+    from specstream_mlx.cli.app import draft_vocab_cmd
+    from specstream_mlx.train.draft_vocab import DEFAULT_SIZE
+
+    assert inspect.signature(draft_vocab_cmd).parameters["size"].default.default == DEFAULT_SIZE
+
+
 def test_the_draft_vocab_command_writes_the_streams_and_refuses_bad_input(tiny_model_dir, tmp_path):
     model_dir = copy_model(tiny_model_dir, tmp_path / "m")
     model, _ = load_model(model_dir)

@@ -743,7 +743,7 @@ def measure_acceptance_cmd(
 def draft_vocab_cmd(
     model: str = typer.Option(..., "--model", help="Model directory (or bundled name) with speculative streams."),
     data: str = typer.Option(..., "--data", help="Data directory: the reply tokens of its train.jsonl are counted."),
-    size: int = typer.Option(
+    size: int = typer.Option(  # train/draft_vocab.py: DEFAULT_SIZE (not imported: --help stays light)
         8192, "--size", help="Token ids the streams draft from, most frequent first; 0: the whole vocabulary."
     ),
     write: bool = typer.Option(False, "--write", help="Store them with the model's streams."),
