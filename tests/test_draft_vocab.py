@@ -204,6 +204,8 @@ def test_the_draft_vocab_command_writes_the_streams_and_refuses_bad_input(tiny_m
     assert report["size"] == 4 and 0 < report["valid_coverage"] < 1 and report["train_coverage"] > 0.5
     streams = load_streams(model, model_dir)
     assert streams.draft_vocab is not None and streams.draft_vocab.ids.size == 4
+    doctor = subprocess.run([*CLI, "doctor", "--model", str(model_dir)], capture_output=True, text=True, timeout=120)
+    assert f"drafting from 4 of {model.args.vocab_size} token ids" in doctor.stdout, doctor.stdout
     # --size 0 drafts from every entry again; the streams' own tensors stay as they were stored.
     r = run("--model", str(model_dir), "--data", str(data), "--size", "0", "--write")
     assert r.returncode == 0 and load_streams(model, model_dir).draft_vocab is None

@@ -192,6 +192,16 @@ def doctor(
         except (ModelLoadError, ValueError) as e:
             _err(str(e))
         typer.echo(f"model {path}: stored weights {stored_widths(base)}")
+        cfg_path = path / "specstream.json"
+        if cfg_path.is_file():  # what the streams draft from, read without loading them
+            try:
+                cfg = json.loads(cfg_path.read_text())
+                n, vocab = cfg.get("draft_vocab") or 0, base.args.vocab_size
+                what = f"{n} of {vocab} token ids" if n else f"all {vocab} token ids"
+                gamma, layers = cfg.get("num_streams"), cfg.get("stream_layers")
+                typer.echo(f"streams: {gamma} in the top {layers} layers, drafting from {what}")
+            except (ValueError, AttributeError):
+                typer.echo(f"streams: {cfg_path} is not a valid specstream.json")
 
 
 class DType(str, Enum):
