@@ -211,3 +211,51 @@ def test_the_draft_vocab_command_writes_the_streams_and_refuses_bad_input(tiny_m
     assert r.returncode == 0 and load_streams(model, model_dir).draft_vocab is None
     got = {k: np.array(v) for k, v in mx.load(str(model_dir / "streams.safetensors")).items()}
     assert got.keys() == tensors.keys() and all(np.array_equal(got[k], tensors[k]) for k in got)
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_a_tokens_logit_from_its_head_row(hf_models, arch):
+    _, _, dst = hf_models(arch)
+    model, _ = load_model(dst)
+    h = mx.random.normal((6, model.args.hidden_size))
+    ids = mx.array(_ids(model.args.vocab_size, 6, seed=4))
+    want = np.array(model.lm_logits(h))[np.arange(6), np.array(ids)]
+    assert np.abs(np.array(model.token_logits(h, ids)) - want).max() < 1e-4
+
+
+def test_a_tokens_logit_from_a_quantized_head_row(hf_models, tmp_path):
+    _, src, _ = hf_models("llama-q")
+    dst = convert(str(src), str(tmp_path / "q4"), ConvertOptions(quantize=True, q_bits=4, q_group_size=32))
+    model, _ = load_model(dst, dequantize=False)
+    h = mx.random.normal((5, model.args.hidden_size)).astype(model.model.norm.weight.dtype)
+    ids = mx.array(_ids(model.args.vocab_size, 5, seed=5))
+    want = np.array(model.lm_logits(h).astype(mx.float32))[np.arange(5), np.array(ids)]
+    got = np.array(model.token_logits(h, ids).astype(mx.float32))
+    assert np.abs(got - want).max() < 1e-2 * max(1.0, np.abs(want).max())
+
+
+def test_early_exit_over_a_draft_vocabulary_prunes_no_more_than_over_the_whole_one(hf_models):
+    """Normalised over fewer entries, every transition probability is at least the whole
+    vocabulary's: what the whole vocabulary keeps is kept. Over every id (permuted) the
+    probabilities are the same, and so is the kept set."""
+    from specstream_mlx.method import msa
+    from specstream_mlx.method.tree import tree_buffers
+
+    _, _, dst = hf_models("llama")
+    model, _ = load_model(dst)
+    streams = pretend_trained(new_streams(model, StreamConfig(num_streams=3, stream_layers=2, lora_rank=4)), seed=3)
+    rng = np.random.RandomState(0)
+    parents = (-1, 0, 0, 1, 1, 2, 3, 4, 5, 6, 6, 7)
+    tree = Tree(tuple(int(t) for t in rng.randint(3, 151, len(parents))), parents)
+    buf = tree_buffers(parents)
+    h = mx.random.normal((1, len(parents), model.args.hidden_size))
+    thresholds = [0.002, 0.005, 0.01, 0.02]
+    full = [msa._early_exit_keep(model, streams, h, tree, buf, t) for t in thresholds]
+    assert any(not k.all() for k in full) and any(k[1:].any() for k in full)  # the thresholds prune
+    streams.use_draft_vocab(model, rng.permutation(model.args.vocab_size))
+    for t, k in zip(thresholds, full):
+        assert (msa._early_exit_keep(model, streams, h, tree, buf, t) == k).all()
+    streams.use_draft_vocab(model, _ids(model.args.vocab_size, 20, seed=6))
+    for t, k in zip(thresholds, full):
+        part = msa._early_exit_keep(model, streams, h, tree, buf, t)
+        assert (part | ~k).all()  # a superset of the whole vocabulary's kept nodes

@@ -467,6 +467,18 @@ class Model(nn.Module):
 
         return head
 
+    def token_logits(self, h: mx.array, ids: mx.array) -> mx.array:
+        """(n,) logit of token ``ids[i]`` at hidden state ``h[i]`` ((n, hidden) before the
+        final norm): ``lm_logits(h)[i, ids[i]]`` to rounding, from the ``n`` head rows alone."""
+        layer = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
+        w = layer["weight"][ids]
+        if "scales" in layer:
+            biases = layer["biases"][ids] if "biases" in layer else None
+            mode = getattr(layer, "mode", "affine")
+            w = mx.dequantize(w, layer["scales"][ids], biases, layer.group_size, layer.bits, mode)
+        y = (self.model.norm(h) * w).sum(axis=-1)
+        return y + layer["bias"][ids] if "bias" in layer else y
+
     def __call__(
         self,
         inputs: mx.array,
