@@ -28,9 +28,8 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 import mlx.core as mx
-import numpy as np
 
-from specstream_mlx.method.streams import DRAFT_VOCAB_KEY, StreamConfig, StreamParams, lora_key
+from specstream_mlx.method.streams import DRAFT_VOCAB_KEY, StreamConfig, StreamParams, lora_key, restore_draft_vocab
 
 PREFIX = "speculative_streaming."
 CONFIG_KEY = "speculative_streaming"
@@ -71,11 +70,6 @@ def streams_from_hf(model, cfg_obj: dict, tensors: Dict[str, mx.array], where: s
     cfg = StreamConfig.from_json(cfg_obj)
     sp = StreamParams(model, cfg)
     draft_ids = tensors.pop(DRAFT_VOCAB_KEY, None)
-    if (draft_ids is None) != (cfg.draft_vocab == 0) or (draft_ids is not None and draft_ids.size != cfg.draft_vocab):
-        have = "none" if draft_ids is None else f"{draft_ids.size} ids"
-        raise ValueError(
-            f"{where}: {PREFIX}{DRAFT_VOCAB_KEY} holds {have}, the config says draft_vocab {cfg.draft_vocab}"
-        )
     mapped = {
         "embeddings": tensors.pop("stream_embeddings", None),
         "pruning.down": _t(tensors.pop("pruning.down.weight", None)),
@@ -99,11 +93,7 @@ def streams_from_hf(model, cfg_obj: dict, tensors: Dict[str, mx.array], where: s
         sp.load_weights(list(mapped.items()), strict=True)
     except ValueError as e:
         raise ValueError(f"{where}: speculative_streaming tensors do not match the config ({e})") from e
-    if draft_ids is not None:
-        try:
-            sp.use_draft_vocab(model, np.array(draft_ids))
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from e
+    restore_draft_vocab(sp, model, draft_ids, where)
     return sp
 
 

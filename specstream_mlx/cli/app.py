@@ -139,6 +139,30 @@ def _update_json(path: Path, edit) -> None:
     os.replace(tmp, path)
 
 
+def _load_with_streams(model: str):
+    """(model directory, loaded model, tokenizer) of a model that has speculative streams;
+    exits with one line when it has none. Load errors propagate to the caller's handler."""
+    from ..io.loading import resolve_model_path
+    from ..method.streams import no_streams_message
+    from ..runtime.loaded_model import load
+
+    path = resolve_model_path(model)
+    m, tok = load(str(path), warn=False)
+    if m.streams is None:
+        _err(no_streams_message(path))
+    return path, m, tok
+
+
+def _streams_dir(model: str, path: Path) -> Path:
+    """Where ``model``'s streams files are written: a bundle's own folder (its streams are
+    copied from there into the converted model's cache), else the model directory."""
+    from ..io.loading import bundled_models_dir
+    from ..method.streams import CONFIG_FILE
+
+    shipped = bundled_models_dir() / model
+    return shipped if (shipped / CONFIG_FILE).is_file() else path
+
+
 def _version_callback(value: bool):
     if value:
         from ..platform_info import runtime_info
@@ -705,12 +729,11 @@ def measure_acceptance_cmd(
     """Measure the streams' accepted tokens per greedy pass for each tree budget (--tree auto's prior)."""
     import mlx.core as mx
 
-    from ..io.loading import ModelLoadError, resolve_model_path
+    from ..io.loading import ModelLoadError
     from ..io.prompts import PromptFileError
-    from ..method.streams import CONFIG_FILE, no_streams_message
+    from ..method.streams import CONFIG_FILE
     from ..runtime.acceptance_prior import measure_acceptance
     from ..runtime.generation import encode_prompt
-    from ..runtime.loaded_model import load
 
     if n_prompts < 1 or max_tokens < 8:
         _err("--max-prompts must be at least 1 and --max-tokens at least 8")
@@ -722,10 +745,7 @@ def measure_acceptance_cmd(
     from ..bench.runner import read_prompts_file
 
     try:
-        path = resolve_model_path(model)
-        m, tok = load(str(path), warn=False)
-        if m.streams is None:
-            _err(no_streams_message(path))
+        path, m, tok = _load_with_streams(model)
         rows = read_prompts_file(src, n_prompts)
         ids = [mx.array(encode_prompt(tok, r["prompt"], use_chat_template=True)) for r in rows]
         prior = measure_acceptance(
@@ -740,11 +760,7 @@ def measure_acceptance_cmd(
     prior.data = src.parent.name if src.name == "valid.jsonl" else src.name
     typer.echo(json.dumps(prior.to_json()))
     if write:
-        from ..io.loading import bundled_models_dir
-
-        # A bundle's streams live in its folder (copied into the converted model's cache).
-        shipped = bundled_models_dir() / model / CONFIG_FILE
-        cfg_path = shipped if shipped.is_file() else path / CONFIG_FILE
+        cfg_path = _streams_dir(model, path) / CONFIG_FILE
         _update_json(cfg_path, lambda cfg: cfg.setdefault("extra", {}).update(acceptance=prior.to_json()))
         typer.echo(f"wrote extra.acceptance to {cfg_path}", err=True)
 
@@ -759,11 +775,8 @@ def draft_vocab_cmd(
     write: bool = typer.Option(False, "--write", help="Store them with the model's streams."),
 ):
     """Choose the token ids the streams draft from: the most frequent reply tokens of the data."""
-    import numpy as np
-
-    from ..io.loading import ModelLoadError, bundled_models_dir, resolve_model_path
-    from ..method.streams import CONFIG_FILE, no_streams_message
-    from ..runtime.loaded_model import load
+    from ..io.loading import ModelLoadError
+    from ..method.streams import check_draft_vocab
     from ..train.data import DataError
     from ..train.draft_vocab import (
         DraftVocabReport,
@@ -779,10 +792,7 @@ def draft_vocab_cmd(
     if not train_path.is_file():
         _err(f"--data: {train_path} is not a file")
     try:
-        path = resolve_model_path(model)
-        m, tok = load(str(path), warn=False)
-        if m.streams is None:
-            _err(no_streams_message(path))
+        path, m, tok = _load_with_streams(model)
         vocab_size = m.args.vocab_size
         if size >= vocab_size:
             _err(f"--size {size} is not smaller than the model's vocabulary ({vocab_size}); use 0 for all of it")
@@ -804,11 +814,10 @@ def draft_vocab_cmd(
         _err(str(e))
     typer.echo(json.dumps(report.to_json()))
     if write:
-        # A bundle's streams live in its folder (copied into the converted model's cache).
-        shipped = bundled_models_dir() / model
-        target = shipped if (shipped / CONFIG_FILE).is_file() else path
+        target = _streams_dir(model, path)
         try:
-            m.streams.use_draft_vocab(m.base, None if ids is None else np.asarray(ids))  # checks the ids
+            if ids is not None:
+                check_draft_vocab(ids, vocab_size)
             write_draft_vocab(target, ids)
         except (ValueError, OSError) as e:
             _err(f"{target}: {e}")

@@ -338,6 +338,21 @@ def check_draft_vocab(ids: np.ndarray, vocab_size: int) -> None:
         raise ValueError("draft_vocab repeats a token id")
 
 
+def restore_draft_vocab(streams: StreamParams, model, ids: Optional[mx.array], where: str) -> None:
+    """Attach stored draft-vocabulary ``ids`` (None: none stored) to loaded ``streams``;
+    ValueError naming ``where`` unless they match the config's ``draft_vocab`` count and
+    are valid token ids."""
+    n = streams.config.draft_vocab
+    if (ids is None) != (n == 0) or (ids is not None and ids.size != n):
+        have = "none" if ids is None else f"{ids.size} ids"
+        raise ValueError(f"{where}: '{DRAFT_VOCAB_KEY}' holds {have}, the config says draft_vocab {n}")
+    if ids is not None:
+        try:
+            streams.use_draft_vocab(model, np.array(ids))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
+
+
 def default_targets(model_type: str) -> Tuple[str, ...]:
     return PHI3_TARGETS if model_type == "phi3" else ATTN_TARGETS + MLP_TARGETS
 
@@ -388,11 +403,6 @@ def load_streams(model, model_dir: Path, warn=True) -> Optional[StreamParams]:
     except Exception as e:  # corrupt file
         raise ValueError(f"{w_path}: cannot read safetensors ({e})") from e
     draft_ids = weights.pop(DRAFT_VOCAB_KEY, None)
-    if (draft_ids is None) != (cfg.draft_vocab == 0) or (draft_ids is not None and draft_ids.size != cfg.draft_vocab):
-        have = "none" if draft_ids is None else f"{draft_ids.size} ids"
-        raise ValueError(
-            f"{w_path}: '{DRAFT_VOCAB_KEY}' holds {have}, {CONFIG_FILE} says draft_vocab {cfg.draft_vocab}"
-        )
     try:
         sp.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -400,11 +410,7 @@ def load_streams(model, model_dir: Path, warn=True) -> Optional[StreamParams]:
     dtype = model.model.norm.weight.dtype
     sp.update(tree_unflatten([(k, v.astype(dtype)) for k, v in tree_flatten(sp.parameters())]))
     mx.eval(sp.parameters())
-    if draft_ids is not None:
-        try:
-            sp.use_draft_vocab(model, np.array(draft_ids))
-        except ValueError as e:
-            raise ValueError(f"{w_path}: {e}") from e
+    restore_draft_vocab(sp, model, draft_ids, str(w_path))
     if warn and not cfg.trained:
         print(
             f"specstream-mlx: warning: {model_dir.name} has untrained speculative streams; "

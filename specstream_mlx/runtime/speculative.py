@@ -155,8 +155,9 @@ def verify_sampled(
     decisions = verification_target(
         out.main_logits, sampling, out.tree, out.buffers, draft.draft_q, keys.next(), q_rows
     )
-    logits = all_stream_logits(sm.base, sm.streams, out) if eager else None
-    cand = stream_candidates(logits, K, sampling, keys.next(), draws, vocab) if eager else None
+    cand = None
+    if eager:
+        cand = stream_candidates(all_stream_logits(sm.base, sm.streams, out), K, sampling, keys.next(), draws, vocab)
     mx.eval(decisions, *(cand.arrays() if eager else ()))
     verdict = verify(out.tree, out.buffers, sampling, np.array(decisions))
     node = verdict.path[-1]

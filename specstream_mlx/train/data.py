@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -115,25 +115,31 @@ def truncate(ex: Example, max_len: int) -> Example:
     return Example(ex.tokens[s : s + max_len], 1)
 
 
-def load_split(path: Path, tokenizer, max_seq_len: int) -> Dataset:
-    """Read one JSONL split; a malformed line stops with ``file:line: reason``."""
-    examples, truncated = [], 0
+def read_records(path: Path, tokenizer) -> Iterator[Tuple[int, Example]]:
+    """(line number, example) of every record of a JSONL split; a malformed line stops
+    with ``file:line: reason``."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                ex = encode_record(json.loads(line), tokenizer)
+                yield lineno, encode_record(json.loads(line), tokenizer)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
             except DataError as e:
                 raise DataError(f"{path}:{lineno}: {e}") from None
-            if len(ex.tokens) < 2:
-                continue
-            if len(ex.tokens) > max_seq_len:
-                truncated += 1
-                ex = truncate(ex, max_seq_len)
-            examples.append(ex)
+
+
+def load_split(path: Path, tokenizer, max_seq_len: int) -> Dataset:
+    """Read one JSONL split; a malformed line stops with ``file:line: reason``."""
+    examples, truncated = [], 0
+    for _, ex in read_records(path, tokenizer):
+        if len(ex.tokens) < 2:
+            continue
+        if len(ex.tokens) > max_seq_len:
+            truncated += 1
+            ex = truncate(ex, max_seq_len)
+        examples.append(ex)
     return Dataset(examples, truncated, path.name)
 
 

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..method.streams import CONFIG_FILE, DRAFT_VOCAB_KEY, WEIGHTS_FILE
-from .data import DataError, encode_record
+from .data import DataError, read_records
 
 # The size `specstream-mlx draft-vocab` takes by default: on SmolLM2's ShareGPT streams a
 # greedy dynamic:8@1 decoding of 16 bench prompts accepted the same tokens with 8,192 and
@@ -54,22 +54,13 @@ def count_reply_tokens(
     """(vocab_size,) counts of the reply tokens (from each record's completion start) of a
     JSONL split; a malformed line stops with ``file:line: reason``."""
     counts = np.zeros(vocab_size, dtype=np.int64)
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ex = encode_record(json.loads(line), tokenizer)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            except DataError as e:
-                raise DataError(f"{path}:{lineno}: {e}") from None
-            reply = np.asarray(ex.tokens[ex.completion_start :], dtype=np.int64)
-            if len(reply) and (reply.min() < 0 or reply.max() >= vocab_size):
-                raise DataError(f"{path}:{lineno}: token id outside the model's vocabulary ({vocab_size})")
-            counts += np.bincount(reply, minlength=vocab_size)
-            if progress and lineno % 500 == 0:
-                progress(lineno)
+    for lineno, ex in read_records(path, tokenizer):
+        reply = np.asarray(ex.tokens[ex.completion_start :], dtype=np.int64)
+        if len(reply) and (reply.min() < 0 or reply.max() >= vocab_size):
+            raise DataError(f"{path}:{lineno}: token id outside the model's vocabulary ({vocab_size})")
+        counts += np.bincount(reply, minlength=vocab_size)
+        if progress and lineno % 500 == 0:
+            progress(lineno)
     return counts
 
 
