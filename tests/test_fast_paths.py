@@ -103,6 +103,50 @@ def test_compiled_plain_step_reads_no_key_past_its_span():
         tok = mx.argmax(la, axis=-1)
 
 
+@pytest.mark.parametrize(
+    "arch, fuse, one_row",
+    [
+        ("llama", False, "fused"),
+        ("llama-linear", True, "composed"),
+        ("mistral-window", True, "composed"),
+        ("qwen2", True, "fused"),
+        ("qwen3", True, "composed"),
+        ("qwen3", False, "composed"),
+        ("phi3", True, "composed"),
+        ("gemma3", True, "composed"),
+    ],
+)
+def test_one_row_step_equals_the_model_in_every_architecture(hf_models, monkeypatch, arch, fuse, one_row):
+    """The compiled step keeps its row two-dimensional through the layers (each
+    attention in its one-row form, ``Attention.row``): with q/k/v fused or apart, per-head
+    norms, partial rotary, RoPE scaling, a window on every layer or Gemma's local layers
+    with their own RoPE base, its logits equal the op-by-op forward's, 24 tokens past
+    every window."""
+    from specstream_mlx.io.loading import load_model
+    from specstream_mlx.models import base
+    from specstream_mlx.models.fusion import fuse_projections
+    from specstream_mlx.runtime.attention_choice import Forms, set_attention_form
+
+    _, _, dst = hf_models(arch)
+    model, _ = load_model(dst)
+    if fuse:
+        fuse_projections(model)  # phi3 is stored fused
+    assert model.layers[0].self_attn.fused_qkv == fuse
+    set_attention_form(model, Forms("fused", one_row))
+    rows = []
+    real = base.Attention.row
+    monkeypatch.setattr(base.Attention, "row", lambda self, *a: rows.append(self) or real(self, *a))
+    step = PlainStep(model)
+    ca, cb = _prefilled_pair(model)
+    tok = mx.array([7])
+    for _ in range(24):
+        la = model(tok.reshape(1, 1), cache=ca)[:, -1, :]
+        lb = step(tok, cb)
+        np.testing.assert_allclose(np.array(lb), np.array(la), atol=1e-4)
+        tok = mx.argmax(la, axis=-1)
+    assert {id(a) for a in rows} == {id(layer.self_attn) for layer in model.layers}  # each in its one-row form
+
+
 def test_blas_setting_is_parsed_and_refused_in_one_line(monkeypatch):
     from specstream_mlx import platform_info as P
 

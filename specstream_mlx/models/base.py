@@ -163,6 +163,18 @@ class RoPE(nn.Module):
         cos, sin = mx.cos(ang)[:, :, None, None, :], mx.sin(ang)[:, :, None, None, :]
         return Rotation(cos, mx.concatenate([-sin, sin], axis=3), positions)
 
+    def heads(self, x: mx.array, n: int, rot: Rotation) -> mx.array:
+        """Rotate the ``n`` heads of one row, ``x`` of n·D values ((1, n·D) as projected, or
+        (n, D)), by that row's rotation; returns (1, n, 1, D), the (B, heads, L, D) of
+        attention. The arithmetic of :meth:`__call__`, with no batch or row axes to move."""
+        D, d = x.size // n, self.dims
+        cos, sin = rot.cos.astype(x.dtype), rot.sin.astype(x.dtype)
+        if d == D:
+            return _rotate(x.reshape(n, 2, d // 2), cos, sin).reshape(1, n, 1, D)
+        x = x.reshape(n, D)
+        y = _rotate(x[:, :d].reshape(n, 2, d // 2), cos, sin).reshape(n, d)
+        return mx.concatenate([y, x[:, d:]], axis=-1).reshape(1, n, 1, D)
+
     def __call__(self, x: mx.array, positions: Union[mx.array, Rotation]) -> mx.array:
         """Rotate ``x`` of shape (B, L, H, D) at ``positions`` (B, L) or by a precomputed
         :class:`Rotation`; returns (B, H, L, D)."""
@@ -251,10 +263,43 @@ class Attention(nn.Module):
         k = k.reshape(B, L, self.n_kv_heads, hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        positions = self.own_rotation(positions)
         q = self.rope(q, positions)
         k = self.rope(k, positions)
         v = v.reshape(B, L, self.n_kv_heads, hd).transpose(0, 2, 1, 3)
         return q, k, v
+
+    def own_rotation(self, positions: Union[mx.array, Rotation]) -> Union[mx.array, Rotation]:
+        """The rotation this layer applies, of a forward's (Gemma's sliding layers have their own)."""
+        return positions
+
+    def row(self, x: mx.array, mask: Union[None, mx.array], cache: Any, rot: Rotation) -> mx.array:
+        """Attention of one row ``x`` (1, dim), as a compiled plain step runs it; (1, dim).
+
+        The arithmetic of :meth:`__call__` in some forty operations a layer instead of
+        sixty: each costs the host time to build and dispatch, and on a CPU that time is
+        taken from the products' threads (two cores, three threads). The row stays
+        two-dimensional (no product flattens and unflattens it), fused q/k/v come apart in
+        splits instead of slices, and the query and key heads rotate in one kernel, already
+        in attention's (B, heads, L, D) layout (where no per-head norm comes between)."""
+        hd, H, Hkv = self.head_dim, self.n_heads, self.n_kv_heads
+        if self.fused_qkv:
+            qk, v = mx.split(self.qkv_proj(x), [(H + Hkv) * hd], axis=-1)
+        else:
+            qk, v = None, self.v_proj(x)
+        rot = self.own_rotation(rot)
+        if qk is not None and not self.qk_norm:
+            q, k = mx.split(self.rope.heads(qk, H + Hkv, rot), [H], axis=1)
+        else:
+            q, k = mx.split(qk, [H * hd], axis=-1) if qk is not None else (self.q_proj(x), self.k_proj(x))
+            if self.qk_norm:
+                q, k = self.q_norm(q.reshape(H, hd)), self.k_norm(k.reshape(Hkv, hd))
+            q, k = self.rope.heads(q, H, rot), self.rope.heads(k, Hkv, rot)
+        keys, values = cache.update_and_fetch(k, v.reshape(1, Hkv, 1, hd))
+        if self.window is not None:
+            mask = window_mask(mask, rot, keys.shape[2], self.window)
+        out = attention_fn(self.one_row_form)(q, keys, values, self.scale, mask)
+        return self.o_proj(out.reshape(1, H * hd))
 
     def attend(self, q, k, v, mask, adapter: Optional[Adapter] = None) -> mx.array:
         """One attention call (the form's), then the output projection; (B, L, dim)."""
@@ -273,6 +318,10 @@ class Attention(nn.Module):
         adapter: Optional[Adapter] = None,
         cached_rows: Optional[int] = None,
     ) -> mx.array:
+        if x.ndim == 2:  # one row (a compiled plain step)
+            if adapter is not None or cached_rows is not None:
+                raise ValueError("one row (1, dim) attends without an adapter and is always cached")
+            return self.row(x, mask, cache, positions)
         q, k, v = self.project(x, positions, adapter)
         if cache is not None:
             if cached_rows is None:
@@ -380,7 +429,9 @@ class TransformerBlock(nn.Module):
         and both training passes.
 
         Args:
-            x: (B, L, dim) rows: tokens, tree nodes, or [main rows | stream rows].
+            x: (B, L, dim) rows: tokens, tree nodes, or [main rows | stream rows]; or
+                (1, dim), one row, which a compiled plain step decodes in fewer
+                operations (:meth:`Attention.row`).
             mask: attention mask over [cache contents | rows]; None, "causal" or an array.
             cache: anything with ``update_and_fetch(k, v)`` (a KV cache, or the
                 training tape of main keys/values), or None.

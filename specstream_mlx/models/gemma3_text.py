@@ -131,10 +131,10 @@ class Attention(base.Attention):
             self.rope = base.RoPE(args.head_dim, args.local_args())
             self.window = args.sliding_window
 
-    def project(self, x, positions, adapter: Optional[Adapter] = None):
+    def own_rotation(self, positions):
         if self.sliding and isinstance(positions, LayeredRotation):
-            positions = positions.local
-        return super().project(x, positions, adapter)
+            return positions.local
+        return positions
 
 
 @partial(mx.compile, shapeless=True)

@@ -43,13 +43,13 @@ class PlainStep:
     ):
         model = self.model
         writers = [OffsetWriter(k, v, offset, span_positions.shape[0]) for k, v in zip(keys, values)]
-        positions = offset.reshape(1, 1)
         mask = (span_positions <= offset)[None]  # (1, span): prefix and this row
-        h = model.embed(token.reshape(1, 1))
-        rot = model.rotation(positions)
+        # The row stays (1, dim) through the layers: their one-row form (Attention.row).
+        h = model.embed(token.reshape(1))
+        rot = model.rotation(offset.reshape(1, 1))
         for layer, w in zip(model.layers, writers):
             h = layer(h, mask, w, rot)
-        return model.lm_logits(h)[:, -1, :], [w.keys for w in writers], [w.values for w in writers]
+        return model.lm_logits(h), [w.keys for w in writers], [w.values for w in writers]
 
     def __call__(self, token: mx.array, cache: List[KVCache]) -> mx.array:
         if not cache or any(not isinstance(c, KVCache) or c.keys is None for c in cache):
