@@ -118,7 +118,7 @@ def test_compiled_plain_step_reads_no_key_past_its_span():
 )
 def test_one_row_step_equals_the_model_in_every_architecture(hf_models, monkeypatch, arch, fuse, one_row):
     """The compiled step keeps its row two-dimensional through the layers (each
-    attention in its one-row form, ``Attention.row``): with q/k/v fused or apart, per-head
+    attention in its two-dimensional form, ``Attention.rows``): with q/k/v fused or apart, per-head
     norms, partial rotary, RoPE scaling, a window on every layer or Gemma's local layers
     with their own RoPE base, its logits equal the op-by-op forward's, 24 tokens past
     every window."""
@@ -134,8 +134,8 @@ def test_one_row_step_equals_the_model_in_every_architecture(hf_models, monkeypa
     assert model.layers[0].self_attn.fused_qkv == fuse
     set_attention_form(model, Forms("fused", one_row))
     rows = []
-    real = base.Attention.row
-    monkeypatch.setattr(base.Attention, "row", lambda self, *a: rows.append(self) or real(self, *a))
+    real = base.Attention.rows
+    monkeypatch.setattr(base.Attention, "rows", lambda self, *a: rows.append(self) or real(self, *a))
     step = PlainStep(model)
     ca, cb = _prefilled_pair(model)
     tok = mx.array([7])
@@ -144,7 +144,41 @@ def test_one_row_step_equals_the_model_in_every_architecture(hf_models, monkeypa
         lb = step(tok, cb)
         np.testing.assert_allclose(np.array(lb), np.array(la), atol=1e-4)
         tok = mx.argmax(la, axis=-1)
-    assert {id(a) for a in rows} == {id(layer.self_attn) for layer in model.layers}  # each in its one-row form
+    assert {id(a) for a in rows} == {id(layer.self_attn) for layer in model.layers}  # each in its two-dimensional form
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3"])
+def test_a_pass_lower_layers_as_rows_equal_the_batched_layers(hf_models, arch):
+    """A tree pass's main rows go through the layers below the streams two-dimensional
+    (``Attention.rows`` over several rows, a tree mask): the hidden states and the cache
+    they leave equal the (1, n, dim) layers' on the same tree."""
+    from types import SimpleNamespace
+
+    from specstream_mlx.io.loading import load_model
+    from specstream_mlx.method.msa import lower_layers, prefix_tree_mask
+    from specstream_mlx.method.tree import tree_buffers
+    from specstream_mlx.models.fusion import fuse_projections
+
+    _, _, dst = hf_models(arch)
+    model, _ = load_model(dst)
+    fuse_projections(model)
+    parents = (-1, 0, 0, 1, 1, 2, 3)
+    buf = tree_buffers(parents)
+    ca, cb = _prefilled_pair(model)
+    offset = ca[0].offset
+    positions = mx.array((offset + buf.depths)[None].astype(np.int32))
+    tokens = mx.array([[11, 12, 13, 14, 15, 16, 17]], dtype=mx.int32)
+    mask = prefix_tree_mask(offset, buf.ancestor_mask)
+    got = lower_layers(model, SimpleNamespace(first_layer=len(model.layers)), tokens, positions, mask, ca, 2)
+    want = model.embed(tokens)
+    rot = model.rotation(positions)
+    for layer, c in zip(model.layers, cb):
+        want = layer(want, mask, c, rot)
+    assert got.shape == want.shape == (1, len(parents), model.args.hidden_size)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+    for a, b in zip(ca, cb):
+        assert a.offset == b.offset == offset + len(parents)
+        np.testing.assert_allclose(np.array(a.keys[..., : a.offset, :]), np.array(b.keys[..., : b.offset, :]), atol=1e-5)
 
 
 def test_blas_setting_is_parsed_and_refused_in_one_line(monkeypatch):

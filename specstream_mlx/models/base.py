@@ -164,16 +164,20 @@ class RoPE(nn.Module):
         return Rotation(cos, mx.concatenate([-sin, sin], axis=3), positions)
 
     def heads(self, x: mx.array, n: int, rot: Rotation) -> mx.array:
-        """Rotate the ``n`` heads of one row, ``x`` of n·D values ((1, n·D) as projected, or
-        (n, D)), by that row's rotation; returns (1, n, 1, D), the (B, heads, L, D) of
-        attention. The arithmetic of :meth:`__call__`, with no batch or row axes to move."""
-        D, d = x.size // n, self.dims
+        """Rotate the ``n`` heads of each of L rows, ``x`` (L, n·D) as projected (or any
+        shape of that order), each row by its own rotation; returns (1, n, L, D), the
+        (B, heads, L, D) of attention. The arithmetic of :meth:`__call__`, without its
+        batch axis."""
+        L = rot.cos.shape[1]
+        D, d = x.size // (L * n), self.dims
         cos, sin = rot.cos.astype(x.dtype), rot.sin.astype(x.dtype)
         if d == D:
-            return _rotate(x.reshape(n, 2, d // 2), cos, sin).reshape(1, n, 1, D)
-        x = x.reshape(n, D)
-        y = _rotate(x[:, :d].reshape(n, 2, d // 2), cos, sin).reshape(n, d)
-        return mx.concatenate([y, x[:, d:]], axis=-1).reshape(1, n, 1, D)
+            y = _rotate(x.reshape(L, n, 2, d // 2), cos, sin)
+        else:  # partial rotary: the rest of each head passes through
+            x = x.reshape(L, n, D)
+            y = _rotate(x[..., :d].reshape(L, n, 2, d // 2), cos, sin).reshape(1, L, n, d)
+            y = mx.concatenate([y, x[None, ..., d:]], axis=-1)
+        return y.reshape(1, n, 1, D) if L == 1 else y.reshape(1, L, n, D).transpose(0, 2, 1, 3)
 
     def __call__(self, x: mx.array, positions: Union[mx.array, Rotation]) -> mx.array:
         """Rotate ``x`` of shape (B, L, H, D) at ``positions`` (B, L) or by a precomputed
@@ -273,16 +277,19 @@ class Attention(nn.Module):
         """The rotation this layer applies, of a forward's (Gemma's sliding layers have their own)."""
         return positions
 
-    def row(self, x: mx.array, mask: Union[None, mx.array], cache: Any, rot: Rotation) -> mx.array:
-        """Attention of one row ``x`` (1, dim), as a compiled plain step runs it; (1, dim).
+    def rows(self, x: mx.array, mask: Union[None, str, mx.array], cache: Any, rot: Rotation) -> mx.array:
+        """Attention of the L rows ``x`` (L, dim) of one sequence, every row cached and
+        no adapter (a plain step's one row, a pass's main rows below its streams); (L, dim).
 
         The arithmetic of :meth:`__call__` in some forty operations a layer instead of
-        sixty: each costs the host time to build and dispatch, and on a CPU that time is
-        taken from the products' threads (two cores, three threads). The row stays
-        two-dimensional (no product flattens and unflattens it), fused q/k/v come apart in
-        splits instead of slices, and the query and key heads rotate in one kernel, already
-        in attention's (B, heads, L, D) layout (where no per-head norm comes between)."""
+        sixty: each costs the host time to build and dispatch (op by op, Python's too),
+        and on a CPU that time is taken from the products' threads (two cores, three
+        threads). The rows stay two-dimensional (no product flattens and unflattens
+        them), fused q/k/v come apart in splits instead of slices, and the query and key
+        heads rotate in one kernel (where no per-head norm comes between), straight into
+        attention's (B, heads, L, D) layout."""
         hd, H, Hkv = self.head_dim, self.n_heads, self.n_kv_heads
+        L = x.shape[0]
         if self.fused_qkv:
             qk, v = mx.split(self.qkv_proj(x), [(H + Hkv) * hd], axis=-1)
         else:
@@ -293,13 +300,15 @@ class Attention(nn.Module):
         else:
             q, k = mx.split(qk, [H * hd], axis=-1) if qk is not None else (self.q_proj(x), self.k_proj(x))
             if self.qk_norm:
-                q, k = self.q_norm(q.reshape(H, hd)), self.k_norm(k.reshape(Hkv, hd))
+                q, k = self.q_norm(q.reshape(L, H, hd)), self.k_norm(k.reshape(L, Hkv, hd))
             q, k = self.rope.heads(q, H, rot), self.rope.heads(k, Hkv, rot)
-        keys, values = cache.update_and_fetch(k, v.reshape(1, Hkv, 1, hd))
+        v = v.reshape(1, Hkv, 1, hd) if L == 1 else v.reshape(1, L, Hkv, hd).transpose(0, 2, 1, 3)
+        keys, values = cache.update_and_fetch(k, v)
         if self.window is not None:
             mask = window_mask(mask, rot, keys.shape[2], self.window)
-        out = attention_fn(self.one_row_form)(q, keys, values, self.scale, mask)
-        return self.o_proj(out.reshape(1, H * hd))
+        out = attention_fn(self.one_row_form if L == 1 else self.attention_form)(q, keys, values, self.scale, mask)
+        out = out.reshape(1, H * hd) if L == 1 else out.transpose(0, 2, 1, 3).reshape(L, H * hd)
+        return self.o_proj(out)
 
     def attend(self, q, k, v, mask, adapter: Optional[Adapter] = None) -> mx.array:
         """One attention call (the form's), then the output projection; (B, L, dim)."""
@@ -318,10 +327,10 @@ class Attention(nn.Module):
         adapter: Optional[Adapter] = None,
         cached_rows: Optional[int] = None,
     ) -> mx.array:
-        if x.ndim == 2:  # one row (a compiled plain step)
-            if adapter is not None or cached_rows is not None:
-                raise ValueError("one row (1, dim) attends without an adapter and is always cached")
-            return self.row(x, mask, cache, positions)
+        if x.ndim == 2:  # the rows of one sequence, all cached (see rows)
+            if adapter is not None or cached_rows is not None or cache is None:
+                raise ValueError("rows (L, dim) attend without an adapter and are all cached")
+            return self.rows(x, mask, cache, positions)
         q, k, v = self.project(x, positions, adapter)
         if cache is not None:
             if cached_rows is None:
@@ -430,8 +439,9 @@ class TransformerBlock(nn.Module):
 
         Args:
             x: (B, L, dim) rows: tokens, tree nodes, or [main rows | stream rows]; or
-                (1, dim), one row, which a compiled plain step decodes in fewer
-                operations (:meth:`Attention.row`).
+                (L, dim), the rows of one sequence, all cached and without an adapter
+                (a plain step's, a pass's lower layers'), in fewer operations
+                (:meth:`Attention.rows`).
             mask: attention mask over [cache contents | rows]; None, "causal" or an array.
             cache: anything with ``update_and_fetch(k, v)`` (a KV cache, or the
                 training tape of main keys/values), or None.

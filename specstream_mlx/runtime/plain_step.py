@@ -44,7 +44,7 @@ class PlainStep:
         model = self.model
         writers = [OffsetWriter(k, v, offset, span_positions.shape[0]) for k, v in zip(keys, values)]
         mask = (span_positions <= offset)[None]  # (1, span): prefix and this row
-        # The row stays (1, dim) through the layers: their one-row form (Attention.row).
+        # The row stays (1, dim) through the layers: their one-row form (Attention.rows).
         h = model.embed(token.reshape(1))
         rot = model.rotation(offset.reshape(1, 1))
         for layer, w in zip(model.layers, writers):
