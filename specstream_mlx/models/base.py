@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import mlx.core as mx
@@ -116,6 +116,29 @@ class Rotation:
     # Window masks built for this forward, by (mask, key count, window): every sliding
     # layer of a forward asks for the same one, so it is built once, not once per layer.
     windows: Dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
+
+
+@lru_cache(maxsize=None)
+def _compiled_rms_norm(eps: float) -> Callable[[mx.array, mx.array], mx.array]:
+    # Where MLX has no kernel of its own for it (the CPU backend) mx.fast.rms_norm is composed
+    # of some eight operations; compiled, a sum of squares and one fused element-wise kernel
+    # (the same values). Where it has one (Metal) it stays one launch.
+    return mx.compile(partial(mx.fast.rms_norm, eps=eps))
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """``mx.fast.rms_norm``; on two-dimensional rows (:meth:`Attention.rows`' callers, a pass
+    op by op) compiled, traced once per shape. Batched inputs, whose shapes follow every
+    prompt's length, keep the call as it is: a compiled function's traces are kept per shape."""
+    return _compiled_rms_norm(eps)(x, weight) if x.ndim == 2 else mx.fast.rms_norm(x, weight, eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` (the same parameter and values), compiled on two-dimensional rows
+    (:func:`rms_norm`)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self["weight"], self.eps)
 
 
 @mx.compile
@@ -233,8 +256,8 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=args.o_bias)
         if args.qk_norm:
-            self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
-            self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+            self.q_norm = RMSNorm(hd, eps=args.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, eps=args.rms_norm_eps)
         self.qk_norm = args.qk_norm
         self.rope = RoPE(hd, args)
         # Keys a query may reach, counting itself (sliding-window layers); None: all.
@@ -422,8 +445,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.self_attn = Attention(args)
         self.mlp = MLP(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(
         self,
@@ -462,7 +485,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
 def default_positions(length: int, cache: Optional[List[Any]], batch: int = 1) -> mx.array:
