@@ -12,9 +12,11 @@ tree's main rows, the op-by-op pass and the stream rows each cost. Last, alterna
 by pass: the 1-node and the 9-node pass with streams at two hosts with their evaluation
 queued every ``msa.LAUNCH_EVERY`` lower layers (as decoding runs them) against built whole
 and then evaluated, and the latter with its hosts' stream logits in the main rows' LM-head
-product (``msa.MERGED_STREAM_ROWS``) against after it.
+product (``msa.MERGED_STREAM_ROWS``) against after it. First, how many operations the
+plain step's graph and the 9-node pass's hold (what the host builds and dispatches).
 """
 
+import io
 import sys
 
 import mlx.core as mx
@@ -27,8 +29,17 @@ from specstream_mlx.method.msa import ss_forward, stream_logits
 from specstream_mlx.method.tree import Tree
 from specstream_mlx.platform_info import blas_in_use
 from specstream_mlx.runtime.cache import make_cache
+from specstream_mlx.runtime.plain_step import plain_step
 from specstream_mlx.runtime.sampling import SamplingParams
 from specstream_mlx.runtime.steps import ar_steps, prefill
+
+
+def graph_size(*outputs) -> int:
+    """Operations in the graph that computes ``outputs`` (built, not yet evaluated), as
+    ``mx.export_to_dot`` draws them: what the host builds and dispatches."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    return dot.getvalue().count('label ="')
 
 
 def main() -> int:
@@ -58,6 +69,18 @@ def main() -> int:
 
     plain_steps = ar_steps(base, prompt, SamplingParams(), cache=make_cache(sm))
     print(f"{name}; BLAS {blas_in_use()}; 128-token context")
+    step_cache = make_cache(sm)
+    prefill(base, prompt, step_cache, 512)
+    step_ops = graph_size(plain_step(base)(mx.array([5]), step_cache))
+    launch, msa.LAUNCH_EVERY = msa.LAUNCH_EVERY, 0  # the whole graph built before anything runs
+    out = ss_forward(base, streams, tree9, offset, cache, 0.0, None, np.array([0, 1]))
+    msa.LAUNCH_EVERY = launch
+    pass_ops = graph_size(out.main_logits, stream_logits(base, streams, out, 0))
+    mx.eval(out.main_logits)
+    for c in cache:
+        c.commit([0])
+        c.offset = offset
+    print(f"graph operations: a plain step {step_ops}, the 9-node pass with streams at 2 hosts (op by op) {pass_ops}")
     for label, f in [
         ("plain step (compiled)", lambda: next(plain_steps)),
         ("1 node, no streams", ss(tree1, none)),
