@@ -56,20 +56,29 @@ def _prefilled_pair(m):
     return pair
 
 
+def _decode_pair(m, step, ca, cb, n):
+    """``n`` greedy tokens from token 7, fed to the op-by-op forward (cache ``ca``) and to the
+    compiled ``step`` (cache ``cb``) alike: yields (index, the forward's logits, the step's);
+    the next token is the forward's choice."""
+    tok = mx.array([7])
+    for i in range(n):
+        la = m(tok.reshape(1, 1), cache=ca)[:, -1, :]
+        lb = step(tok, cb)
+        yield i, la, lb
+        tok = mx.argmax(la, axis=-1)
+
+
 def test_compiled_plain_step_equals_the_model_across_cache_growth():
     """Token by token past a 256-row growth of the KV buffers: the compiled step's logits
     and the cache it leaves equal the op-by-op forward's."""
     m = _model()
     step = PlainStep(m)
     ca, cb = _prefilled_pair(m)
-    tok = mx.array([7])
-    for i in range(260):
-        la = m(tok.reshape(1, 1), cache=ca)[:, -1, :]
-        lb = step(tok, cb)
+    for i, la, lb in _decode_pair(m, step, ca, cb, 260):
         # Every 37th, at each change of the attended span (offset + 1 = 64k, 64k + 1), past 256.
         if i % 37 == 0 or (9 + i) % 64 in (0, 1) or i > 245:
             np.testing.assert_allclose(np.array(lb), np.array(la), atol=1e-4)
-        tok = mx.argmax(la, axis=-1)
+    tok = mx.argmax(la, axis=-1)
     assert ca[0].offset == cb[0].offset == 268 and cb[0].capacity >= 512
     np.testing.assert_allclose(np.array(cb[2].keys[..., :268, :]), np.array(ca[2].keys[..., :268, :]), atol=1e-4)
     # Trimming (a rejected speculative step) and rewriting stays consistent.
@@ -94,13 +103,9 @@ def test_compiled_plain_step_reads_no_key_past_its_span():
         c.grow_to(256)
         c.keys[..., 64:, :] = mx.nan
         c.values[..., 64:, :] = mx.nan
-    tok = mx.array([7])
-    for _ in range(3):
-        la = m(tok.reshape(1, 1), cache=ca)[:, -1, :]
-        lb = step(tok, cb)
+    for _, la, lb in _decode_pair(m, step, ca, cb, 3):
         assert cb[0].capacity == 256 and not np.isnan(np.array(lb)).any()
         np.testing.assert_allclose(np.array(lb), np.array(la), atol=1e-4)
-        tok = mx.argmax(la, axis=-1)
 
 
 @pytest.mark.parametrize(
@@ -138,12 +143,8 @@ def test_one_row_step_equals_the_model_in_every_architecture(hf_models, monkeypa
     monkeypatch.setattr(base.Attention, "rows", lambda self, *a: rows.append(self) or real(self, *a))
     step = PlainStep(model)
     ca, cb = _prefilled_pair(model)
-    tok = mx.array([7])
-    for _ in range(24):
-        la = model(tok.reshape(1, 1), cache=ca)[:, -1, :]
-        lb = step(tok, cb)
+    for _, la, lb in _decode_pair(model, step, ca, cb, 24):
         np.testing.assert_allclose(np.array(lb), np.array(la), atol=1e-4)
-        tok = mx.argmax(la, axis=-1)
     assert {id(a) for a in rows} == {id(layer.self_attn) for layer in model.layers}  # each in its two-dimensional form
 
 

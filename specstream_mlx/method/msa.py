@@ -211,19 +211,15 @@ def lower_layers(
     (``examples/pass_breakdown.py``); launched after the first layer too, greedy
     ``dynamic:8@1`` decoded 1.009-1.011x as fast (docs/DESIGN.md decision 38)."""
     rot = model.rotation(positions)  # once for every layer
-    if not cache:
-        h = model.embed(tokens)
-        for i in range(streams.first_layer):
-            h = model.layers[i](h, mask, None, rot)
-        return h
     # With a cache the rows go through two-dimensional, (n, dim): fewer operations a layer
     # (Attention.rows); the same values.
-    h = model.embed(tokens[0])
+    rows = bool(cache)
+    h = model.embed(tokens[0] if rows else tokens)
     for i in range(streams.first_layer):
-        h = model.layers[i](h, mask, cache[i], rot)
+        h = model.layers[i](h, mask, cache[i] if rows else None, rot)
         if launch_every and (i == 0 or i % launch_every == launch_every - 1):
             mx.async_eval(h)
-    return h[None]
+    return h[None] if rows else h
 
 
 def msa_layers(
