@@ -21,6 +21,7 @@ evaluation is queued every ``msa.LAUNCH_EVERY`` lower layers, docs/DESIGN.md dec
 """
 
 import os
+import re
 import statistics
 import sys
 
@@ -34,7 +35,9 @@ from specstream_mlx.runtime.generation import encode_prompt
 
 
 def main() -> int:
-    name, specs = sys.argv[1], sys.argv[2].split(",")
+    # Items are split at the commas that start a tree's kind: a tree's own text may hold
+    # commas too (topk:K,DEPTH, dynamic:BUDGET,DEPTH).
+    name, specs = sys.argv[1], re.split(r",(?=(?:cartesian|topk|dynamic|chain|auto)\b)", sys.argv[2])
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 16
     model, tok = load(name, warn=False)
     rows = load_bench_prompts(resolve_model_path(name), n)
