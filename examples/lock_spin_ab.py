@@ -1,16 +1,13 @@
-"""What mutexes that spin and condition waits that yield before they sleep are worth, in one process.
+"""What mutexes that spin before they sleep are worth, in one process.
 
     env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/lock_spin_ab.py [--model smollm2] [--tries 100,0] [--rounds 12]
-    ... examples/lock_spin_ab.py --wait-us 300,0,600
 
 The forwarder's library (``native/lock_spin.c``), preloaded, makes a contended
-``pthread_mutex_lock`` try a number of times before it sleeps, and the main thread's
-``pthread_cond_wait`` yield for some microseconds before it sleeps. This script sets one
-of them in turn (``--tries`` or ``--wait-us``, first is the reference; the other keeps its
-setting) within one process, round by round, and times under each: plain decoding as
-``ar`` runs it (ms a token, the engine's pipelined loop over the compiled step, 40 tokens
-after a 128-token context), and an
+``pthread_mutex_lock`` try a number of times before it sleeps. This script sets that
+number in turn (``--tries``, first is the reference) within one process, round by round,
+and times under each: plain decoding as ``ar`` runs it (ms a token, the engine's
+pipelined loop over the compiled step, 40 tokens after a 128-token context), and an
 op-by-op speculative pass over a 9-node tree with streams at two hosts, as greedy
 decoding runs it (its verdict's stream logits evaluated with it). Prints the medians and
 the median per-round ratio to the first setting.
@@ -30,7 +27,6 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tries", default="100,0", help="comma-separated tries; the first is the reference")
-    ap.add_argument("--wait-us", help="comma-separated microseconds of yielding condition waits, instead of --tries")
     ap.add_argument("--rounds", type=int, default=12)
     args = ap.parse_args()
 
@@ -43,22 +39,19 @@ def main() -> int:
     from specstream_mlx.bench.machine import median_ms, plain_step_ms
     from specstream_mlx.method.msa import ss_forward, stream_logits
     from specstream_mlx.method.tree import Tree
-    from specstream_mlx.platform_info import blas_words, lock_spins, wait_spin_us
+    from specstream_mlx.platform_info import blas_words, lock_spins
     from specstream_mlx.runtime.cache import make_cache
     from specstream_mlx.runtime.steps import prefill
 
-    waits = args.wait_us is not None
-    if (wait_spin_us() if waits else lock_spins()) == 0:
-        off = "SPECSTREAM_WAIT_SPIN_US=0" if waits else "SPECSTREAM_LOCK_SPIN=0"
+    if lock_spins() == 0:
         print(
-            f"lock_spin_ab.py: the {'waits are not yielding' if waits else 'mutexes are not spinning'} here; "
-            f"start under env $(.venv/bin/python -m specstream_mlx.blas_env) without {off}",
+            "lock_spin_ab.py: the mutexes are not spinning here; start under "
+            "env $(.venv/bin/python -m specstream_mlx.blas_env) without SPECSTREAM_LOCK_SPIN=0",
             file=sys.stderr,
         )
         return 2
-    lib = ctypes.CDLL(None)
-    setter = lib.specstream_wait_spin_set if waits else lib.specstream_lock_spin_set
-    tries = [int(t) for t in (args.wait_us if waits else args.tries).split(",")]
+    setter = ctypes.CDLL(None).specstream_lock_spin_set
+    tries = [int(t) for t in args.tries.split(",")]
 
     sm, _ = load(args.model, warn=False)
     base, streams = sm.base, sm.streams
@@ -85,8 +78,7 @@ def main() -> int:
             passes[t].append(median_ms(one_pass, 5))
     setter(tries[0])
     ref = tries[0]
-    what = "wait µs" if waits else "tries"
-    print(f"| {what} | plain step, median ms | × reference | 9-node pass, 2 hosts, median ms | × reference |")
+    print("| tries | plain step, median ms | × reference | 9-node pass, 2 hosts, median ms | × reference |")
     print("| --- | --- | --- | --- | --- |")
     for t in tries:
         rs = statistics.median(a / b for a, b in zip(step[t], step[ref]))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The skinny kernel's settings (its prefetches, its split threshold, its worker's spin),
-# the allocator's huge pages, the mutexes' spin and the condition waits' yielding
+# the allocator's huge pages and the mutexes' spin
 # against the default, interleaved: `specstream-mlx floor` (a plain step as `ar` runs
 # it, against the floor measured in the same process) under each setting, ROUNDS times,
 # then the median step of each setting and its ratio to the default's step in the same
@@ -18,9 +18,6 @@
 #   no-huge-pages: MALLOC_CONF=thp:default (jemalloc's memory without transparent huge pages)
 #   no-lock-spin: SPECSTREAM_LOCK_SPIN=0 (MLX's mutexes sleep at once when contended; default:
 #                 100 tries first)
-#   no-wait-spin: SPECSTREAM_WAIT_SPIN_US=0 (the main thread's condition waits sleep at once;
-#                 default: they yield for 300 µs first)
-#   wait-1000:    SPECSTREAM_WAIT_SPIN_US=1000
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=${1:-smollm2}
@@ -40,8 +37,6 @@ declare -A settings=(
   [spin-5000]="SPECSTREAM_SKINNY_SPIN_US=5000"
   [no-huge-pages]="MALLOC_CONF=thp:default"
   [no-lock-spin]="SPECSTREAM_LOCK_SPIN=0"
-  [no-wait-spin]="SPECSTREAM_WAIT_SPIN_US=0"
-  [wait-1000]="SPECSTREAM_WAIT_SPIN_US=1000"
 )
 read -r -a order <<< "${SETTINGS:-default prefetch-t0 split-512K no-yield}"
 for name in "${order[@]}"; do

@@ -38,10 +38,7 @@ it comes with ``LD_PRELOAD`` alone: the CLI re-executes itself once to add it, a
 MLX's graph-building and stream threads also take the same few mutexes for every
 operation (the allocator's buffer cache, the task queue), and the C library's mutex sleeps
 at the first contention. ``native/lock_spin.c``, built into the forwarder's library, defines
-a ``pthread_mutex_lock`` that tries first (:func:`lock_spins`), and a ``pthread_cond_wait``
-whose waits on the main thread yield before they sleep (:func:`wait_spin_us`): MLX's
-stream thread then need not wake the graph-building thread with a system call at every
-tenth operation. It serves a process only
+a ``pthread_mutex_lock`` that tries first (:func:`lock_spins`); it serves a process only
 from ``LD_PRELOAD``, so the CLI's re-execution preloads the BLAS and the forwarder it would
 otherwise load on import.
 
@@ -56,9 +53,7 @@ split between its threads), ``SPECSTREAM_SKINNY_PREFETCH`` = ``t0`` | ``off`` (h
 prefetches the next weight rows; default: non-temporally from two rows on, not at one),
 ``SPECSTREAM_SKINNY_YIELD=0`` (a waiting worker pauses instead of yielding its core) and
 ``SPECSTREAM_SKINNY_SPIN_US`` (how long it spins before it sleeps, default 50);
-``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none),
-``SPECSTREAM_WAIT_SPIN_US`` (how long the main thread's condition waits yield before they
-sleep, default 300 microseconds; 0: none).
+``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none).
 ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` | ``mimalloc`` | ``glibc`` (none
 preloaded) | a library path. jemalloc comes with ``MALLOC_CONF=thp:always`` (its memory in
 transparent huge pages); set ``MALLOC_CONF`` by hand (``thp:default``) to replace it.
@@ -89,7 +84,6 @@ GEMV_SOURCE = Path(__file__).parent / "native" / "gemv_forward.c"
 # Built into the same library as the forwarder: mutexes that spin before they sleep.
 LOCK_SOURCE = Path(__file__).parent / "native" / "lock_spin.c"
 LOCK_SPIN_ENV = "SPECSTREAM_LOCK_SPIN"
-WAIT_SPIN_ENV = "SPECSTREAM_WAIT_SPIN_US"
 
 
 @dataclass(frozen=True)
@@ -321,9 +315,6 @@ def configured_choice(malloc: bool = True) -> BlasChoice:
     spin = os.environ.get(LOCK_SPIN_ENV, "").strip()
     if spin and not (spin.isdigit() and int(spin) <= 1 << 20):
         raise BlasSettingError(f"{LOCK_SPIN_ENV}={spin!r}: expected a number of tries from 0 to {1 << 20}")
-    wait = os.environ.get(WAIT_SPIN_ENV, "").strip()
-    if wait and not (wait.isdigit() and int(wait) <= 1_000_000):
-        raise BlasSettingError(f"{WAIT_SPIN_ENV}={wait!r}: expected microseconds from 0 to 1000000")
     return choose_blas(
         os.environ.get(BLAS_ENV),
         gemv=os.environ.get(GEMV_ENV, "1") != "0",
@@ -544,21 +535,12 @@ def lock_spins() -> int:
     return int(spins()) if spins is not None else 0
 
 
-def wait_spin_us() -> int:
-    """How many microseconds the main thread's condition waits yield before they sleep
-    (``native/lock_spin.c``, built into the forwarder's library); 0 where it is not
-    preloaded or is turned off."""
-    us = _symbol("specstream_wait_spin_us")
-    return int(us()) if us is not None else 0
-
-
 def forwarder_words() -> str:
     """What the forwarder's library adds to the BLAS, as a phrase for a report ('' without it)."""
     if not gemv_forwarding():
         return ""
-    spins, wait = lock_spins(), wait_spin_us()
+    spins = lock_spins()
     locks = f", mutexes spin {spins} tries" if spins else ""
-    locks += f", waits yield {wait} us" if wait else ""
     skinny = skinny_kernel()
     if skinny is None:
         return ", one-row products as GEMV" + locks
@@ -641,7 +623,6 @@ def runtime_info() -> dict:
         "blas_gemv_forwarding": gemv_forwarding(),
         "blas_forwarder": forwarder_words().lstrip(", "),
         "lock_spin": lock_spins(),
-        "wait_spin_us": wait_spin_us(),
         "cpu_kernels": jit_words(),
         "malloc": malloc_in_use(),
     }

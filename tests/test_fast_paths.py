@@ -303,80 +303,10 @@ LOCK_CHECK = r"""
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
-#include <time.h>
-#include <unistd.h>
 
 enum { THREADS = 4, TURNS = 200000 };
 static pthread_mutex_t shared = PTHREAD_MUTEX_INITIALIZER;
 static volatile long counter;
-
-/* Condition waits: the main thread and a helper pass a ball back and forth; the helper
- * naps every 64 volleys, so some of the main thread's waits outlast their yielding and
- * must sleep and be woken. An error-checking mutex refuses an unlock by a thread that
- * does not hold it: every wait must return with the mutex held. */
-enum { VOLLEYS = 20000 };
-static pthread_mutex_t court;
-static pthread_cond_t to_main = PTHREAD_COND_INITIALIZER, to_helper = PTHREAD_COND_INITIALIZER;
-static long ball; /* even: the helper's turn, odd: the main thread's */
-static int bad_unlocks;
-
-static void *helper(void *arg) {
-  for (long i = 0; i < VOLLEYS; i++) {
-    pthread_mutex_lock(&court);
-    while (ball % 2 != 0)
-      pthread_cond_wait(&to_helper, &court);
-    ball++;
-    pthread_cond_signal(&to_main);
-    pthread_mutex_unlock(&court);
-    if (i % 64 == 0)
-      usleep(2000);
-  }
-  return arg;
-}
-
-/* One long wait (50 ms) sleeps once its yielding is spent: the waiting thread's CPU time
- * stays far below the wait's length. */
-static void *late(void *arg) {
-  usleep(50000);
-  pthread_mutex_lock(&court);
-  ball = -1;
-  pthread_cond_signal(&to_main);
-  pthread_mutex_unlock(&court);
-  return arg;
-}
-
-static int long_wait_sleeps(void) {
-  struct timespec t0, t1;
-  pthread_t h;
-  pthread_mutex_lock(&court);
-  pthread_create(&h, NULL, late, NULL);
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
-  while (ball != -1)
-    pthread_cond_wait(&to_main, &court);
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
-  pthread_mutex_unlock(&court);
-  pthread_join(h, NULL);
-  return (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) * 1e-6 < 10.0;
-}
-
-static long volleys(void) {
-  pthread_mutexattr_t attr;
-  pthread_mutexattr_init(&attr);
-  pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
-  pthread_mutex_init(&court, &attr);
-  pthread_t h;
-  pthread_create(&h, NULL, helper, NULL);
-  for (long i = 0; i < VOLLEYS; i++) {
-    pthread_mutex_lock(&court);
-    while (ball % 2 == 0)
-      pthread_cond_wait(&to_main, &court);
-    ball++;
-    pthread_cond_signal(&to_helper);
-    bad_unlocks += pthread_mutex_unlock(&court) != 0;
-  }
-  pthread_join(h, NULL);
-  return bad_unlocks ? -1 : ball;
-}
 
 static void *add(void *arg) {
   for (int i = 0; i < TURNS; i++) {
@@ -407,11 +337,7 @@ int main(void) {
   pthread_mutex_lock(&chk);
   int again = pthread_mutex_lock(&chk);  /* the owner locking again: EDEADLK, not a hang */
   int (*spins)(void) = (int (*)(void))dlsym(RTLD_DEFAULT, "specstream_lock_spins");
-  int (*waits)(void) = (int (*)(void))dlsym(RTLD_DEFAULT, "specstream_wait_spin_us");
-  long ball_end = volleys();
-  int slept = long_wait_sleeps();
-  printf("%ld %d %d %d %ld %d %d\n", counter, twice, again == EDEADLK, spins ? spins() : -1, ball_end,
-         waits ? waits() : -1, slept);
+  printf("%ld %d %d %d\n", counter, twice, again == EDEADLK, spins ? spins() : -1);
   return 0;
 }
 """
@@ -420,14 +346,10 @@ int main(void) {
 def test_mutexes_spin_then_lock_and_still_exclude(tmp_path):
     """MLX's graph-building and stream threads contend for a few mutexes at every
     operation; preloaded, the forwarder's library makes a contended pthread_mutex_lock try
-    a bounded number of times before it sleeps (SPECSTREAM_LOCK_SPIN, default 100), and the
-    main thread's pthread_cond_wait yield before it sleeps (SPECSTREAM_WAIT_SPIN_US, default
-    300). A C program's threads then still never hold a mutex together (no lost update in
-    800,000 increments), a recursive mutex still counts, an error-checking one still refuses
-    its owner; 40,000 condition-variable handshakes between the main thread and another
-    (some waits long enough to sleep) lose no wakeup and return with the mutex held, and a
-    50 ms wait costs its thread under 10 ms of CPU (its yielding is bounded); the CLI
-    runs with it (doctor) and refuses a bad setting in one line."""
+    a bounded number of times before it sleeps (SPECSTREAM_LOCK_SPIN, default 100). A C
+    program's threads then still never hold a mutex together (no lost update in 800,000
+    increments), a recursive mutex still counts, an error-checking one still refuses its
+    owner; the CLI runs with it (doctor) and refuses a bad setting in one line."""
     import os
     import shutil
 
@@ -441,16 +363,13 @@ def test_mutexes_spin_then_lock_and_still_exclude(tmp_path):
     (tmp_path / "check.c").write_text(LOCK_CHECK)
     program = str(tmp_path / "check")
     subprocess.run([cc, "-O2", str(tmp_path / "check.c"), "-o", program, "-lpthread", "-ldl"], check=True)
-    bare = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", P.LOCK_SPIN_ENV, P.WAIT_SPIN_ENV)}
-    for spin, wait, want in ((None, None, ("100", "300")), ("7", "50", ("7", "50")), ("0", "0", ("0", "0"))):
-        settings = {**({P.LOCK_SPIN_ENV: spin} if spin else {}), **({P.WAIT_SPIN_ENV: wait} if wait else {})}
-        env = {**bare, "LD_PRELOAD": choice.forwarder, **settings}
+    bare = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", P.LOCK_SPIN_ENV)}
+    for spin, want in ((None, 100), ("7", 7), ("0", 0)):
+        env = {**bare, "LD_PRELOAD": choice.forwarder, **({P.LOCK_SPIN_ENV: spin} if spin else {})}
         out = subprocess.run([program], env=env, capture_output=True, text=True, timeout=120)
-        want_out = ["800000", "1", "1", want[0], "40000", want[1], "1"]
-        assert out.returncode == 0 and out.stdout.split() == want_out, (spin, out)
+        assert out.returncode == 0 and out.stdout.split() == ["800000", "1", "1", str(want)], (spin, out)
     out = subprocess.run([program], env=bare, capture_output=True, text=True, timeout=120)
-    # Not preloaded: the C library's own.
-    assert out.stdout.split() == ["800000", "1", "1", "-1", "40000", "-1", "1"], out
+    assert out.stdout.split() == ["800000", "1", "1", "-1"], out  # not preloaded: the C library's own
 
     env = {k: v for k, v in bare.items() if k not in ("SPECSTREAM_BLAS_REEXEC", "MALLOC_CONF")}
 
@@ -466,10 +385,6 @@ def test_mutexes_spin_then_lock_and_still_exclude(tmp_path):
     assert done.returncode == 0 and spins == "0", done
     done, _ = doctor(SPECSTREAM_LOCK_SPIN="lots")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and P.LOCK_SPIN_ENV in done.stderr
-    done, _ = doctor(SPECSTREAM_WAIT_SPIN_US="0")
-    assert done.returncode == 0 and "wait_spin_us: 0" in done.stdout.splitlines(), done
-    done, _ = doctor(SPECSTREAM_WAIT_SPIN_US="-5")
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and P.WAIT_SPIN_ENV in done.stderr
 
 
 GEMV_CHECK = r"""
