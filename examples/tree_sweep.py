@@ -34,10 +34,14 @@ from specstream_mlx.platform_info import blas_in_use
 from specstream_mlx.runtime.generation import encode_prompt
 
 
+def split_items(text: str) -> "list[str]":
+    """The items of a comma-separated sweep, split only at the commas that start a tree's
+    kind: a tree's own text may hold commas too (``topk:K,DEPTH``, ``dynamic:BUDGET,DEPTH``)."""
+    return re.split(r",(?=(?:cartesian|topk|dynamic|chain|auto)\b)", text)
+
+
 def main() -> int:
-    # Items are split at the commas that start a tree's kind: a tree's own text may hold
-    # commas too (topk:K,DEPTH, dynamic:BUDGET,DEPTH).
-    name, specs = sys.argv[1], re.split(r",(?=(?:cartesian|topk|dynamic|chain|auto)\b)", sys.argv[2])
+    name, specs = sys.argv[1], split_items(sys.argv[2])
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 16
     model, tok = load(name, warn=False)
     rows = load_bench_prompts(resolve_model_path(name), n)

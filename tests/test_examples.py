@@ -27,3 +27,11 @@ def test_profile_threads_reads_perf_script_with_indented_thread_lines():
     assert set(out) == {"6342", "6345"}
     samples, rows = out["6342"]
     assert samples == 2 and {leaf for _, leaf in rows} == {"rows4_avx512 (libgemv.so)", "cfree@GLIBC_2.2.5 (libc.so.6)"}
+
+
+def test_tree_sweep_keeps_the_commas_inside_a_tree():
+    """A sweep's items are comma-separated, and so is a tree's depth (``dynamic:8,3``):
+    splitting at every comma swept ``dynamic:8`` and a bad item ``3@1/prune=0``."""
+    split_items = _module("tree_sweep").split_items
+    got = split_items("dynamic:8@1/prune=0,dynamic:8,3@1/prune=0,topk:2,3,auto,chain:4")
+    assert got == ["dynamic:8@1/prune=0", "dynamic:8,3@1/prune=0", "topk:2,3", "auto", "chain:4"]
