@@ -49,8 +49,9 @@ library without the forwarder. The forwarder's kernel reads ``SPECSTREAM_SKINNY_
 (the most rows it takes, default 48 with AVX-512, else 32; 0: off),
 ``SPECSTREAM_SKINNY_THREADS``, ``SPECSTREAM_SKINNY_ISA=avx2``,
 ``SPECSTREAM_SKINNY_PARALLEL_MIN`` (the weight elements from which one row's product is
-split between its threads), ``SPECSTREAM_SKINNY_PREFETCH`` = ``t0`` | ``off`` (how a tile
-prefetches the next weight rows; default: non-temporally from two rows on, not at one),
+split between its threads), ``SPECSTREAM_SKINNY_PREFETCH`` = ``nta`` | ``t0`` | ``t1`` | ``off`` (how a tile
+prefetches the next weight rows from two rows on; default ``t1`` on Intel CPUs, ``nta``
+on others; never at one row unless ``t0``),
 ``SPECSTREAM_SKINNY_YIELD=0`` (a waiting worker pauses instead of yielding its core) and
 ``SPECSTREAM_SKINNY_SPIN_US`` (how long it spins before it sleeps, default 50);
 ``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none).
@@ -528,6 +529,17 @@ def skinny_kernel() -> Optional[Tuple[int, int, int, int]]:
     return (least.value, rows.value, threads.value, bits.value) if rows.value > 0 else None
 
 
+PREFETCH_MODES = ("off", "nta", "t0", "t1")  # the kernel's codes 0-3 (SPECSTREAM_SKINNY_PREFETCH's values)
+
+
+def skinny_prefetch() -> Optional[str]:
+    """How the skinny kernel prefetches weight rows from two rows on (one of
+    :data:`PREFETCH_MODES`), or None where the kernel does not serve this process."""
+    mode = _symbol("specstream_skinny_prefetch")
+    code = int(mode()) if mode is not None else -1
+    return PREFETCH_MODES[code] if 0 <= code < len(PREFETCH_MODES) else None
+
+
 def lock_spins() -> int:
     """The tries this process's mutexes make before they sleep (``native/lock_spin.c``,
     built into the forwarder's library); 0 where it is not preloaded or is turned off."""
@@ -547,7 +559,9 @@ def forwarder_words() -> str:
     least, most, threads, bits = skinny
     isa = "AVX-512" if bits == 512 else "AVX2"
     gemv = ", one-row products as GEMV" if least > 1 else ""
-    return f"{gemv}, {least}-{most} rows by the skinny kernel ({isa}, {threads} threads){locks}"
+    prefetch = skinny_prefetch()
+    prefetches = f", {prefetch} prefetches" if prefetch else ""
+    return f"{gemv}, {least}-{most} rows by the skinny kernel ({isa}, {threads} threads{prefetches}){locks}"
 
 
 def blas_words() -> str:

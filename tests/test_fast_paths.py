@@ -390,7 +390,7 @@ def test_mutexes_spin_then_lock_and_still_exclude(tmp_path):
 GEMV_CHECK = r"""
 import json, sys
 import mlx.core as mx, numpy as np
-from specstream_mlx.platform_info import gemv_forwarding, skinny_kernel
+from specstream_mlx.platform_info import gemv_forwarding, skinny_kernel, skinny_prefetch
 rng = np.random.default_rng(0)
 worst = 0.0
 cases = []
@@ -424,7 +424,8 @@ for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 16, 31, 32, 33, 47, 48, 49, 51, 80, 97, 19
         cases.append((got, -1.5 * c0 + 0.5 * (a @ w.T)))
 for got, want in cases:
     worst = max(worst, float(np.abs(np.array(got) - want).max() / (np.abs(want).max() + 1e-6)))
-print(json.dumps({"forwarding": gemv_forwarding(), "skinny": skinny_kernel(), "worst": worst}))
+print(json.dumps({"forwarding": gemv_forwarding(), "skinny": skinny_kernel(), "prefetch": skinny_prefetch(),
+                  "worst": worst}))
 """
 
 
@@ -436,15 +437,24 @@ def _cpu_flags() -> set:
         return set()
 
 
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":")[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
 @pytest.mark.parametrize("library", ["blis", "openblas"])
-@pytest.mark.parametrize("kernel", ["avx512", "avx2", "two-rows-up", "pausing", "t0-sleeping", "gemv"])
+@pytest.mark.parametrize("kernel", ["avx512", "avx2", "two-rows-up", "pausing", "t0-sleeping", "nta", "t1", "gemv"])
 def test_forwarded_products_compute_what_gemm_does(library, kernel):
     """With the forwarder preloaded in front of each installed BLAS, products of one and
     of a few rows (both weight layouts, strided rows and weights, every tile remainder,
     alpha/beta) equal NumPy's, through its own kernel's AVX-512 and AVX2 tiles, with one-row
     products left to the library's GEMV, with workers that pause instead of yielding while
     they wait, with T0 prefetches at every row count and workers that sleep between all
-    products (each product wakes them), and with the kernel off."""
+    products (each product wakes them), with NTA and with T1 prefetches (the defaults of
+    other and of Intel CPUs) whatever the CPU, and with the kernel off."""
     import json
     import os
     import subprocess
@@ -468,6 +478,8 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
         env["SPECSTREAM_SKINNY_YIELD"] = "0"
     elif kernel == "t0-sleeping":
         env.update(SPECSTREAM_SKINNY_PREFETCH="t0", SPECSTREAM_SKINNY_SPIN_US="0")
+    elif kernel in ("nta", "t1"):
+        env["SPECSTREAM_SKINNY_PREFETCH"] = kernel
     out = subprocess.run([sys.executable, "-c", GEMV_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
@@ -480,6 +492,13 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
         least = 2 if kernel == "two-rows-up" else 1
         assert res["skinny"] is not None and res["skinny"][0] == least and res["skinny"][1] >= 32, res
         assert res["skinny"][3] == bits, res
+        # The setting is the kernel's (a name it does not know would leave the default).
+        if kernel in ("nta", "t1"):
+            assert res["prefetch"] == kernel, res
+        elif kernel == "t0-sleeping":
+            assert res["prefetch"] == "t0", res
+        else:
+            assert res["prefetch"] == ("t1" if _cpu_vendor() == "GenuineIntel" else "nta"), res
 
 
 FORK_CHECK = r"""

@@ -30,8 +30,8 @@
  * cache; from two rows on half of it; products of 256K multiply-adds are split whatever
  * their weight), SPECSTREAM_SKINNY_YIELD (0: a waiting worker pauses in its spin instead
  * of yielding), SPECSTREAM_SKINNY_SPIN_US (how long it spins before it sleeps; default 50),
- * SPECSTREAM_SKINNY_PREFETCH (t0 or off: how the next tile's weight rows are prefetched;
- * default nta from two rows on, none at one).
+ * SPECSTREAM_SKINNY_PREFETCH (nta, t0, t1 or off: how the next tile's weight rows are
+ * prefetched; default from two rows on t1 on Intel CPUs and nta on others, none at one).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -142,9 +142,13 @@ enum { PREFETCH = 4 };
  * what the tile was still reading), and a one-row product not at all: its arithmetic is
  * too short to hide anything behind, and the hardware prefetcher alone streamed the
  * weights faster (SmolLM2's step products 12.8-12.9 ms against 13.6-14.4 with T0, the
- * LM head 49-59 GB/s against 40; 9-13 rows 5-6% faster with NTA than T0, bench/README.md).
- * `t0` prefetches into L1 at every row count (as before), `off` never. */
-enum { PREFETCH_OFF = 0, PREFETCH_NTA = 1, PREFETCH_T0 = 2 };
+ * LM head 49-59 GB/s against 40; 9-13 rows 5-6% faster with NTA than T0, bench/README.md),
+ * measured on an AMD EPYC (Zen 4). On an Intel Xeon (Emerald Rapids) the same NTA prefetches
+ * made 9-13 rows twice as slow as T0 (58 against 30 ms for SmolLM2's products at 9 rows) and
+ * T1, into L2, was faster still (26 ms), one row unchanged: so from two rows on the default
+ * is `t1` on Intel CPUs and `nta` on others. `t0` prefetches into L1 at every row count,
+ * `off` never. */
+enum { PREFETCH_OFF = 0, PREFETCH_NTA = 1, PREFETCH_T0 = 2, PREFETCH_T1 = 3 };
 static int prefetch_mode = PREFETCH_NTA;
 /* Weight rows per tile. */
 enum { NR = 4 };
@@ -200,6 +204,8 @@ enum { NR = 4 };
           _mm_prefetch(ahead, _MM_HINT_NTA);                                                                \
         else if (pf == PREFETCH_T0)                                                                         \
           _mm_prefetch(ahead, _MM_HINT_T0);                                                                 \
+        else if (pf == PREFETCH_T1)                                                                         \
+          _mm_prefetch(ahead, _MM_HINT_T1);                                                                 \
       }                                                                                                     \
       for (int r = 0; r < mr; r++) {                                                                        \
         VEC av = LOAD(ar[r] + kk);                                                                          \
@@ -519,8 +525,13 @@ static void setup(void) {
     parallel_min = parallel_min_streaming = atol(pm);
   cache_bytes = last_level_cache();
   const char *pf = getenv("SPECSTREAM_SKINNY_PREFETCH");
-  if (pf && strcmp(pf, "t0") == 0)
+  prefetch_mode = __builtin_cpu_is("intel") ? PREFETCH_T1 : PREFETCH_NTA;
+  if (pf && strcmp(pf, "nta") == 0)
+    prefetch_mode = PREFETCH_NTA;
+  else if (pf && strcmp(pf, "t0") == 0)
     prefetch_mode = PREFETCH_T0;
+  else if (pf && strcmp(pf, "t1") == 0)
+    prefetch_mode = PREFETCH_T1;
   else if (pf && strcmp(pf, "off") == 0)
     prefetch_mode = PREFETCH_OFF;
   const char *sp = getenv("SPECSTREAM_SKINNY_SPIN_US");
@@ -606,6 +617,16 @@ void specstream_skinny_info(int *min_rows, int *rows, int *threads, int *bits) {
     *threads = pool.threads;
     *bits = use_avx512 ? 512 : 256;
   }
+#endif
+}
+
+/* Reports how the kernel prefetches weight rows from two rows on, for `doctor` and every
+ * benchmark's header: 0 off, 1 nta, 2 t0, 3 t1 (-1: the kernel is off). */
+int specstream_skinny_prefetch(void) {
+#if HAVE_X86
+  return kernel_rows() > 0 ? prefetch_mode : -1;
+#else
+  return -1;
 #endif
 }
 
