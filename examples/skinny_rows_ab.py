@@ -79,7 +79,8 @@ def main() -> int:
             header = header or res["blas"]
             for r in rows:
                 ms[s][r].append(res["ms"][r])
-        print(f"round {i + 1}: " + "  ".join(f"{s}: " + " ".join(f"{ms[s][r][-1]:.1f}" for r in rows) for s in settings))
+        last = (f"{s}: " + " ".join(f"{ms[s][r][-1]:.1f}" for r in rows) for s in settings)
+        print(f"round {i + 1}: " + "  ".join(last))
     ref = settings[0]
     print(f"\n{args.model}, every product of one step, ms (median of {args.rounds} rounds); BLAS {header}")
     print("| setting | " + " | ".join(f"{r} rows" for r in rows) + " |")
