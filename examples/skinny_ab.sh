@@ -7,11 +7,14 @@
 # round. SETTINGS picks some of them (default among them), in that order in every round.
 #   [SETTINGS="default no-yield"] bash examples/skinny_ab.sh [MODEL] [ROUNDS]
 #   default:      products from 256K weights split once the weights outgrow the last-level
-#                 cache (512K while they fit); NTA prefetches from two rows on; 50 µs spin
+#                 cache (512K while they fit); T1 prefetches on Intel CPUs, else NTA from
+#                 two rows on; 50 µs spin
 #   split-512K:   SPECSTREAM_SKINNY_PARALLEL_MIN=524288 (512K whatever the weights)
 #   no-yield:     SPECSTREAM_SKINNY_YIELD=0 (a waiting worker pauses instead of yielding its core)
 #   prefetch-t0:  SPECSTREAM_SKINNY_PREFETCH=t0 (every tile prefetches the next one's weight
-#                 rows into L1, one-row products too; default: NTA from two rows on)
+#                 rows into L1, one-row products too)
+#   prefetch-nta: SPECSTREAM_SKINNY_PREFETCH=nta (non-temporal from two rows on, none at one)
+#   prefetch-t1:  SPECSTREAM_SKINNY_PREFETCH=t1 (into L2 at every row count)
 #   prefetch-off: SPECSTREAM_SKINNY_PREFETCH=off
 #   spin-N:       SPECSTREAM_SKINNY_SPIN_US=N for N in 0, 200, 1000, 5000 (a waiting worker
 #                 spins N µs before it sleeps; default 50)
@@ -30,6 +33,8 @@ declare -A settings=(
   [split-512K]="SPECSTREAM_SKINNY_PARALLEL_MIN=524288"
   [no-yield]="SPECSTREAM_SKINNY_YIELD=0"
   [prefetch-t0]="SPECSTREAM_SKINNY_PREFETCH=t0"
+  [prefetch-nta]="SPECSTREAM_SKINNY_PREFETCH=nta"
+  [prefetch-t1]="SPECSTREAM_SKINNY_PREFETCH=t1"
   [prefetch-off]="SPECSTREAM_SKINNY_PREFETCH=off"
   [spin-0]="SPECSTREAM_SKINNY_SPIN_US=0"
   [spin-200]="SPECSTREAM_SKINNY_SPIN_US=200"

@@ -50,8 +50,8 @@ library without the forwarder. The forwarder's kernel reads ``SPECSTREAM_SKINNY_
 ``SPECSTREAM_SKINNY_THREADS``, ``SPECSTREAM_SKINNY_ISA=avx2``,
 ``SPECSTREAM_SKINNY_PARALLEL_MIN`` (the weight elements from which one row's product is
 split between its threads), ``SPECSTREAM_SKINNY_PREFETCH`` = ``nta`` | ``t0`` | ``t1`` | ``off`` (how a tile
-prefetches the next weight rows from two rows on; default ``t1`` on Intel CPUs, ``nta``
-on others; never at one row unless ``t0``),
+prefetches the next weight rows; default ``t1`` on Intel CPUs, ``nta`` on others; ``nta``
+from two rows on only),
 ``SPECSTREAM_SKINNY_YIELD=0`` (a waiting worker pauses instead of yielding its core) and
 ``SPECSTREAM_SKINNY_SPIN_US`` (how long it spins before it sleeps, default 50);
 ``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none).
@@ -533,8 +533,8 @@ PREFETCH_MODES = ("off", "nta", "t0", "t1")  # the kernel's codes 0-3 (SPECSTREA
 
 
 def skinny_prefetch() -> Optional[str]:
-    """How the skinny kernel prefetches weight rows from two rows on (one of
-    :data:`PREFETCH_MODES`), or None where the kernel does not serve this process."""
+    """How the skinny kernel prefetches weight rows (one of :data:`PREFETCH_MODES`;
+    ``nta`` from two rows on only), or None where the kernel does not serve this process."""
     mode = _symbol("specstream_skinny_prefetch")
     code = int(mode()) if mode is not None else -1
     return PREFETCH_MODES[code] if 0 <= code < len(PREFETCH_MODES) else None

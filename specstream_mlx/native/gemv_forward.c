@@ -31,7 +31,7 @@
  * their weight), SPECSTREAM_SKINNY_YIELD (0: a waiting worker pauses in its spin instead
  * of yielding), SPECSTREAM_SKINNY_SPIN_US (how long it spins before it sleeps; default 50),
  * SPECSTREAM_SKINNY_PREFETCH (nta, t0, t1 or off: how the next tile's weight rows are
- * prefetched; default from two rows on t1 on Intel CPUs and nta on others, none at one).
+ * prefetched; default t1 on Intel CPUs, nta on others; nta never at one row).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -145,9 +145,10 @@ enum { PREFETCH = 4 };
  * LM head 49-59 GB/s against 40; 9-13 rows 5-6% faster with NTA than T0, bench/README.md),
  * measured on an AMD EPYC (Zen 4). On an Intel Xeon (Emerald Rapids) the same NTA prefetches
  * made 9-13 rows twice as slow as T0 (58 against 30 ms for SmolLM2's products at 9 rows) and
- * T1, into L2, was faster still (26 ms), one row unchanged: so from two rows on the default
- * is `t1` on Intel CPUs and `nta` on others. `t0` prefetches into L1 at every row count,
- * `off` never. */
+ * T1, into L2, was faster still (26 ms), and one row took 0.92x as long with T1 or T0 as
+ * without: so the default is `t1` at every row count on Intel CPUs and `nta` from two rows
+ * on elsewhere. `t0` and `t1` prefetch at every row count, `nta` from two rows on, `off`
+ * never. */
 enum { PREFETCH_OFF = 0, PREFETCH_NTA = 1, PREFETCH_T0 = 2, PREFETCH_T1 = 3 };
 static int prefetch_mode = PREFETCH_NTA;
 /* Weight rows per tile. */
@@ -194,7 +195,7 @@ enum { NR = 4 };
     for (int s = 0; s < nr; s++)                                                                            \
       br[s] = p->b + (size_t)(j0 + s) * p->ldb;                                                             \
     int kv = p->k & ~(LANES - 1), kk = 0;                                                                   \
-    const int pf = p->m > 1 || prefetch_mode == PREFETCH_T0 ? prefetch_mode : PREFETCH_OFF;                 \
+    const int pf = p->m > 1 || prefetch_mode != PREFETCH_NTA ? prefetch_mode : PREFETCH_OFF;                \
     for (; kk < kv; kk += LANES) {                                                                          \
       VEC bv[NR];                                                                                           \
       for (int s = 0; s < nr; s++) {                                                                        \
@@ -620,8 +621,8 @@ void specstream_skinny_info(int *min_rows, int *rows, int *threads, int *bits) {
 #endif
 }
 
-/* Reports how the kernel prefetches weight rows from two rows on, for `doctor` and every
- * benchmark's header: 0 off, 1 nta, 2 t0, 3 t1 (-1: the kernel is off). */
+/* Reports how the kernel prefetches weight rows, for `doctor` and every benchmark's
+ * header: 0 off, 1 nta (from two rows on), 2 t0, 3 t1 (-1: the kernel is off). */
 int specstream_skinny_prefetch(void) {
 #if HAVE_X86
   return kernel_rows() > 0 ? prefetch_mode : -1;
