@@ -35,3 +35,21 @@ def test_tree_sweep_keeps_the_commas_inside_a_tree():
     split_items = _module("tree_sweep").split_items
     got = split_items("dynamic:8@1/prune=0,dynamic:8,3@1/prune=0,topk:2,3,auto,chain:4")
     assert got == ["dynamic:8@1/prune=0", "dynamic:8,3@1/prune=0", "topk:2,3", "auto", "chain:4"]
+
+
+def test_skinny_rows_ab_refuses_bad_rows_and_settings_in_one_line():
+    """A bad row count or setting is named in one line before any process is started."""
+    import subprocess
+    import sys
+
+    for args, words in [
+        (["--rows", "1,0"], "--rows '1,0'"),
+        (["--rows", "9,x"], "--rows '9,x'"),
+        (["--settings", "default;PREFETCH"], "setting 'PREFETCH'"),
+    ]:
+        out = subprocess.run(
+            [sys.executable, str(EXAMPLES / "skinny_rows_ab.py"), *args], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode != 0 and out.stdout == "", out
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0] and "Traceback" not in out.stderr, out.stderr
