@@ -37,10 +37,7 @@ print(json.dumps({"ms": time_products(shapes, rows, 15), "blas": blas_words()}))
 """
 
 
-def run_child(model: str, rows: str, setting: str) -> dict:
-    env_words = subprocess.run(
-        [sys.executable, "-m", "specstream_mlx.blas_env"], capture_output=True, text=True, check=True
-    ).stdout.split()
+def run_child(env_words: list, model: str, rows: str, setting: str) -> dict:
     words = [] if setting == "default" else setting.split()
     out = subprocess.run(
         ["env", *env_words, *words, sys.executable, "-c", CHILD, model, rows],
@@ -71,11 +68,15 @@ def main() -> int:
     rows = [r.strip() for r in args.rows.split(",")]
     if not all(r.isdigit() and 1 <= int(r) <= 192 for r in rows):
         raise SystemExit(f"skinny_rows_ab.py: --rows {args.rows!r}: expected row counts from 1 to 192")
+    # The CLI's preloads, once: each child adds its setting's words after them.
+    env_words = subprocess.run(
+        [sys.executable, "-m", "specstream_mlx.blas_env"], capture_output=True, text=True, check=True
+    ).stdout.split()
     ms = {s: {r: [] for r in rows} for s in settings}
     header = ""
     for i in range(args.rounds):
         for s in settings:
-            res = run_child(args.model, ",".join(rows), s)
+            res = run_child(env_words, args.model, ",".join(rows), s)
             header = header or res["blas"]
             for r in rows:
                 ms[s][r].append(res["ms"][r])

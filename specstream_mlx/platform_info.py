@@ -316,6 +316,10 @@ def configured_choice(malloc: bool = True) -> BlasChoice:
     spin = os.environ.get(LOCK_SPIN_ENV, "").strip()
     if spin and not (spin.isdigit() and int(spin) <= 1 << 20):
         raise BlasSettingError(f"{LOCK_SPIN_ENV}={spin!r}: expected a number of tries from 0 to {1 << 20}")
+    # The kernel reads it in C, where an unknown value would leave its default without a word.
+    prefetch = os.environ.get(PREFETCH_ENV, "")
+    if prefetch and prefetch not in PREFETCH_MODES:
+        raise BlasSettingError(f"{PREFETCH_ENV}={prefetch!r}: expected nta, t0, t1 or off")
     return choose_blas(
         os.environ.get(BLAS_ENV),
         gemv=os.environ.get(GEMV_ENV, "1") != "0",
@@ -529,7 +533,8 @@ def skinny_kernel() -> Optional[Tuple[int, int, int, int]]:
     return (least.value, rows.value, threads.value, bits.value) if rows.value > 0 else None
 
 
-PREFETCH_MODES = ("off", "nta", "t0", "t1")  # the kernel's codes 0-3 (SPECSTREAM_SKINNY_PREFETCH's values)
+PREFETCH_ENV = "SPECSTREAM_SKINNY_PREFETCH"
+PREFETCH_MODES = ("off", "nta", "t0", "t1")  # the kernel's codes 0-3, and PREFETCH_ENV's values
 
 
 def skinny_prefetch() -> Optional[str]:

@@ -179,3 +179,32 @@ def test_remembered_fingerprints_follow_the_files(tmp_path, tiny_model_dir, monk
     w["model.norm.weight"] = w["model.norm.weight"] + 1
     mx.save_safetensors(str(d / "model.safetensors"), w)  # same size, new bytes
     assert base_fingerprint(d) == base_fingerprint(d, cache=False) != first
+
+
+def test_every_importable_folder_of_package_data_is_declared():
+    """setuptools warns at every install ('Package would be ignored', a screenful each) when
+    a folder with a package's name holds files it installs as data but is not itself a
+    declared package: ``specstream_mlx/native`` and the bundled ``smollm2`` streams were."""
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    conf = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    declared, dirs = set(conf["packages"]), conf.get("package-dir", {})
+
+    def folder(pkg):  # as setuptools maps it: under the nearest package-dir entry, else the root
+        base = max((k for k in dirs if pkg == k or pkg.startswith(k + ".")), key=len, default="")
+        rest = pkg[len(base) :].lstrip(".")
+        return (root / dirs[base] if base else root) / Path(*rest.split(".") if rest else ())
+
+    missing = []
+    for pkg in sorted(declared):
+        for sub in sorted(p for p in folder(pkg).rglob("*") if p.is_dir()):
+            parts = sub.relative_to(folder(pkg)).parts
+            if "__pycache__" in parts or not all(x.isidentifier() for x in parts):
+                continue
+            name = ".".join((pkg, *parts))
+            if any(f.is_file() for f in sub.iterdir()) and name not in declared and folder(name) == sub:
+                missing.append(name)
+    assert missing == [], f"declare these in pyproject.toml's packages: {missing}"

@@ -387,6 +387,29 @@ def test_mutexes_spin_then_lock_and_still_exclude(tmp_path):
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and P.LOCK_SPIN_ENV in done.stderr
 
 
+def test_a_bad_prefetch_setting_is_refused_in_one_line():
+    """SPECSTREAM_SKINNY_PREFETCH takes nta, t0, t1 or off; the kernel reads it in C at its
+    start, where a misspelt value used to leave the default in place without a word."""
+    import os
+
+    from specstream_mlx import platform_info as P
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "SPECSTREAM_BLAS_REEXEC", "MALLOC_CONF")}
+    for value, ok in (("T1x", False), ("", True), ("t0", True)):
+        done = subprocess.run(
+            [sys.executable, "-m", "specstream_mlx", "doctor"],
+            capture_output=True,
+            text=True,
+            env={**env, P.PREFETCH_ENV: value},
+        )
+        if ok:
+            assert done.returncode == 0, done.stderr
+        else:
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 2 and len(lines) == 1, done.stderr
+            assert P.PREFETCH_ENV in lines[0] and "'T1x'" in lines[0] and "nta, t0, t1 or off" in lines[0], lines
+
+
 GEMV_CHECK = r"""
 import json, sys
 import mlx.core as mx, numpy as np
@@ -429,20 +452,17 @@ print(json.dumps({"forwarding": gemv_forwarding(), "skinny": skinny_kernel(), "p
 """
 
 
-def _cpu_flags() -> set:
+def _cpuinfo(key: str) -> str:
+    """The first CPU's ``key`` line of /proc/cpuinfo ('' where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return set(next((line.split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return set()
-
-
-def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":")[1].strip() for line in f if line.startswith("vendor_id")), "")
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":")[0].strip() == key), "")
     except OSError:
         return ""
+
+
+def _cpu_flags() -> set:
+    return set(_cpuinfo("flags").split())
 
 
 @pytest.mark.parametrize("library", ["blis", "openblas"])
@@ -498,7 +518,7 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
         elif kernel == "t0-sleeping":
             assert res["prefetch"] == "t0", res
         else:
-            assert res["prefetch"] == ("t1" if _cpu_vendor() == "GenuineIntel" else "nta"), res
+            assert res["prefetch"] == ("t1" if _cpuinfo("vendor_id") == "GenuineIntel" else "nta"), res
 
 
 FORK_CHECK = r"""
