@@ -7,11 +7,20 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Bundled models converted on first use (smollm2) go to a cache of the test run's own,
-# never into the user's ~/.cache.
+# never into the user's ~/.cache, and it is removed when the run ends (a converted SmolLM2
+# and the run's compiled kernels: some 370 MB).
+_OWN_CACHE = None
 if "SPECSTREAM_MLX_CACHE" not in os.environ:
     import tempfile
 
-    os.environ["SPECSTREAM_MLX_CACHE"] = tempfile.mkdtemp(prefix="specstream-test-cache-")
+    _OWN_CACHE = os.environ["SPECSTREAM_MLX_CACHE"] = tempfile.mkdtemp(prefix="specstream-test-cache-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -433,17 +433,20 @@ for k, n in ((64, 96), (576, 192), (1536, 576), (7, 3)):
 # depths not a multiple of the vector, rows and weights with a leading stride, more rows
 # than a tile takes (in blocks by a small weight, up to 192 rows; else GEMM), alpha/beta,
 # and a product large enough for the pool.
-for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 16, 31, 32, 33, 47, 48, 49, 51, 80, 97, 192, 193):
-    # (64, 40) and (64, 200): a short depth, as attention's scores and values have, with
-    # every column-block remainder of the transposed and the stored-(k x n) tiles.
-    for k, n in ((576, 197), (13, 70), (1536, 576), (576, 4099), (64, 40), (64, 200)):
-        w = rng.standard_normal((n, k + 5)).astype(np.float32)[:, 2 : k + 2]  # ldb > k
+# Each weight is drawn once and multiplied by every row count (drawing it anew for each
+# took most of this check's time).
+# (64, 40) and (64, 200): a short depth, as attention's scores and values have, with
+# every column-block remainder of the transposed and the stored-(k x n) tiles.
+for k, n in ((576, 197), (13, 70), (1536, 576), (576, 4099), (64, 40), (64, 200)):
+    w = rng.standard_normal((n, k + 5)).astype(np.float32)[:, 2 : k + 2]  # ldb > k
+    wt = np.ascontiguousarray(w.T)  # b stored (k x n), as attention's values are
+    w_mx, wt_mx = mx.array(w), mx.array(wt)
+    for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 16, 31, 32, 33, 47, 48, 49, 51, 80, 97, 192, 193):
         a = rng.standard_normal((m, k + 3)).astype(np.float32)[:, 1 : k + 1]  # lda > k
-        cases.append((mx.array(a) @ mx.array(w).T, a @ w.T))
-        wt = np.ascontiguousarray(w.T)  # b stored (k x n), as attention's values are
-        cases.append((mx.array(a) @ mx.array(wt), a @ wt))
+        cases.append((mx.array(a) @ w_mx.T, a @ w.T))
+        cases.append((mx.array(a) @ wt_mx, a @ wt))
         c0 = rng.standard_normal((m, n)).astype(np.float32)
-        got = mx.addmm(mx.array(c0), mx.array(a), mx.array(w).T, alpha=0.5, beta=-1.5)
+        got = mx.addmm(mx.array(c0), mx.array(a), w_mx.T, alpha=0.5, beta=-1.5)
         cases.append((got, -1.5 * c0 + 0.5 * (a @ w.T)))
 for got, want in cases:
     worst = max(worst, float(np.abs(np.array(got) - want).max() / (np.abs(want).max() + 1e-6)))
@@ -727,13 +730,54 @@ def test_the_kernel_compiler_adds_its_flags_only_where_the_cpu_has_them(tmp_path
     import os
 
     first = os.environ["PATH"].split(os.pathsep)[0]
-    assert (Path(first) / "g++").read_text().startswith(f"#!/bin/sh\nexec '{fake}' -mavx2")
+    text = (Path(first) / "g++").read_text()
+    assert text.startswith("#!/bin/sh\n") and f"\nexec '{fake}' -mavx2" in text
     assert os.environ["TMPDIR"] == str(kernels) and "-mfma" in cpu_jit.jit_words()
     # A child process that turns it off gets the environment as it was before.
     monkeypatch.setattr(cpu_jit, "_enabled", None)
     monkeypatch.setenv("SPECSTREAM_JIT_AVX2", "0")
     assert cpu_jit.enable(tmp_path / "cache", str(cpu)) is None
     assert os.environ["PATH"] == str(fake.parent) and os.environ["TMPDIR"] == str(tmp_path / "tmp")
+
+
+def test_kernels_build_against_a_preamble_precompiled_once(tmp_path):
+    """The wrapper precompiles the header every MLX kernel includes, once per cache (two
+    processes, one build), and GCC loads it for every kernel MLX builds: ``-H`` marks a
+    precompiled header it used with ``!`` and a header it parsed with ``.``. A header GCC
+    rejected would leave kernels building from the text, correctly and slowly."""
+    import os
+    import shutil
+
+    from specstream_mlx import cpu_jit
+    from specstream_mlx.platform_info import _uses_mlx_cpu_wheel
+
+    gxx = shutil.which("g++")
+    if not _uses_mlx_cpu_wheel() or not cpu_jit.cpu_supports() or gxx is None or cpu_jit.mlx_include_dir() is None:
+        pytest.skip("needs MLX's Linux CPU wheel on an AVX2 CPU and g++ (CI has all three)")
+    shim = tmp_path / "bin" / "g++"  # the compiler the wrapper runs: logs, and has kernel builds list headers
+    shim.parent.mkdir()
+    log = tmp_path / "log"
+    shim.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {log}.commands\n'
+        f'case "$*" in *-shared*) exec {gxx} "$@" -H 2>> {log}.headers;; esac\n'
+        f'exec {gxx} "$@"\n'
+    )
+    shim.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "SPECSTREAM_JIT_AVX2"}
+    env.update(SPECSTREAM_MLX_CACHE=str(tmp_path / "cache"), PATH=f"{shim.parent}{os.pathsep}{env['PATH']}")
+    for i in range(2):
+        out = subprocess.run([sys.executable, "-c", JIT_CHECK, str(tmp_path / f"out{i}")], env=env, capture_output=True)
+        assert out.returncode == 0, out.stderr.decode()[-2000:]
+    commands = (tmp_path / "log.commands").read_text().splitlines()
+    kernels = [c for c in commands if "-shared" in c]
+    assert sum("c++-header" in c for c in commands) == 1 and len(kernels) >= 3, commands
+    assert list(tmp_path.glob(f"cache/native/jit-bin-*/pch/{cpu_jit.PREAMBLE}.gch"))
+    headers = (tmp_path / "log.headers").read_text().splitlines()
+    used = [h for h in headers if h.startswith("! ") and h.endswith("compiled_preamble.h.gch")]
+    assert len(used) == len(kernels), headers[:20]
+    assert not [h for h in headers if h.startswith(". ") and h.endswith("compiled_preamble.h")], headers[:20]
+    assert (tmp_path / "out0").read_bytes() == (tmp_path / "out1").read_bytes()
 
 
 JIT_CHECK = r"""
