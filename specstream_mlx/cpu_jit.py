@@ -129,7 +129,7 @@ def _wrapper_text(compiler: str, include: Optional[Path] = None, pch: Optional[P
         f"pch={shlex.quote(str(pch))}\n"
         f'gch="$pch/{PREAMBLE}.gch"\n'
         + _pch_lines(compiler, include)
-        + f"exec '{quoted}' {' '.join(FLAGS)} -I \"$pch\" \"$@\"\n"
+        + f'exec \'{quoted}\' {" ".join(FLAGS)} -I "$pch" "$@"\n'
     )
 
 
