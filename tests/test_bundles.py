@@ -118,11 +118,16 @@ def test_smollm2_is_bundled_and_the_default_model():
 
 
 _MATERIALIZE = """
-import sys, time
+import os, sys, time
 from pathlib import Path
 from specstream_mlx.io import bundles
-start = float(sys.argv[2])
-time.sleep(max(0.0, start - time.time()))  # every process past its imports, then all at once
+# Every process past its imports, then all at once: each marks itself ready and waits for the
+# others' marks.
+barrier, n = Path(sys.argv[2]), int(sys.argv[3])
+(barrier / str(os.getpid())).touch()
+deadline = time.time() + 120
+while len(list(barrier.iterdir())) < n and time.time() < deadline:
+    time.sleep(0.005)
 lines = []
 path = bundles.materialize(bundles.read_bundle(Path(sys.argv[1])), log=lines.append)
 print(sum("converting" in line and "(once)" in line for line in lines), path)
@@ -135,7 +140,6 @@ def test_concurrent_first_use_converts_once_and_every_process_succeeds(fake_pack
     second install of the same package elsewhere reuses the cache (before: the stamp held the
     file's path, so two environments re-converted in turn)."""
     import os
-    import time
 
     # a larger file, so the conversions really overlap
     bigger = TinySpec(hidden=256, layers=8, intermediate=1024)
@@ -143,10 +147,11 @@ def test_concurrent_first_use_converts_once_and_every_process_succeeds(fake_pack
 
     def run(site, n):
         env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        start = time.time() + 12
+        barrier = site.parent / f"barrier-{site.name}"
+        barrier.mkdir()
         procs = [
             subprocess.Popen(
-                [sys.executable, "-c", _MATERIALIZE, str(fake_package), str(start)],
+                [sys.executable, "-c", _MATERIALIZE, str(fake_package), str(barrier), str(n)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
