@@ -21,7 +21,7 @@ Every kernel's source includes MLX's ``compiled_preamble.h`` (its SIMD types and
 operation's functor): parsing and instantiating it took some 0.45 of the 0.7-0.9 s each
 kernel took to build here, and a first training step or a first pass compiles dozens of
 kernels (a fresh test run, some 180). The wrapper precompiles that header once, with
-MLX's flags and these (:func:`_pch_build`), into the user cache, and puts its folder
+MLX's flags and these (:func:`_pch_lines`), into the user cache, and puts its folder
 first on the include path: GCC then loads the precompiled header instead and a kernel
 builds in about 0.3 s, to the same machine code (compared with ``objdump``). GCC checks
 that the precompiled header was built with the same code-generating options and ignores
@@ -29,12 +29,12 @@ it otherwise (the kernel then builds from the header, as before); it does not ch
 header's text, so the folder is named by MLX's version and include path.
 
 :func:`enable`, run by ``import specstream_mlx`` where the CPU has AVX2, FMA and F16C and
-``g++`` exists: writes a two-line ``g++`` that adds the flags into the user cache and
-puts its folder first on ``PATH``, and points ``TMPDIR`` at a folder of the user cache,
-so that MLX never reuses a kernel built without them by a process that did not import
-this package (child processes inherit both). ``SPECSTREAM_JIT_AVX2=0`` turns it off,
-also where a parent process turned it on. Nothing here touches the model path: on a Mac
-the kernels are Metal's, and this module does nothing.
+``g++`` exists: writes a ``g++`` script that adds the flags (and the precompiled header)
+into the user cache and puts its folder first on ``PATH``, and points ``TMPDIR`` at a
+folder of the user cache, so that MLX never reuses a kernel built without them by a
+process that did not import this package (child processes inherit both).
+``SPECSTREAM_JIT_AVX2=0`` turns it off, also where a parent process turned it on. Nothing
+here touches the model path: on a Mac the kernels are Metal's, and this module does nothing.
 """
 
 from __future__ import annotations
