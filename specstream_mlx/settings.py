@@ -5,7 +5,8 @@
                           step costs (``step_costs.json``), the attention form measured
                           here (``attention.json``), base-model fingerprints, the
                           compiled one-row GEMV forwarder and MLX's compiled CPU kernels
-                          (``jit-tmp-*``, with the ``g++`` that builds them). Default
+                          (``jit-tmp-*``, with the ``g++`` that builds them and the
+                          header it precompiles, under ``native/``). Default
                           ``$XDG_CACHE_HOME/specstream-mlx``, else ``~/.cache/specstream-mlx``.
 ``SPECSTREAM_COMPILE``    ``1``: speculative passes run as compiled graphs (one per tree
                           shape); default op by op (docs/DESIGN.md, decision 18).
