@@ -163,19 +163,19 @@ def enable(cache_dir: Optional[Path] = None, cpuinfo: str = "/proc/cpuinfo") -> 
 
         cache_dir = current().cache_dir
     cache_dir = Path(cache_dir).expanduser()
-    # Named by the flags: kernels built with other flags are never reused. The wrapper's
-    # folder (and its precompiled header) also by MLX's include folder and version: GCC
-    # would take a header precompiled from another MLX's text without a word.
-    tag = hashlib.sha256(" ".join(FLAGS).encode()).hexdigest()[:8]
-    include = mlx_include_dir()
-    bin_tag = hashlib.sha256(f"{' '.join(FLAGS)}|{include}|{_mlx_version()}".encode()).hexdigest()[:8]
-    folder, kernels = cache_dir / "native" / f"jit-bin-{bin_tag}", cache_dir / f"jit-tmp-{tag}"
     _undo_inherited()
     if os.environ.get(SETTING, "1").strip() == "0" or not cpu_supports(cpuinfo):
         return None
     compiler = shutil.which("g++")
     if compiler is None:
         return None
+    # Named by the flags: kernels built with other flags are never reused. The wrapper's
+    # folder (and its precompiled header) also by MLX's include folder and version: GCC
+    # would take a header precompiled from another MLX's text without a word.
+    tag = hashlib.sha256(" ".join(FLAGS).encode()).hexdigest()[:8]
+    include = mlx_include_dir()
+    bin_tag = hashlib.sha256(f"{tag}|{include}|{_mlx_version()}".encode()).hexdigest()[:8]
+    folder, kernels = cache_dir / "native" / f"jit-bin-{bin_tag}", cache_dir / f"jit-tmp-{tag}"
     try:
         write_wrapper(folder, compiler, include)
         kernels.mkdir(parents=True, exist_ok=True)
