@@ -76,6 +76,7 @@ from typing import Dict, Optional, Tuple
 
 from .cpu_jit import jit_words
 from .cpu_jit import uses_mlx_cpu_wheel as _uses_mlx_cpu_wheel
+from .openblas_core import CORETYPE_ENV, openblas_coretype
 
 REEXEC_ENV = "SPECSTREAM_BLAS_REEXEC"
 BLAS_ENV = "SPECSTREAM_BLAS"
@@ -186,6 +187,10 @@ class BlasChoice:
             env[self.library.threads_env] = str(self.threads)
         if self.path is not None and self.library is not None:
             env.update(self.library.settings)
+            if self.library.name == "openblas":  # where it took this CPU for an unknown one
+                core = openblas_coretype(self.path)
+                if core is not None:
+                    env[CORETYPE_ENV] = core
         env.update(malloc_settings(self.malloc))
         return env
 
@@ -516,6 +521,16 @@ def blas_version() -> Optional[str]:
     return None
 
 
+def blas_core() -> Optional[str]:
+    """The kernels the preloaded OpenBLAS runs on this CPU (``SkylakeX``, ``Haswell``, …;
+    :mod:`.openblas_core`), or None (another library, or none)."""
+    get = _symbol("openblas_get_corename")
+    if get is None:
+        return None
+    get.restype = ctypes.c_char_p
+    return get().decode(errors="replace")
+
+
 def gemv_forwarding() -> bool:
     """Whether the one-row forwarder serves this process's ``cblas_sgemm``."""
     return _symbol("specstream_gemv_forward") is not None
@@ -572,7 +587,9 @@ def forwarder_words() -> str:
 def blas_words() -> str:
     """One phrase for a report: the BLAS, its version and threads, the one-row forwarder,
     how MLX's compiled CPU kernels are built (:mod:`.cpu_jit`) and the allocator."""
-    words = f"{blas_in_use()} {blas_version()}, {blas_threads()} threads" + forwarder_words()
+    core = blas_core()
+    kernels = f", {core} kernels" if core else ""
+    words = f"{blas_in_use()} {blas_version()}{kernels}, {blas_threads()} threads" + forwarder_words()
     return words + f"; compiled CPU kernels {jit_words()}; allocator {malloc_in_use()}"
 
 
@@ -638,6 +655,7 @@ def runtime_info() -> dict:
         "metal_available": bool(getattr(mx, "metal", None) and mx.metal.is_available()),
         "blas": blas_in_use(),
         "blas_version": blas_version(),
+        "blas_core": blas_core(),
         "blas_threads": blas_threads(),
         "blas_gemv_forwarding": gemv_forwarding(),
         "blas_forwarder": forwarder_words().lstrip(", "),

@@ -187,10 +187,13 @@ def test_blas_setting_is_parsed_and_refused_in_one_line(monkeypatch):
     from specstream_mlx import platform_info as P
 
     monkeypatch.setattr(P, "find_blas", lambda name: f"/lib/{name}.so" if name == "openblas" else None)
+    monkeypatch.setattr(P, "openblas_coretype", lambda path: None)  # OpenBLAS knows this CPU
     # The default falls through the preference order to what is installed.
     c = P.choose_blas(None, gemv=False)
     assert c.library.name == "openblas" and c.threads == P.LIBRARIES["openblas"].threads
     assert c.env() == {"LD_PRELOAD": "/lib/openblas.so", "OPENBLAS_NUM_THREADS": "2", "OPENBLAS_THREAD_TIMEOUT": "4"}
+    monkeypatch.setattr(P, "openblas_coretype", lambda path: "SkylakeX" if path == "/lib/openblas.so" else None)
+    assert c.env()["OPENBLAS_CORETYPE"] == "SkylakeX"  # it does not: its best kernels named
     monkeypatch.setattr(P, "gemv_forwarder", lambda: "/cache/libspecstream-gemv.so")
     assert P.choose_blas(None).env()["LD_PRELOAD"] == "/cache/libspecstream-gemv.so:/lib/openblas.so"
     assert P.choose_blas("openblas:1").env()["OPENBLAS_NUM_THREADS"] == "1"
@@ -696,6 +699,79 @@ def test_openblas_threads_sleep_after_their_products_unless_set_by_hand():
     for extra, want in (({}, "4"), ({"OPENBLAS_THREAD_TIMEOUT": "20"}, "20")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, **extra})
         assert out.returncode == 0 and out.stdout.split() == [want], out.stderr
+
+
+def test_openblas_is_told_its_best_kernels_only_where_it_took_the_cpu_for_an_unknown_one():
+    """Debian's OpenBLAS 0.3.21 did not know an Intel Xeon of model 207 and ran its generic
+    SSE3 kernels ("Prescott") on an AVX-512 CPU: prompts took 2.6x as long. Only that
+    fallback is replaced, by what the CPU's flags allow; any choice of its own stands."""
+    from specstream_mlx.openblas_core import AVX2, AVX512, core_for, coretype_setting
+
+    sse = frozenset({"sse2", "sse3", "avx"})
+    assert coretype_setting("Prescott", AVX512 | AVX2 | sse) == "SkylakeX"
+    assert coretype_setting("PRESCOTT\n", AVX2 | sse) == "Haswell"
+    assert coretype_setting("Prescott", sse) is None  # nothing better to name
+    assert coretype_setting("Prescott", AVX512 - {"avx512vl"} | AVX2) == "Haswell"  # all five or none
+    for own in ("Haswell", "Zen", "SkylakeX", "Cooperlake", None):
+        assert coretype_setting(own, AVX512 | AVX2) is None
+    assert core_for(frozenset()) is None
+
+
+def test_openblas_kernels_are_asked_once_per_library_and_cpu(tmp_path, monkeypatch):
+    from specstream_mlx import openblas_core
+    from specstream_mlx.platform_info import find_blas
+
+    path = find_blas("openblas")
+    if path is None:
+        pytest.fail("needs OpenBLAS (CI installs it)")
+    flags = openblas_core.cpu_flags()
+    name = openblas_core.detected_core(path, tmp_path, flags)
+    assert name and name.isprintable(), name
+    assert [p.read_text().strip() for p in (tmp_path / "native").iterdir()] == [name]
+
+    children = []
+
+    def no_child(*args, **kwargs):
+        children.append(args)
+        raise OSError("no child process here")
+
+    monkeypatch.setattr(openblas_core.subprocess, "run", no_child)
+    assert openblas_core.detected_core(path, tmp_path, flags) == name and not children  # from the record
+    # Another CPU (other flags) is another record: asked anew, and here the child cannot run.
+    assert openblas_core.detected_core(path, tmp_path, flags | {"made-up-flag"}) is None and len(children) == 1
+    assert len(list((tmp_path / "native").iterdir())) == 1  # nothing half-written
+
+
+def test_processes_run_openblas_on_kernels_this_cpu_can_use():
+    """What a test, a script importing the library and the CLI's re-exec all get: OpenBLAS on
+    its own choice of kernels, or the one named for it where it fell back to the generic ones;
+    a setting made by hand is kept (and passed on by blas_env)."""
+    import os
+
+    from specstream_mlx.openblas_core import CORETYPE_ENV, core_for, cpu_flags
+    from specstream_mlx.platform_info import _uses_mlx_cpu_wheel, choose_blas
+
+    choice = choose_blas(None)
+    if not _uses_mlx_cpu_wheel() or choice.library is None or choice.library.name != "openblas":
+        pytest.fail("needs MLX's Linux CPU wheel and OpenBLAS (CI installs both)")
+    drop = ("LD_PRELOAD", "SPECSTREAM_BLAS", "SPECSTREAM_BLAS_REEXEC", CORETYPE_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    code = "import specstream_mlx; from specstream_mlx.platform_info import blas_core; print(blas_core())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    core = out.stdout.strip()
+    assert core and core != "None"
+    if core_for(cpu_flags()) is not None:
+        assert core.lower() != "prescott", "OpenBLAS runs its generic kernels on a CPU with AVX2"
+    printed = subprocess.run(
+        [sys.executable, "-m", "specstream_mlx.blas_env"],
+        capture_output=True,
+        text=True,
+        env={**env, CORETYPE_ENV: "Haswell"},
+    )
+    assert printed.returncode == 0 and f"{CORETYPE_ENV}=Haswell" in printed.stdout.split(), printed.stderr
+    hand = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, CORETYPE_ENV: "Haswell"})
+    assert hand.returncode == 0 and hand.stdout.strip() == "Haswell", hand.stderr
 
 
 def test_the_kernel_compiler_adds_its_flags_only_where_the_cpu_has_them(tmp_path, monkeypatch):

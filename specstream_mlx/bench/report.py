@@ -11,6 +11,7 @@ def markdown_table(res: dict) -> str:
         f"`{res['model']}` — {res['date']} — {m['cpu']} ({m['cores']} cores), {m['os']}, MLX {m['mlx']} "
         f"({m['device']}), BLAS: {m['blas']}"
         + (f" {m['blas_version']}" if m.get("blas_version") else "")
+        + (f", {m['blas_core']} kernels" if m.get("blas_core") else "")
         + (f", {m['blas_threads']} threads" if m.get("blas_threads") else "")
         + (f", {m['blas_forwarder']}" if m.get("blas_forwarder") else "")
         + (f"; compiled CPU kernels {m['cpu_kernels']}" if m.get("cpu_kernels") else "")

@@ -430,6 +430,7 @@ def run_bench(
                 "device",
                 "blas",
                 "blas_version",
+                "blas_core",
                 "blas_threads",
                 "blas_gemv_forwarding",
                 "blas_forwarder",
