@@ -763,14 +763,15 @@ def test_processes_run_openblas_on_kernels_this_cpu_can_use():
     assert core and core != "None"
     if core_for(cpu_flags()) is not None:
         assert core.lower() != "prescott", "OpenBLAS runs its generic kernels on a CPU with AVX2"
+    by_hand = {**env, CORETYPE_ENV: "Haswell"}
     printed = subprocess.run(
         [sys.executable, "-m", "specstream_mlx.blas_env"],
         capture_output=True,
         text=True,
-        env={**env, CORETYPE_ENV: "Haswell"},
+        env=by_hand,
     )
     assert printed.returncode == 0 and f"{CORETYPE_ENV}=Haswell" in printed.stdout.split(), printed.stderr
-    hand = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, CORETYPE_ENV: "Haswell"})
+    hand = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=by_hand)
     assert hand.returncode == 0 and hand.stdout.strip() == "Haswell", hand.stderr
 
 
