@@ -47,7 +47,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import FrozenSet, Optional
 
 FLAGS = ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-trapping-math", "-finline-limit=100000")
 # The header every kernel includes, and the flags MLX 0.32 builds kernels with besides its
@@ -80,17 +80,22 @@ def uses_mlx_cpu_wheel() -> bool:
         return False
 
 
-def cpu_supports(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU runs code built with :data:`FLAGS`."""
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> FrozenSet[str]:
+    """The instruction-set flags of this machine's first CPU, as ``cpuinfo`` names them
+    (empty where there are none to read)."""
     try:
         with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return all(flag in have for flag in _CPU_FLAGS)
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_supports(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU runs code built with :data:`FLAGS`."""
+    return set(_CPU_FLAGS) <= cpu_flags(cpuinfo)
 
 
 def mlx_include_dir() -> Optional[Path]:

@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 from typing import FrozenSet, Optional
 
+from .cpu_jit import cpu_flags
+
 CORETYPE_ENV = "OPENBLAS_CORETYPE"
 # What a DYNAMIC_ARCH OpenBLAS falls back to on an x86-64 CPU it does not know.
 FALLBACK_CORE = "prescott"
@@ -58,18 +60,6 @@ def coretype_setting(detected: Optional[str], flags: FrozenSet[str]) -> Optional
     if detected is None or detected.strip().lower() != FALLBACK_CORE:
         return None
     return core_for(flags)
-
-
-def cpu_flags() -> FrozenSet[str]:
-    """The instruction-set flags of this machine's first CPU (empty where there are none to read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def detected_core(path: str, cache_dir: Path, flags: FrozenSet[str]) -> Optional[str]:

@@ -37,7 +37,8 @@ ALLOWED = {
         "tasks",
         "settings",
     },
-    "platform_info": {"cpu_jit", "settings"},
+    "platform_info": {"cpu_jit", "openblas_core", "settings"},
+    "openblas_core": {"cpu_jit", "settings"},
     "cpu_jit": {"settings"},
     "settings": set(),
 }
