@@ -21,6 +21,8 @@
 #   no-huge-pages: MALLOC_CONF=thp:default (jemalloc's memory without transparent huge pages)
 #   no-lock-spin: SPECSTREAM_LOCK_SPIN=0 (MLX's mutexes sleep at once when contended; default:
 #                 100 tries first)
+#   no-kblock:    SPECSTREAM_SKINNY_KBLOCK=0 (long weights multiplied over their whole depth at
+#                 once instead of in blocks of 512)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=${1:-smollm2}
@@ -42,6 +44,7 @@ declare -A settings=(
   [spin-5000]="SPECSTREAM_SKINNY_SPIN_US=5000"
   [no-huge-pages]="MALLOC_CONF=thp:default"
   [no-lock-spin]="SPECSTREAM_LOCK_SPIN=0"
+  [no-kblock]="SPECSTREAM_SKINNY_KBLOCK=0"
 )
 read -r -a order <<< "${SETTINGS:-default prefetch-t0 split-512K no-yield}"
 for name in "${order[@]}"; do

@@ -53,7 +53,8 @@ split between its threads), ``SPECSTREAM_SKINNY_PREFETCH`` = ``nta`` | ``t0`` | 
 ``off`` (how a tile prefetches the next weight rows; default ``t1`` on Intel CPUs, ``nta``
 on others; ``nta`` from two rows on only),
 ``SPECSTREAM_SKINNY_YIELD=0`` (a waiting worker pauses instead of yielding its core) and
-``SPECSTREAM_SKINNY_SPIN_US`` (how long it spins before it sleeps, default 50);
+``SPECSTREAM_SKINNY_SPIN_US`` (how long it spins before it sleeps, default 50),
+``SPECSTREAM_SKINNY_KBLOCK`` (the depth block of long weights, default 512; 0: none);
 ``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none).
 ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` | ``mimalloc`` | ``glibc`` (none
 preloaded) | a library path. jemalloc comes with ``MALLOC_CONF=thp:always`` (its memory in

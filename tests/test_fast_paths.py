@@ -440,7 +440,8 @@ for k, n in ((64, 96), (576, 192), (1536, 576), (7, 3)):
 # took most of this check's time).
 # (64, 40) and (64, 200): a short depth, as attention's scores and values have, with
 # every column-block remainder of the transposed and the stored-(k x n) tiles.
-for k, n in ((576, 197), (13, 70), (1536, 576), (576, 4099), (64, 40), (64, 200)):
+# (1100, 37): a depth split into blocks with a short last one (SPECSTREAM_SKINNY_KBLOCK).
+for k, n in ((576, 197), (13, 70), (1536, 576), (1100, 37), (576, 4099), (64, 40), (64, 200)):
     w = rng.standard_normal((n, k + 5)).astype(np.float32)[:, 2 : k + 2]  # ldb > k
     wt = np.ascontiguousarray(w.T)  # b stored (k x n), as attention's values are
     w_mx, wt_mx = mx.array(w), mx.array(wt)
@@ -453,8 +454,17 @@ for k, n in ((576, 197), (13, 70), (1536, 576), (576, 4099), (64, 40), (64, 200)
         cases.append((got, -1.5 * c0 + 0.5 * (a @ w.T)))
 for got, want in cases:
     worst = max(worst, float(np.abs(np.array(got) - want).max() / (np.abs(want).max() + 1e-6)))
+# A row's output is the same bits in a product of many rows and of it alone (a tree pass's
+# logits and a plain step's), at depths the kernel multiplies whole and in blocks.
+rows_apart = 0.0
+for k, n in ((576, 300), (1536, 200), (1100, 37)):
+    w_mx = mx.array(rng.standard_normal((n, k)).astype(np.float32))
+    a = mx.array(rng.standard_normal((13, k)).astype(np.float32))
+    together = np.array(a @ w_mx.T)
+    for i in range(13):
+        rows_apart = max(rows_apart, float(np.abs(np.array(a[i : i + 1] @ w_mx.T)[0] - together[i]).max()))
 print(json.dumps({"forwarding": gemv_forwarding(), "skinny": skinny_kernel(), "prefetch": skinny_prefetch(),
-                  "worst": worst}))
+                  "worst": worst, "rows_apart": rows_apart}))
 """
 
 
@@ -518,6 +528,8 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
         least = 2 if kernel == "two-rows-up" else 1
         assert res["skinny"] is not None and res["skinny"][0] == least and res["skinny"][1] >= 32, res
         assert res["skinny"][3] == bits, res
+        if kernel != "two-rows-up":  # one row in the kernel too: the same arithmetic as many
+            assert res["rows_apart"] == 0.0, res
         # The setting is the kernel's (a name it does not know would leave the default).
         if kernel in ("nta", "t1"):
             assert res["prefetch"] == kernel, res
