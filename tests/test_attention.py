@@ -52,7 +52,16 @@ def _masks(B, H, L, S, rng):
     ]
 
 
-SHAPES = [(1, 9, 3, 1, 137, 64), (1, 9, 3, 13, 150, 64), (2, 4, 4, 5, 5, 16), (2, 8, 2, 7, 30, 32)]
+# The last two: causal queries in blocks (models/attention.CAUSAL_BLOCK), after a cached
+# prefix and with a short last block, and just past the size that splits them.
+SHAPES = [
+    (1, 9, 3, 1, 137, 64),
+    (1, 9, 3, 13, 150, 64),
+    (2, 4, 4, 5, 5, 16),
+    (2, 8, 2, 7, 30, 32),
+    (1, 9, 3, 200, 230, 64),
+    (2, 4, 2, 97, 97, 16),
+]
 
 
 @pytest.mark.parametrize("B,H,Hkv,L,S,D", SHAPES)

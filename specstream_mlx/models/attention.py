@@ -86,6 +86,16 @@ def _softmax_numerators(s: mx.array, scale: float, mask: Union[None, mx.array]) 
     return _exp(z, z.max(axis=-1, keepdims=True), 1.0)
 
 
+# Causal queries in blocks of this many rows (a prompt's chunk): each block attends to the keys
+# up to its own last row only. The composed form computes every score of its (L x S) square,
+# masked ones included, so a 512-row chunk of a prompt computed nearly twice the scores it
+# needed, and each intermediate was the whole square. In blocks of 64, SmolLM2's prompts of
+# 300 / 512 / 1,024 tokens took 0.89x / 0.77x / 0.79x as long on an Intel Xeon (32: 0.95x /
+# 0.82x / 0.83x; 128: 0.95x / 0.83x / 0.82x; bench/README.md). Each row sees the same keys as
+# in the whole square; masked ones only ever added zeros.
+CAUSAL_BLOCK = 64
+
+
 def composed_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Union[None, str, mx.array]):
     """The same as :func:`fused_attention`, composed of two products and a compiled softmax.
 
@@ -98,6 +108,14 @@ def composed_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown attention mask {mask!r}")
+        if L > CAUSAL_BLOCK + CAUSAL_BLOCK // 2:
+            # Rows [i, j) are the last j - i queries of the first S - L + j keys: causal again.
+            blocks = []
+            for i in range(0, L, CAUSAL_BLOCK):
+                j = min(i + CAUSAL_BLOCK, L)
+                keys = S - L + j
+                blocks.append(composed_attention(q[:, :, i:j], k[:, :, :keys], v[:, :, :keys], scale, "causal"))
+            return mx.concatenate(blocks, axis=2)
         # A key at or before its query (one query: the last key's, it sees them all).
         mask = None if L == 1 else mx.arange(S)[None] <= mx.arange(S - L, S)[:, None]
     # The queries of a key/value head, every row of each, are the rows of one product
