@@ -322,10 +322,14 @@ def configured_choice(malloc: bool = True) -> BlasChoice:
     spin = os.environ.get(LOCK_SPIN_ENV, "").strip()
     if spin and not (spin.isdigit() and int(spin) <= 1 << 20):
         raise BlasSettingError(f"{LOCK_SPIN_ENV}={spin!r}: expected a number of tries from 0 to {1 << 20}")
-    # The kernel reads it in C, where an unknown value would leave its default without a word.
+    # The kernel reads these in C, where an unknown value would leave its default (or, through
+    # atoi, turn the blocks off) without a word.
     prefetch = os.environ.get(PREFETCH_ENV, "")
     if prefetch and prefetch not in PREFETCH_MODES:
         raise BlasSettingError(f"{PREFETCH_ENV}={prefetch!r}: expected nta, t0, t1 or off")
+    k_block = os.environ.get(KBLOCK_ENV, "")
+    if k_block and not (k_block.isdigit() and int(k_block) <= 1 << 20):
+        raise BlasSettingError(f"{KBLOCK_ENV}={k_block!r}: expected depth columns from 0 (none) to {1 << 20}")
     return choose_blas(
         os.environ.get(BLAS_ENV),
         gemv=os.environ.get(GEMV_ENV, "1") != "0",
@@ -551,6 +555,7 @@ def skinny_kernel() -> Optional[Tuple[int, int, int, int]]:
 
 PREFETCH_ENV = "SPECSTREAM_SKINNY_PREFETCH"
 PREFETCH_MODES = ("off", "nta", "t0", "t1")  # the kernel's codes 0-3, and PREFETCH_ENV's values
+KBLOCK_ENV = "SPECSTREAM_SKINNY_KBLOCK"  # the kernel's depth block: a number of columns, 0: none
 
 
 def skinny_prefetch() -> Optional[str]:

@@ -413,6 +413,29 @@ def test_a_bad_prefetch_setting_is_refused_in_one_line():
             assert P.PREFETCH_ENV in lines[0] and "'T1x'" in lines[0] and "nta, t0, t1 or off" in lines[0], lines
 
 
+def test_a_bad_depth_block_setting_is_refused_in_one_line():
+    """SPECSTREAM_SKINNY_KBLOCK takes a number of depth columns (0: whole depths); the kernel
+    reads it in C with atoi, where "lots" would have turned the blocks off without a word."""
+    import os
+
+    from specstream_mlx import platform_info as P
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "SPECSTREAM_BLAS_REEXEC", "MALLOC_CONF")}
+    for value, ok in (("lots", False), ("-5", False), ("99999999999", False), ("", True), ("0", True), ("256", True)):
+        done = subprocess.run(
+            [sys.executable, "-m", "specstream_mlx", "doctor"],
+            capture_output=True,
+            text=True,
+            env={**env, P.KBLOCK_ENV: value},
+        )
+        if ok:
+            assert done.returncode == 0, done.stderr
+        else:
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 2 and len(lines) == 1, done.stderr
+            assert P.KBLOCK_ENV in lines[0] and repr(value) in lines[0], lines
+
+
 GEMV_CHECK = r"""
 import json, sys
 import mlx.core as mx, numpy as np
