@@ -1,16 +1,22 @@
-"""What mutexes that spin before they sleep are worth, in one process.
+"""What mutexes that spin before they sleep, and a product worker that reads the next weight
+ahead, are worth, in one process.
 
     env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/lock_spin_ab.py [--model smollm2] [--tries 100,0] [--rounds 12]
+    env $(.venv/bin/python -m specstream_mlx.blas_env) \\
+        .venv/bin/python examples/lock_spin_ab.py --setting ahead --tries 0,1024,2048
 
 The forwarder's library (``native/lock_spin.c``), preloaded, makes a contended
-``pthread_mutex_lock`` try a number of times before it sleeps. This script sets that
-number in turn (``--tries``, first is the reference) within one process, round by round,
-and times under each: plain decoding as ``ar`` runs it (ms a token, the engine's
-pipelined loop over the compiled step, 40 tokens after a 128-token context), and an
-op-by-op speculative pass over a 9-node tree with streams at two hosts, as greedy
-decoding runs it (its verdict's stream logits evaluated with it). Prints the medians and
-the median per-round ratio to the first setting.
+``pthread_mutex_lock`` try a number of times before it sleeps; its product kernel's
+waiting worker prefetches the first KB of the weight that came next last time
+(``native/gemv_forward.c``, ``SPECSTREAM_SKINNY_AHEAD_KB``). This script sets one of them
+(``--setting lock-spin``, tries, or ``ahead``, KB) to each of ``--tries`` in turn (the first
+is the reference) within one process, round by round, and times under each: plain
+decoding as ``ar`` runs it (ms a token, the engine's pipelined loop over the compiled
+step, 40 tokens after a 128-token context), and an op-by-op speculative pass over a
+9-node tree with streams at two hosts, as greedy decoding runs it (its verdict's stream
+logits evaluated with it). Prints the medians and the median per-round ratio to the first
+setting.
 """
 
 from __future__ import annotations
@@ -26,7 +32,10 @@ import numpy as np
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--tries", default="100,0", help="comma-separated tries; the first is the reference")
+    ap.add_argument("--setting", choices=("lock-spin", "ahead"), default="lock-spin")
+    ap.add_argument(
+        "--tries", default="100,0", help="comma-separated values (tries, or KB read ahead); the first is the reference"
+    )
     ap.add_argument("--rounds", type=int, default=12)
     args = ap.parse_args()
 
@@ -39,18 +48,26 @@ def main() -> int:
     from specstream_mlx.bench.machine import median_ms, plain_step_ms
     from specstream_mlx.method.msa import ss_forward, stream_logits
     from specstream_mlx.method.tree import Tree
-    from specstream_mlx.platform_info import blas_words, lock_spins
+    from specstream_mlx.platform_info import blas_words, lock_spins, skinny_kernel
     from specstream_mlx.runtime.cache import make_cache
     from specstream_mlx.runtime.steps import prefill
 
-    if lock_spins() == 0:
+    if args.setting == "lock-spin" and lock_spins() == 0:
         print(
             "lock_spin_ab.py: the mutexes are not spinning here; start under "
             "env $(.venv/bin/python -m specstream_mlx.blas_env) without SPECSTREAM_LOCK_SPIN=0",
             file=sys.stderr,
         )
         return 2
-    setter = ctypes.CDLL(None).specstream_lock_spin_set
+    if args.setting == "ahead" and skinny_kernel() is None:
+        print(
+            "lock_spin_ab.py: the product kernel does not serve this process; start under "
+            "env $(.venv/bin/python -m specstream_mlx.blas_env)",
+            file=sys.stderr,
+        )
+        return 2
+    lib = ctypes.CDLL(None)
+    setter = lib.specstream_lock_spin_set if args.setting == "lock-spin" else lib.specstream_skinny_set_ahead_kb
     tries = [int(t) for t in args.tries.split(",")]
 
     sm, _ = load(args.model, warn=False)
@@ -78,7 +95,8 @@ def main() -> int:
             passes[t].append(median_ms(one_pass, 5))
     setter(tries[0])
     ref = tries[0]
-    print("| tries | plain step, median ms | × reference | 9-node pass, 2 hosts, median ms | × reference |")
+    what = "tries" if args.setting == "lock-spin" else "KB ahead"
+    print(f"| {what} | plain step, median ms | × reference | 9-node pass, 2 hosts, median ms | × reference |")
     print("| --- | --- | --- | --- | --- |")
     for t in tries:
         rs = statistics.median(a / b for a, b in zip(step[t], step[ref]))

@@ -23,6 +23,8 @@
 #                 100 tries first)
 #   no-kblock:    SPECSTREAM_SKINNY_KBLOCK=0 (long weights multiplied over their whole depth at
 #                 once instead of in blocks of 512)
+#   no-ahead:     SPECSTREAM_SKINNY_AHEAD_KB=0 (a waiting worker reads no weight ahead; within
+#                 one process, examples/lock_spin_ab.py --setting ahead measures it better)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=${1:-smollm2}
@@ -45,6 +47,7 @@ declare -A settings=(
   [no-huge-pages]="MALLOC_CONF=thp:default"
   [no-lock-spin]="SPECSTREAM_LOCK_SPIN=0"
   [no-kblock]="SPECSTREAM_SKINNY_KBLOCK=0"
+  [no-ahead]="SPECSTREAM_SKINNY_AHEAD_KB=0"
 )
 read -r -a order <<< "${SETTINGS:-default prefetch-t0 split-512K no-yield}"
 for name in "${order[@]}"; do

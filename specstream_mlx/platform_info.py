@@ -330,6 +330,9 @@ def configured_choice(malloc: bool = True) -> BlasChoice:
     k_block = os.environ.get(KBLOCK_ENV, "")
     if k_block and not (k_block.isdigit() and int(k_block) <= 1 << 20):
         raise BlasSettingError(f"{KBLOCK_ENV}={k_block!r}: expected depth columns from 0 (none) to {1 << 20}")
+    ahead = os.environ.get(AHEAD_ENV, "")
+    if ahead and not (ahead.isdigit() and int(ahead) <= 1 << 20):
+        raise BlasSettingError(f"{AHEAD_ENV}={ahead!r}: expected KB from 0 (none) to {1 << 20}")
     return choose_blas(
         os.environ.get(BLAS_ENV),
         gemv=os.environ.get(GEMV_ENV, "1") != "0",
@@ -556,6 +559,7 @@ def skinny_kernel() -> Optional[Tuple[int, int, int, int]]:
 PREFETCH_ENV = "SPECSTREAM_SKINNY_PREFETCH"
 PREFETCH_MODES = ("off", "nta", "t0", "t1")  # the kernel's codes 0-3, and PREFETCH_ENV's values
 KBLOCK_ENV = "SPECSTREAM_SKINNY_KBLOCK"  # the kernel's depth block: a number of columns, 0: none
+AHEAD_ENV = "SPECSTREAM_SKINNY_AHEAD_KB"  # how much of the next weight a waiting worker reads ahead
 
 
 def skinny_prefetch() -> Optional[str]:
@@ -564,6 +568,13 @@ def skinny_prefetch() -> Optional[str]:
     mode = _symbol("specstream_skinny_prefetch")
     code = int(mode()) if mode is not None else -1
     return PREFETCH_MODES[code] if 0 <= code < len(PREFETCH_MODES) else None
+
+
+def skinny_ahead_kb() -> int:
+    """How much of the next weight the skinny kernel's waiting worker reads ahead, KB (0:
+    none, or where the kernel does not serve this process)."""
+    kb = _symbol("specstream_skinny_ahead_kb")
+    return max(int(kb()), 0) if kb is not None else 0
 
 
 def lock_spins() -> int:
@@ -587,6 +598,9 @@ def forwarder_words() -> str:
     gemv = ", one-row products as GEMV" if least > 1 else ""
     prefetch = skinny_prefetch()
     prefetches = f", {prefetch} prefetches" if prefetch else ""
+    ahead = skinny_ahead_kb()
+    if ahead and threads > 1:
+        prefetches += f", {ahead} KB read ahead"
     return f"{gemv}, {least}-{most} rows by the skinny kernel ({isa}, {threads} threads{prefetches}){locks}"
 
 
