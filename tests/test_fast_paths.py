@@ -443,7 +443,7 @@ def test_a_bad_depth_block_or_read_ahead_setting_is_refused_in_one_line(setting)
 GEMV_CHECK = r"""
 import json, sys
 import mlx.core as mx, numpy as np
-from specstream_mlx.platform_info import gemv_forwarding, skinny_kernel, skinny_prefetch
+from specstream_mlx.platform_info import gemv_forwarding, skinny_ahead_kb, skinny_kernel, skinny_prefetch
 rng = np.random.default_rng(0)
 worst = 0.0
 cases = []
@@ -491,7 +491,7 @@ for k, n in ((576, 300), (1536, 200), (1100, 37)):
     for i in range(13):
         rows_apart = max(rows_apart, float(np.abs(np.array(a[i : i + 1] @ w_mx.T)[0] - together[i]).max()))
 print(json.dumps({"forwarding": gemv_forwarding(), "skinny": skinny_kernel(), "prefetch": skinny_prefetch(),
-                  "worst": worst, "rows_apart": rows_apart}))
+                  "ahead": skinny_ahead_kb(), "worst": worst, "rows_apart": rows_apart}))
 """
 
 
@@ -515,7 +515,7 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
     of a few rows (both weight layouts, strided rows and weights, every tile remainder,
     alpha/beta) equal NumPy's, through its own kernel's AVX-512 and AVX2 tiles, with one-row
     products left to the library's GEMV, with workers that pause instead of yielding while
-    they wait, with T0 prefetches at every row count and workers that sleep between all
+    they wait (and read 512 KB ahead, a setting the kernel reports), with T0 prefetches at every row count and workers that sleep between all
     products (each product wakes them), with NTA and with T1 prefetches (the defaults of
     other and of Intel CPUs) whatever the CPU, and with the kernel off."""
     import json
@@ -538,7 +538,7 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
     elif kernel == "two-rows-up":
         env["SPECSTREAM_SKINNY_MIN_ROWS"] = "2"
     elif kernel == "pausing":
-        env["SPECSTREAM_SKINNY_YIELD"] = "0"
+        env.update(SPECSTREAM_SKINNY_YIELD="0", SPECSTREAM_SKINNY_AHEAD_KB="512")
     elif kernel == "t0-sleeping":
         env.update(SPECSTREAM_SKINNY_PREFETCH="t0", SPECSTREAM_SKINNY_SPIN_US="0")
     elif kernel in ("nta", "t1"):
@@ -564,6 +564,8 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
             assert res["prefetch"] == "t0", res
         else:
             assert res["prefetch"] == ("t1" if _cpuinfo("vendor_id") == "GenuineIntel" else "nta"), res
+        intel = _cpuinfo("vendor_id") == "GenuineIntel"
+        assert res["ahead"] == (512 if kernel == "pausing" else 1024 if intel else 0), res
 
 
 FORK_CHECK = r"""
@@ -620,7 +622,7 @@ def test_forwarded_products_in_a_forked_child():
 
 
 REGIME_CHECK = r"""
-import ctypes, os
+import ctypes, os, time
 import numpy as np
 lib = ctypes.CDLL(None)
 sgemm, streaming = lib.cblas_sgemm, lib.specstream_skinny_streaming
@@ -661,7 +663,9 @@ before = ahead_read()
 for w in big:
     product(w)
 set_ahead(ctypes.c_long(0))
-product(big[0])  # a read under way stops at this product and is counted before it ends
+product(big[0])  # a read under way stops at the next product and is then counted
+product(big[1])
+time.sleep(0.05)
 after = ahead_read()
 for w in big:
     product(w)
