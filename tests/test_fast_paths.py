@@ -515,9 +515,10 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
     of a few rows (both weight layouts, strided rows and weights, every tile remainder,
     alpha/beta) equal NumPy's, through its own kernel's AVX-512 and AVX2 tiles, with one-row
     products left to the library's GEMV, with workers that pause instead of yielding while
-    they wait (and read 512 KB ahead, a setting the kernel reports), with T0 prefetches at every row count and workers that sleep between all
-    products (each product wakes them), with NTA and with T1 prefetches (the defaults of
-    other and of Intel CPUs) whatever the CPU, and with the kernel off."""
+    they wait (and read 512 KB ahead, a setting the kernel reports), with T0 prefetches at
+    every row count and workers that sleep between all products (each product wakes them),
+    with NTA and with T1 prefetches (the defaults of other and of Intel CPUs) whatever the
+    CPU, and with the kernel off."""
     import json
     import os
     import subprocess
