@@ -330,7 +330,7 @@ def test_http_errors_are_4xx_json_and_server_keeps_serving(http_server):
 
 
 def test_bench_writes_json_markdown_and_chart(ss_model, tmp_path):
-    out = tmp_path / "b.json"
+    out = tmp_path / "reports" / "b.json"  # a folder that does not exist yet is made
     # Your own prompts, in train's formats (messages with a reference reply, plain prompt).
     pf = tmp_path / "valid.jsonl"
     rows = [
@@ -346,6 +346,14 @@ def test_bench_writes_json_markdown_and_chart(ss_model, tmp_path):
         timeout=120,
     )
     assert bad.returncode == 1 and "nope.jsonl" in bad.stderr and "Traceback" not in bad.stderr
+    # A report that cannot be written is refused before the run, not after its minutes.
+    (tmp_path / "a-file").write_text("")
+    for cmd in (["bench", "--model", str(ss_model)], ["floor", "--model", str(ss_model)]):
+        for where in (tmp_path / "a-file" / "b.json", tmp_path):
+            bad = subprocess.run([*CLI, *cmd, "--json", str(where)], capture_output=True, text=True, timeout=120)
+            lines = bad.stderr.strip().splitlines()
+            assert bad.returncode == 1 and len(lines) == 1 and "--json" in lines[0], (cmd, where, bad.stderr)
+            assert str(where) in lines[0] and "Traceback" not in bad.stderr, bad.stderr
     r = subprocess.run(
         [
             *CLI,

@@ -128,6 +128,33 @@ def _read_tools(path: Optional[str], m) -> Optional[list]:
     return tools
 
 
+def _report_path(text: str, option: str = "--json") -> Path:
+    """Where a command will write its report, settled before it runs (a benchmark's minutes
+    are not lost to a path that fails at the end): its folder made where missing, and one
+    line naming the option where the path is a folder or its folder cannot be made or written."""
+    import os
+
+    out = Path(text)
+    if out.is_dir():
+        _err(f"{option} {text}: is a folder; name a file")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _err(f"{option} {text}: cannot make its folder ({e.strerror or e})")
+    if not os.access(out.parent, os.W_OK):
+        _err(f"{option} {text}: its folder is not writable")
+    return out
+
+
+def _write_report(out: Path, text: str) -> None:
+    """Write ``text`` to ``out`` whole or not at all (a temporary beside it, renamed)."""
+    import os
+
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, out)
+
+
 def _update_json(path: Path, edit) -> None:
     """Apply ``edit(dict)`` to a JSON file, replacing it atomically (never half-written)."""
     import os
@@ -616,6 +643,7 @@ def bench(
         path = resolve_model_path(model)
     except ModelLoadError as e:
         _err(str(e))
+    out = _report_path(json_out or f"bench-{path.name}.json")
     if baseline is None:
         cand = path.parent / f"{path.name}-baseline"
         baseline = str(cand) if cand.is_dir() else None
@@ -638,10 +666,9 @@ def bench(
         )
     except (ModelLoadError, UnsupportedModelError, ValueError, OSError) as e:
         _err(str(e))
-    out = Path(json_out or f"bench-{path.name}.json")
-    out.write_text(json.dumps(res, indent=2))
+    _write_report(out, json.dumps(res, indent=2))
     md = markdown_table(res)
-    out.with_suffix(".md").write_text(md)
+    _write_report(out.with_suffix(".md"), md)
     png = out.with_suffix(".png")
     charted = write_chart(res, png)
     typer.echo(md)
@@ -697,6 +724,7 @@ def bench_blas(
         row_counts = ()
     if not row_counts or min(row_counts) < 1:
         _err(f"--rows: {rows!r} is not a comma-separated list of positive integers")
+    out = _report_path(json_out)
     try:
         res = run_sweep(
             configs,
@@ -708,11 +736,9 @@ def bench_blas(
         )
     except (BlasSettingError, RuntimeError) as e:
         _err(str(e))
-    out = Path(json_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(asdict(res), indent=1))
+    _write_report(out, json.dumps(asdict(res), indent=1))
     md = sweep_markdown(res)
-    out.with_suffix(".md").write_text(md + "\n")
+    _write_report(out.with_suffix(".md"), md + "\n")
     typer.echo(md)
 
 
@@ -840,13 +866,14 @@ def floor(
 
     if tokens < 2 or rounds < 1:
         _err("--tokens must be at least 2 and --rounds at least 1")
+    out = _report_path(json_out) if json_out else None
     try:
         rep = measure_floor(model, tokens, rounds)
     except (ModelLoadError, UnsupportedModelError, ValueError, OSError) as e:
         _err(str(e))
     typer.echo(rep.summary())
-    if json_out:
-        Path(json_out).write_text(json.dumps(asdict(rep), indent=1))
+    if out is not None:
+        _write_report(out, json.dumps(asdict(rep), indent=1))
 
 
 @app.command("calibrate-pruning")
@@ -1026,6 +1053,7 @@ def eval_bfcl(
     modes = mode.split(",") if mode else []
     if len(set(modes)) != len(modes) or any(x not in ("ar", "ss", "lookup") for x in modes):
         _err(f"--mode {mode}: give ar, ss, lookup or a comma-separated list of them", 2)
+    report_path = _report_path(out, "--out") if out else None
     from tqdm import tqdm
 
     reports = []
@@ -1053,13 +1081,9 @@ def eval_bfcl(
         del m
     typer.echo(f"\nBFCL test split, {len(rows)} items, greedy; BLAS {blas_words()}")
     typer.echo(format_table(reports))
-    if out:
-        import os
-
+    if report_path is not None:
         doc = {"items": len(rows), "machine": blas_words(), "reports": [r.to_json() for r in reports]}
-        tmp = Path(out).with_name(f".{Path(out).name}.tmp")
-        tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False))
-        os.replace(tmp, out)
+        _write_report(report_path, json.dumps(doc, indent=1, ensure_ascii=False))
         typer.echo(f"wrote {out}", err=True)
 
 
