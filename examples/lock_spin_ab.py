@@ -4,7 +4,7 @@ ahead, are worth, in one process.
     env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/lock_spin_ab.py [--model smollm2] [--tries 100,0] [--rounds 12]
     env $(.venv/bin/python -m specstream_mlx.blas_env) \\
-        .venv/bin/python examples/lock_spin_ab.py --setting ahead --tries 0,1024,2048
+        .venv/bin/python examples/lock_spin_ab.py --setting ahead [--tries 0,1024,2048]
 
 The forwarder's library (``native/lock_spin.c``), preloaded, makes a contended
 ``pthread_mutex_lock`` try a number of times before it sleeps; its product kernel's
@@ -34,7 +34,10 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--setting", choices=("lock-spin", "ahead"), default="lock-spin")
     ap.add_argument(
-        "--tries", default="100,0", help="comma-separated values (tries, or KB read ahead); the first is the reference"
+        "--tries",
+        default=None,
+        help="comma-separated values (tries, or KB read ahead); the first is the reference "
+        "(default: 100,0 tries; 0,1024 KB)",
     )
     ap.add_argument("--rounds", type=int, default=12)
     args = ap.parse_args()
@@ -68,7 +71,8 @@ def main() -> int:
         return 2
     lib = ctypes.CDLL(None)
     setter = lib.specstream_lock_spin_set if args.setting == "lock-spin" else lib.specstream_skinny_set_ahead_kb
-    tries = [int(t) for t in args.tries.split(",")]
+    text = args.tries or ("100,0" if args.setting == "lock-spin" else "0,1024")
+    tries = [int(t) for t in text.split(",")]
 
     sm, _ = load(args.model, warn=False)
     base, streams = sm.base, sm.streams
