@@ -438,10 +438,12 @@ static void run_items(const product_t *p, int from_back) {
  * prefetches its first rows into its own L2 cache, and computes them first when the product
  * comes (workers take items from the front). Measured on an Intel Xeon (Emerald Rapids, 2 MB
  * of L2 a core), in one process, setting by setting in turn (examples/lock_spin_ab.py
- * --setting ahead): ~47 MB of a SmolLM2 step read ahead, the plain step 0.965-0.974x as long
- * with 1024 KB, 0.988 with 2048, 1.00 with 256; a 9-node pass 0.98-0.99x. The caller taking
- * the read-ahead rows too (from the front) was slower (1.04x): another core's L2 served them
- * slower than memory. SPECSTREAM_SKINNY_AHEAD_KB: how much (default 1024 on Intel CPUs, 0
+ * --setting ahead, six runs): ~47 MB of a SmolLM2 step read ahead, the plain step 0.965-0.987x
+ * as long with 1024 KB, 0.988 with 2048, 1.00 with 256; a 9-node pass 0.98-1.02x (its noise).
+ * Publishing the next weight when a product starts (the worker reads ahead as soon as its share
+ * is done) was slower (1.036x), and spinning anew after a read-ahead no better (0.987x and
+ * 1.014x in two runs). The caller taking the read-ahead rows too (from the front) was slower
+ * (1.04x): another core's L2 served them slower than memory. SPECSTREAM_SKINNY_AHEAD_KB: how much (default 1024 on Intel CPUs, 0
  * elsewhere: not measured there); only while the weights stream from memory (a cached
  * model's are at hand anyway), at most half of the next weight (the workers' share). */
 static size_t ahead_bytes = 0;
