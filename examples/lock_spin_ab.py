@@ -1,22 +1,26 @@
-"""What mutexes that spin before they sleep, and a product worker that reads the next weight
-ahead, are worth, in one process.
+"""What mutexes that spin before they sleep, a product worker that reads the next weight ahead,
+and MLX's strided element-wise kernels with vectorised loops are worth, in one process.
 
     env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/lock_spin_ab.py [--model smollm2] [--tries 100,0] [--rounds 12]
     env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/lock_spin_ab.py --setting ahead [--tries 0,1024,2048]
+    env $(.venv/bin/python -m specstream_mlx.blas_env) \\
+        .venv/bin/python examples/lock_spin_ab.py --setting strided [--tries 0,1]
 
 The forwarder's library (``native/lock_spin.c``), preloaded, makes a contended
 ``pthread_mutex_lock`` try a number of times before it sleeps; its product kernel's
 waiting worker prefetches the first KB of the weight that came next last time
-(``native/gemv_forward.c``, ``SPECSTREAM_SKINNY_AHEAD_KB``). This script sets one of them
-(``--setting lock-spin``, tries, or ``ahead``, KB) to each of ``--tries`` in turn (the first
-is the reference) within one process, round by round, and times under each: plain
-decoding as ``ar`` runs it (ms a token, the engine's pipelined loop over the compiled
-step, 40 tokens after a 128-token context), and an op-by-op speculative pass over a
-9-node tree with streams at two hosts, as greedy decoding runs it (its verdict's stream
-logits evaluated with it). Prints the medians and the median per-round ratio to the first
-setting.
+(``native/gemv_forward.c``, ``SPECSTREAM_SKINNY_AHEAD_KB``); MLX's strided kernels, as
+``specstream_mlx/jit_strided.py`` rewrites them, run a vectorised loop unless switched off.
+This script sets one of them (``--setting lock-spin``, tries; ``ahead``, KB; ``strided``,
+1 on or 0 off) to each of ``--tries`` in turn (the first is the reference) within one
+process, round by round, and times under each: plain decoding as ``ar`` runs it (ms a
+token, the engine's pipelined loop over the compiled step, 40 tokens after a 128-token
+context), and op-by-op speculative passes over a 9-node tree with streams at two hosts and
+at every node, as greedy decoding runs them (the verdict's stream logits evaluated with
+them). Prints the medians and the median ratio to the first setting, pair by pair; each
+round starts with the next setting in turn and runs the settings there and back.
 """
 
 from __future__ import annotations
@@ -32,12 +36,12 @@ import numpy as np
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--setting", choices=("lock-spin", "ahead"), default="lock-spin")
+    ap.add_argument("--setting", choices=("lock-spin", "ahead", "strided"), default="lock-spin")
     ap.add_argument(
         "--tries",
         default=None,
         help="comma-separated values (tries, or KB read ahead); the first is the reference "
-        "(default: 100,0 tries; 0,1024 KB)",
+        "(default: 100,0 tries; 0,1024 KB; 0,1 strided loops off/on)",
     )
     ap.add_argument("--rounds", type=int, default=12)
     args = ap.parse_args()
@@ -70,8 +74,12 @@ def main() -> int:
         )
         return 2
     lib = ctypes.CDLL(None)
-    setter = lib.specstream_lock_spin_set if args.setting == "lock-spin" else lib.specstream_skinny_set_ahead_kb
-    text = args.tries or ("100,0" if args.setting == "lock-spin" else "0,1024")
+    setter = {
+        "lock-spin": lib.specstream_lock_spin_set,
+        "ahead": lib.specstream_skinny_set_ahead_kb,
+        "strided": lib.specstream_jit_strided_set,
+    }[args.setting]
+    text = args.tries or {"lock-spin": "100,0", "ahead": "0,1024", "strided": "0,1"}[args.setting]
     tries = [int(t) for t in text.split(",")]
 
     sm, _ = load(args.model, warn=False)
@@ -82,30 +90,42 @@ def main() -> int:
     tree = Tree(tuple(range(300, 309)), (-1, 0, 0, 1, 1, 2, 3, 4, 5))
     hosts = np.array([0, 1])
 
-    def one_pass():
-        out = ss_forward(base, streams, tree, offset, cache, 0.0, None, hosts)
-        mx.eval(out.main_logits, stream_logits(base, streams, out, 0))
-        for c in cache:  # roll back: every repetition sees the same prefix
-            c.commit([0])
-            c.offset = offset
+    def one_pass(node_hosts):
+        def run():
+            out = ss_forward(base, streams, tree, offset, cache, 0.0, None, node_hosts)
+            mx.eval(out.main_logits, stream_logits(base, streams, out, 0))
+            for c in cache:  # roll back: every repetition sees the same prefix
+                c.commit([0])
+                c.offset = offset
 
+        return run
+
+    two_hosts, every_node = one_pass(hosts), one_pass(None)
     step = {t: [] for t in tries}
     passes = {t: [] for t in tries}
+    all_hosts = {t: [] for t in tries}
     print(f"{args.model}; {args.rounds} rounds; BLAS {blas_words()}")
-    for _ in range(args.rounds):
-        for t in tries:
+    for r in range(args.rounds):
+        # Each round starts with the next setting and runs them there and back (A B B A): a
+        # setting that always ran first (or second) was measured slower (or faster) by its
+        # place alone.
+        order = tries[r % len(tries) :] + tries[: r % len(tries)]
+        for t in order + order[::-1]:
             setter(t)
             step[t].append(statistics.median(plain_step_ms(base, 40)))
-            passes[t].append(median_ms(one_pass, 5))
+            passes[t].append(median_ms(two_hosts, 3))
+            all_hosts[t].append(median_ms(every_node, 3))
     setter(tries[0])
     ref = tries[0]
-    what = "tries" if args.setting == "lock-spin" else "KB ahead"
-    print(f"| {what} | plain step, median ms | × reference | 9-node pass, 2 hosts, median ms | × reference |")
-    print("| --- | --- | --- | --- | --- |")
+    what = {"lock-spin": "tries", "ahead": "KB ahead", "strided": "strided loops on"}[args.setting]
+    print(f"| {what} | plain step, ms | × ref. | 9-node pass, 2 hosts, ms | × ref. | every node hosting, ms | × ref. |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for t in tries:
-        rs = statistics.median(a / b for a, b in zip(step[t], step[ref]))
-        rp = statistics.median(a / b for a, b in zip(passes[t], passes[ref]))
-        print(f"| {t} | {statistics.median(step[t]):.2f} | {rs:.3f} | {statistics.median(passes[t]):.2f} | {rp:.3f} |")
+        cells = []
+        for series in (step, passes, all_hosts):
+            ratio = statistics.median(a / b for a, b in zip(series[t], series[ref]))
+            cells.append(f"{statistics.median(series[t]):.2f} | {ratio:.3f}")
+        print(f"| {t} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -56,6 +56,19 @@ FLAGS = ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-trapping-math",
 PREAMBLE = "mlx/backend/cpu/compiled_preamble.h"
 MLX_FLAGS = ("-std=c++17", "-O3", "-Wall", "-fPIC")
 SETTING = "SPECSTREAM_JIT_AVX2"
+# Strided kernels' inner loops rewritten to vectorise (jit_strided.py); "0": as MLX writes them.
+STRIDED_SETTING = "SPECSTREAM_JIT_STRIDED"
+STRIDED_REWRITER = Path(__file__).with_name("jit_strided.py")
+# ... and built without errno: a square root is then one vector instruction where GCC kept
+# a branch to libm's for negative inputs (only to set errno), which kept RMSNorm's loops
+# from vectorising. The same values: only errno, which nothing reads, is not set.
+STRIDED_FLAGS = ("-fno-math-errno",)
+
+
+def _flags(strided: bool) -> tuple:
+    return FLAGS + STRIDED_FLAGS if strided else FLAGS
+
+
 # What enable() put in the environment and what TMPDIR was before ("" where unset), so
 # that a child process that turns it off can take it out again.
 _RECORD = ("SPECSTREAM_JIT_BIN", "SPECSTREAM_JIT_KERNELS", "SPECSTREAM_JIT_TMPDIR_BEFORE")
@@ -63,6 +76,7 @@ _RECORD = ("SPECSTREAM_JIT_BIN", "SPECSTREAM_JIT_KERNELS", "SPECSTREAM_JIT_TMPDI
 _CPU_FLAGS = ("avx2", "fma", "f16c")
 
 _enabled: Optional[Path] = None
+_strided = False  # whether enable() rewrites strided kernels (jit_words says so)
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,11 +126,11 @@ def mlx_include_dir() -> Optional[Path]:
     return None
 
 
-def _pch_lines(compiler: str, include: Path) -> str:
+def _pch_lines(compiler: str, include: Path, flags: tuple = FLAGS) -> str:
     """Shell lines that build the precompiled :data:`PREAMBLE` at ``$gch`` once: into a file
     of this process's own, then renamed, so that a concurrent build or compile sees no file
     or a whole one; a failed build leaves none (kernels then build from the header)."""
-    build = [compiler, *FLAGS, *MLX_FLAGS, "-I", str(include), "-x", "c++-header", str(include / PREAMBLE)]
+    build = [compiler, *flags, *MLX_FLAGS, "-I", str(include), "-x", "c++-header", str(include / PREAMBLE)]
     return (
         'if [ ! -f "$gch" ]; then\n'
         f'  mkdir -p "${{gch%/*}}" && {shlex.join(build)} -o "$gch.$$" >/dev/null 2>&1 && mv -f "$gch.$$" "$gch"\n'
@@ -125,26 +139,39 @@ def _pch_lines(compiler: str, include: Path) -> str:
     )
 
 
-def _wrapper_text(compiler: str, include: Optional[Path] = None, pch: Optional[Path] = None) -> str:
+def _rewrite_lines(strided: bool) -> str:
+    """Shell lines that run :mod:`.jit_strided` on the strided kernel sources of a build
+    (with Python's ``-S -E``: the standard library only, whatever the environment)."""
+    if not strided:
+        return ""
+    cmd = shlex.join([sys.executable, "-S", "-E", str(STRIDED_REWRITER)])
+    return f'for a in "$@"; do case "$a" in *.cpp) {cmd} "$a";; esac; done\n'
+
+
+def _wrapper_text(
+    compiler: str, include: Optional[Path] = None, pch: Optional[Path] = None, strided: bool = False
+) -> str:
     quoted = compiler.replace("'", "'\\''")
     if include is None or pch is None:
-        return f"#!/bin/sh\nexec '{quoted}' {' '.join(FLAGS)} \"$@\"\n"
+        return f"#!/bin/sh\n{_rewrite_lines(strided)}exec '{quoted}' {' '.join(_flags(strided))} \"$@\"\n"
     return (
         "#!/bin/sh\n"
         f"pch={shlex.quote(str(pch))}\n"
         f'gch="$pch/{PREAMBLE}.gch"\n'
-        + _pch_lines(compiler, include)
-        + f'exec \'{quoted}\' {" ".join(FLAGS)} -I "$pch" "$@"\n'
+        + _pch_lines(compiler, include, _flags(strided))
+        + _rewrite_lines(strided)
+        + f'exec \'{quoted}\' {" ".join(_flags(strided))} -I "$pch" "$@"\n'
     )
 
 
-def write_wrapper(folder: Path, compiler: str, include: Optional[Path] = None) -> Path:
+def write_wrapper(folder: Path, compiler: str, include: Optional[Path] = None, strided: bool = False) -> Path:
     """``folder/g++``: runs ``compiler`` with :data:`FLAGS` first; with MLX's ``include``
     folder, also with :data:`PREAMBLE` precompiled (once, under ``folder/pch``) first on the
-    include path. Written atomically."""
+    include path; with ``strided``, after rewriting strided kernels' inner loops
+    (:mod:`.jit_strided`). Written atomically."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "g++"
-    text = _wrapper_text(compiler, include, folder / "pch" if include is not None else None)
+    text = _wrapper_text(compiler, include, folder / "pch" if include is not None else None, strided)
     if not path.exists() or path.read_text() != text:
         tmp = folder / f".g++.{os.getpid()}.tmp"
         tmp.write_text(text)
@@ -158,7 +185,7 @@ def enable(cache_dir: Optional[Path] = None, cpuinfo: str = "/proc/cpuinfo") -> 
     folder the kernels are kept in (the new ``TMPDIR``), or None where nothing was turned on
     (not Linux's CPU wheel, ``SPECSTREAM_JIT_AVX2=0``, a CPU without the instructions, no
     ``g++``, an unwritable cache)."""
-    global _enabled
+    global _enabled, _strided
     if _enabled is not None:
         return _enabled
     if not uses_mlx_cpu_wheel():  # Linux only
@@ -177,12 +204,17 @@ def enable(cache_dir: Optional[Path] = None, cpuinfo: str = "/proc/cpuinfo") -> 
     # Named by the flags: kernels built with other flags are never reused. The wrapper's
     # folder (and its precompiled header) also by MLX's include folder and version: GCC
     # would take a header precompiled from another MLX's text without a word.
-    tag = hashlib.sha256(" ".join(FLAGS).encode()).hexdigest()[:8]
+    # The strided loops' rewriter by its text: kernels rewritten by another version (or not at
+    # all) are never reused either.
+    strided = os.environ.get(STRIDED_SETTING, "1").strip() != "0"
+    rewriter = hashlib.sha256(STRIDED_REWRITER.read_bytes()).hexdigest()[:8] if strided else ""
+    named = " ".join(_flags(strided)) + (f"|strided {rewriter}" if strided else "")
+    tag = hashlib.sha256(named.encode()).hexdigest()[:8]
     include = mlx_include_dir()
     bin_tag = hashlib.sha256(f"{tag}|{include}|{_mlx_version()}".encode()).hexdigest()[:8]
     folder, kernels = cache_dir / "native" / f"jit-bin-{bin_tag}", cache_dir / f"jit-tmp-{tag}"
     try:
-        write_wrapper(folder, compiler, include)
+        write_wrapper(folder, compiler, include, strided)
         kernels.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None
@@ -190,7 +222,7 @@ def enable(cache_dir: Optional[Path] = None, cpuinfo: str = "/proc/cpuinfo") -> 
         os.environ[key] = value
     os.environ["PATH"] = os.pathsep.join([str(folder), os.environ.get("PATH", "")])
     os.environ["TMPDIR"] = str(kernels)
-    _enabled = kernels
+    _enabled, _strided = kernels, strided
     return kernels
 
 
@@ -219,5 +251,5 @@ def _undo_inherited() -> None:
 def jit_words() -> str:
     """How MLX's compiled CPU kernels are built in this process, as a phrase for a report."""
     if _enabled is not None:
-        return "built with " + " ".join(FLAGS)
+        return "built with " + " ".join(_flags(_strided)) + (", strided loops vectorised" if _strided else "")
     return "MLX's own build flags"

@@ -936,7 +936,10 @@ g = mx.concatenate([g, mx.concatenate([edge, mx.zeros(1536 - edge.size)])[None]]
 u = mx.concatenate([u, mx.ones((1, 1536))])
 norm = nn.RMSNorm(1536)
 f = mx.compile(lambda a, b: (swiglu(a, b), mx.softmax(a * 0.3, axis=-1), norm(a + b)))
-outs = f(g, u)
+# Strided kernels: halves of one array (unit inner strides, the rewritten loop), a weight that
+# broadcasts over the rows (stride 0), and transposed inputs (MLX's own loop).
+halves = mx.compile(lambda a, b: swiglu(*mx.split(mx.concatenate([a, b], axis=-1), 2, axis=-1)))
+outs = [*f(g, u), halves(g, u), swiglu(g.T, u.T), norm(g[:, :1536] * 0.1)]
 mx.eval(outs)
 open(sys.argv[1], "wb").write(b"".join(bytes(memoryview(o)) for o in outs))
 """
@@ -945,7 +948,8 @@ open(sys.argv[1], "wb").write(b"".join(bytes(memoryview(o)) for o in outs))
 def test_cpu_kernels_built_with_fma_compute_the_same_bits(tmp_path):
     """The compiled element-wise kernels built with AVX2/FMA (what ``import specstream_mlx``
     arranges on Linux's CPU wheel) have their fused multiply-adds inline where MLX's own
-    flags call libm's ``fmaf``, and give the same bytes."""
+    flags call libm's ``fmaf``, their strided loops vectorised where the inputs' inner
+    strides are 0 or 1, and give the same bytes, also through MLX's loop for other strides."""
     import os
     import shutil
 
@@ -975,6 +979,89 @@ def test_cpu_kernels_built_with_fma_compute_the_same_bits(tmp_path):
     for name in built:
         assert "vfmadd" in code(built[name]) and "fmaf" not in code(built[name])
         assert "fmaf" in code(plain[name])
-        if "contiguous" in name:  # exp inlined and the loop vectorised, 8 lanes at a time
-            assert "ymm" in code(built[name]) and "ymm" not in code(plain[name])
+        # exp inlined and the loop vectorised, 8 lanes at a time: contiguous kernels, and
+        # strided ones in their rewritten loop (specstream_mlx/jit_strided.py)
+        assert "ymm" in code(built[name]) and "ymm" not in code(plain[name])
+    assert any("strided" in name for name in built), sorted(built)
     assert (tmp_path / "fast").read_bytes() == (tmp_path / "slow").read_bytes()
+
+
+STRIDED_KERNEL = """extern "C"  {
+void K_strided_2(int* shape, int64_t** strides, void** args) {
+  float* A = (float*)args[0];
+  const int64_t* A_strides = strides[1];
+  float* B = (float*)args[1];
+  const int64_t* B_strides = strides[2];
+  float* C = (float*)args[2];
+  for (int i0 = 0; i0 < shape[0]; ++i0) {
+  for (int i1 = 0; i1 < shape[1]; ++i1) {
+  float tmp_A = *A;
+  float tmp_B = *B;
+  float tmp_D = 2.0;
+  float tmp_C = Multiply()(Add()(tmp_A, tmp_D), tmp_B);
+  *C++ = tmp_C;
+  A += A_strides[1];
+  B += B_strides[1];
+  }
+  A += A_strides[0];
+  A -= A_strides[1] * shape[1];
+  B += B_strides[0];
+  B -= B_strides[1] * shape[1];
+  }
+}
+}"""
+
+
+def test_strided_kernels_get_a_loop_for_unit_and_zero_strides(tmp_path):
+    """The rewriter keeps MLX's loop for other strides, adds one over plain arrays (a broadcast
+    input from a buffer of its value) where every inner stride is 0 or 1, steps the pointers
+    as MLX's loop would, and leaves alone what it does not recognise; built and run, the two
+    loops give the same numbers for every stride pattern."""
+    import shutil
+
+    from specstream_mlx import jit_strided
+
+    out = jit_strided.rewrite(STRIDED_KERNEL)
+    assert out is not None and STRIDED_KERNEL.split("for (int i1")[1].split("A += A_strides[0]")[0] in out
+    assert "(s_A == 0 || s_A == 1) && (s_B == 0 || s_B == 1)) {" in out and "p_C[i_] = tmp_C;" in out
+    assert "A += s_A * n_;" in out and "C += n_;" in out
+    contiguous = STRIDED_KERNEL.replace("_strided_2", "_contiguous")
+    contiguous = contiguous.replace("const int64_t* A_strides = strides[1];\n", "")
+    assert jit_strided.rewrite(contiguous) is None
+    odd = STRIDED_KERNEL.replace("float tmp_B = *B;", "float tmp_B = B[1];")
+    assert jit_strided.rewrite(odd) is None
+    src = tmp_path / "k.cpp"
+    src.write_text(odd)
+    assert jit_strided.main([str(src), str(tmp_path / "missing.cpp")]) == 0 and src.read_text() == odd
+
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("no g++ to build the kernels with (CI has one)")
+    prelude = "#include <cstdint>\nstruct Multiply { float operator()(float a, float b) { return a * b; } };\n"
+    prelude += "struct Add { float operator()(float a, float b) { return a + b; } };\n"
+    driver = r"""
+#include <cstdio>
+int main() {
+  float a[3 * 600], b[3 * 600], c[3 * 600];
+  for (int i = 0; i < 3 * 600; ++i) { a[i] = i * 0.37f - 11; b[i] = 1.5f - i * 0.01f; }
+  int shape[2] = {3, 600};
+  // b broadcast over the rows (stride 0) or along them; a transposed (stride 3: MLX's loop).
+  int64_t patterns[4][2][2] = {{{600, 1}, {0, 1}}, {{600, 1}, {1, 0}}, {{1, 3}, {600, 1}}, {{600, 1}, {600, 1}}};
+  for (auto& p : patterns) {
+    int64_t out_strides[2] = {600, 1};
+    int64_t* strides[3] = {out_strides, p[0], p[1]};
+    void* args[3] = {a, b, c};
+    K_strided_2(shape, strides, args);
+    double sum = 0;
+    for (int i = 0; i < 3 * 600; ++i) sum += c[i] * (i % 7 + 1);
+    printf("%.6f\n", sum);
+  }
+}
+"""
+    runs = []
+    for name, text in (("mlx", STRIDED_KERNEL), ("rewritten", out)):
+        path = tmp_path / f"{name}.cpp"
+        path.write_text(prelude + text + driver)
+        subprocess.run([gxx, "-O2", str(path), "-o", str(tmp_path / name)], check=True)
+        runs.append(subprocess.run([str(tmp_path / name)], capture_output=True, text=True, check=True).stdout)
+    assert runs[0] == runs[1] and len(runs[0].split()) == 4

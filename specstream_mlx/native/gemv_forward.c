@@ -751,6 +751,12 @@ void specstream_skinny_set_ahead_kb(long kb) {
 #endif
 }
 
+/* Turns the vectorised loops of MLX's rewritten strided kernels (specstream_mlx/jit_strided.py)
+ * off (1) or on (0) within a process, for measuring them against MLX's own loops; they read
+ * it through a weak reference. */
+int specstream_jit_strided_off = 0;
+void specstream_jit_strided_set(int on) { specstream_jit_strided_off = !on; }
+
 /* Whether the kernel takes the weights for streaming from memory (1) or cached (0). */
 int specstream_skinny_streaming(void) {
 #if HAVE_X86
