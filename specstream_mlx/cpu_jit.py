@@ -140,8 +140,9 @@ def _pch_lines(compiler: str, include: Path, flags: tuple = FLAGS) -> str:
 
 
 def _rewrite_lines(strided: bool) -> str:
-    """Shell lines that run :mod:`.jit_strided` on the strided kernel sources of a build
-    (with Python's ``-S -E``: the standard library only, whatever the environment)."""
+    """Shell lines that run :mod:`.jit_strided` on a build's kernel source (every ``.cpp``:
+    MLX 0.32 writes it under a temporary name; the rewriter leaves all but strided kernels
+    alone), with Python's ``-S -E``: the standard library only, whatever the environment."""
     if not strided:
         return ""
     cmd = shlex.join([sys.executable, "-S", "-E", str(STRIDED_REWRITER)])

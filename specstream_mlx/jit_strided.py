@@ -9,7 +9,7 @@ the rows; SwiGLU reads the halves of the fused gate/up output): at 9 rows its RM
 twice its one-row time, SwiGLU on the halves 1.3x its time on copies (bench/README.md).
 
 This module rewrites such a kernel's source before it is built (the ``g++`` wrapper of
-:mod:`specstream_mlx.cpu_jit` runs it on every ``*_strided_*.cpp``): where every input's
+:mod:`specstream_mlx.cpu_jit` runs it on every kernel source it builds): where every input's
 stride along the innermost dimension is 0 (broadcast) or 1 (contiguous), which is what
 rows of a tree pass give, the innermost loop runs in chunks over plain arrays, a broadcast
 input read from a small buffer filled with its one value, and GCC vectorises it; any other
