@@ -36,6 +36,8 @@ _FOR = re.compile(r"^\s*for \(int i(\d+) = 0; i\1 < shape\[\1\]; \+\+i\1\) \{\s*
 _READ = re.compile(r"^(\s*)([\w:<> ]+?) tmp_(\w+) = \*(\w+);\s*$")
 _WRITE = re.compile(r"^(\s*)\*(\w+)\+\+ = tmp_(\w+);\s*$")
 _STEP = re.compile(r"^\s*(\w+) \+= \1_strides\[(\d+)\];\s*$")
+# In any other line of the loop: a dereference, an increment or a compound assignment.
+_OTHER_ACCESS = re.compile(r"(^|[^\w)\s]|=)\s*\*\s*[A-Za-z_]|\+\+|--|[-+*/]=")
 
 
 def rewrite(source: str) -> Optional[str]:
@@ -74,6 +76,8 @@ def rewrite(source: str) -> Optional[str]:
                 return None
             writes.append(w.group(2))
             body.append(f"{w.group(1)}p_{w.group(2)}[i_] = tmp_{w.group(3)};")
+        elif _OTHER_ACCESS.search(line):
+            return None  # a pointer read or step of a form not known here
         else:
             body.append(line)
     if sorted(reads) != sorted(strided) or not writes:

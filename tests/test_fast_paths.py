@@ -1030,6 +1030,9 @@ def test_strided_kernels_get_a_loop_for_unit_and_zero_strides(tmp_path):
     assert jit_strided.rewrite(contiguous) is None
     odd = STRIDED_KERNEL.replace("float tmp_B = *B;", "float tmp_B = B[1];")
     assert jit_strided.rewrite(odd) is None
+    # Another read of an input's pointer, or another step of it, inside the loop: left alone.
+    for line in ("  float tmp_E = Add()(*A, tmp_D);", "  B += 2;"):
+        assert jit_strided.rewrite(STRIDED_KERNEL.replace("  float tmp_D = 2.0;", line)) is None
     src = tmp_path / "k.cpp"
     src.write_text(odd)
     assert jit_strided.main([str(src), str(tmp_path / "missing.cpp")]) == 0 and src.read_text() == odd
