@@ -54,7 +54,9 @@ split between its threads), ``SPECSTREAM_SKINNY_PREFETCH`` = ``nta`` | ``t0`` | 
 on others; ``nta`` from two rows on only),
 ``SPECSTREAM_SKINNY_YIELD=0`` (a waiting worker pauses instead of yielding its core) and
 ``SPECSTREAM_SKINNY_SPIN_US`` (how long it spins before it sleeps, default 50),
-``SPECSTREAM_SKINNY_KBLOCK`` (the depth block of long weights, default 512; 0: none);
+``SPECSTREAM_SKINNY_KBLOCK`` (the depth block of long weights, default 512; 0: none),
+``SPECSTREAM_SKINNY_AHEAD_KB`` (how much of the next weight a waiting worker reads ahead,
+default 1024 on Intel CPUs; 0: none);
 ``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none).
 ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` | ``mimalloc`` | ``glibc`` (none
 preloaded) | a library path. jemalloc comes with ``MALLOC_CONF=thp:always`` (its memory in
@@ -319,20 +321,15 @@ def choose_blas(setting: Optional[str] = None, gemv: bool = True, malloc: Option
 def configured_choice(malloc: bool = True) -> BlasChoice:
     """:func:`choose_blas` as this process's environment sets it (``SPECSTREAM_BLAS``,
     ``SPECSTREAM_BLAS_GEMV``, and with ``malloc`` ``SPECSTREAM_MALLOC``; without, none)."""
-    spin = os.environ.get(LOCK_SPIN_ENV, "").strip()
-    if spin and not (spin.isdigit() and int(spin) <= 1 << 20):
-        raise BlasSettingError(f"{LOCK_SPIN_ENV}={spin!r}: expected a number of tries from 0 to {1 << 20}")
-    # The kernel reads these in C, where an unknown value would leave its default (or, through
-    # atoi, turn the blocks off) without a word.
+    # The native libraries read these in C, where an unknown value would leave its default
+    # (or, through atoi, turn a mechanism off) without a word.
+    for name, unit in ((LOCK_SPIN_ENV, "a number of tries"), (KBLOCK_ENV, "depth columns"), (AHEAD_ENV, "KB")):
+        value = os.environ.get(name, "").strip()
+        if value and not (value.isdigit() and int(value) <= 1 << 20):
+            raise BlasSettingError(f"{name}={value!r}: expected {unit} from 0 (none) to {1 << 20}")
     prefetch = os.environ.get(PREFETCH_ENV, "")
     if prefetch and prefetch not in PREFETCH_MODES:
         raise BlasSettingError(f"{PREFETCH_ENV}={prefetch!r}: expected nta, t0, t1 or off")
-    k_block = os.environ.get(KBLOCK_ENV, "")
-    if k_block and not (k_block.isdigit() and int(k_block) <= 1 << 20):
-        raise BlasSettingError(f"{KBLOCK_ENV}={k_block!r}: expected depth columns from 0 (none) to {1 << 20}")
-    ahead = os.environ.get(AHEAD_ENV, "")
-    if ahead and not (ahead.isdigit() and int(ahead) <= 1 << 20):
-        raise BlasSettingError(f"{AHEAD_ENV}={ahead!r}: expected KB from 0 (none) to {1 << 20}")
     return choose_blas(
         os.environ.get(BLAS_ENV),
         gemv=os.environ.get(GEMV_ENV, "1") != "0",

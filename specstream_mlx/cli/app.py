@@ -157,13 +157,9 @@ def _write_report(out: Path, text: str) -> None:
 
 def _update_json(path: Path, edit) -> None:
     """Apply ``edit(dict)`` to a JSON file, replacing it atomically (never half-written)."""
-    import os
-
     cfg = json.loads(path.read_text())
     edit(cfg)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(cfg, indent=2))
-    os.replace(tmp, path)
+    _write_report(path, json.dumps(cfg, indent=2))
 
 
 def _load_with_streams(model: str):

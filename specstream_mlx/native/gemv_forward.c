@@ -443,12 +443,13 @@ static void run_items(const product_t *p, int from_back) {
  * Publishing the next weight when a product starts (the worker reads ahead as soon as its share
  * is done) was slower (1.036x), and spinning anew after a read-ahead no better (0.987x and
  * 1.014x in two runs). The caller taking the read-ahead rows too (from the front) was slower
- * (1.04x): another core's L2 served them slower than memory. SPECSTREAM_SKINNY_AHEAD_KB: how much (default 1024 on Intel CPUs, 0
- * elsewhere: not measured there); only while the weights stream from memory (a cached
- * model's are at hand anyway), at most half of the next weight (the workers' share). */
-static size_t ahead_bytes = 0;
+ * (1.04x): another core's L2 served them slower than memory. SPECSTREAM_SKINNY_AHEAD_KB: how
+ * much (default 1024 on Intel CPUs, 0 elsewhere: not measured there); only while the weights
+ * stream from memory (a cached model's are at hand anyway), at most half of the next weight
+ * (the workers' share). */
+static atomic_size_t ahead_bytes; /* set by setup() and specstream_skinny_set_ahead_kb */
 static atomic_llong ahead_done; /* bytes read ahead, all told (specstream_skinny_ahead_read) */
-enum { NEXT_SLOTS = 1024 };
+enum { NEXT_SLOTS = 1024, NEXT_BITS = 10 };
 /* Which weight followed which, written under seen_lock (note_weight); read without it: a
  * torn or stale entry only prefetches the wrong bytes, and a prefetch never faults. */
 static struct {
@@ -457,7 +458,9 @@ static struct {
 } next_of[NEXT_SLOTS];
 static const float *last_weight;
 
-static size_t next_slot(const float *b) { return ((size_t)b >> 6) * 0x9E3779B97F4A7C15ull >> 54; /* 10 bits */ }
+/* A table slot of a weight's pointer: the top `bits` bits of its cache line's number,
+ * Fibonacci-hashed. */
+static size_t pointer_slot(const float *b, int bits) { return ((size_t)b >> 6) * 0x9E3779B97F4A7C15ull >> (64 - bits); }
 
 /* Prefetches the published weight's first bytes into L2, a page at a time, until done or
  * a product starts (generation moves from seen). */
@@ -494,7 +497,7 @@ static void *worker(void *arg) {
     double t0 = now_us();
     int g;
     while ((g = atomic_load(&pool.generation)) == seen) {
-      if (reads_ahead && ahead_bytes > 0)
+      if (reads_ahead && atomic_load_explicit(&ahead_bytes, memory_order_relaxed) > 0)
         read_ahead(&seen_ahead, seen);
       if (spin_yield)
         sched_yield();
@@ -544,13 +547,13 @@ static void note_weight(const product_t *p) {
   if ((long)p->n * p->k < SEEN_MIN_WEIGHTS || pthread_mutex_trylock(&seen_lock) != 0)
     return;
   if (p->trans_b && last_weight != p->b) { /* this weight follows the last one */
-    size_t t = next_slot(last_weight);
+    size_t t = pointer_slot(last_weight, NEXT_BITS);
     next_of[t].key = last_weight;
     next_of[t].next = p->b;
     next_of[t].next_bytes = (size_t)p->n * p->ldb * sizeof(float);
     last_weight = p->b;
   }
-  size_t s = ((size_t)p->b >> 6) * 0x9E3779B97F4A7C15ull >> 52; /* the top 12 bits: SEEN_SLOTS */
+  size_t s = pointer_slot(p->b, 12); /* SEEN_SLOTS */
   if (seen_weights[s].key != p->b) {
     size_t bytes = (size_t)(p->trans_b ? p->n : p->k) * p->ldb * sizeof(float);
     seen_bytes += bytes - seen_weights[s].bytes;
@@ -638,10 +641,10 @@ static void setup(void) {
   const char *kb = getenv("SPECSTREAM_SKINNY_KBLOCK");
   if (kb && *kb && atoi(kb) >= 0)
     k_block = atoi(kb) >= 16 ? atoi(kb) / 16 * 16 : 0; /* whole vectors; below one: none */
-  ahead_bytes = __builtin_cpu_is("intel") ? 1024 << 10 : 0;
+  atomic_store(&ahead_bytes, __builtin_cpu_is("intel") ? 1024 << 10 : 0);
   const char *ah = getenv("SPECSTREAM_SKINNY_AHEAD_KB");
   if (ah && *ah && atol(ah) >= 0)
-    ahead_bytes = (size_t)atol(ah) << 10;
+    atomic_store(&ahead_bytes, (size_t)atol(ah) << 10);
   const char *sp = getenv("SPECSTREAM_SKINNY_SPIN_US");
   if (sp && atof(sp) >= 0)
     spin_us = atof(sp);
@@ -673,15 +676,16 @@ static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 /* After a product of a weight: publishes the weight that followed it last time for a
  * waiting worker to read ahead (read_ahead). */
 static void publish_next(const product_t *p) {
-  if (ahead_bytes == 0 || !p->trans_b || !atomic_load_explicit(&streaming, memory_order_relaxed))
+  size_t most = atomic_load_explicit(&ahead_bytes, memory_order_relaxed);
+  if (most == 0 || !p->trans_b || !atomic_load_explicit(&streaming, memory_order_relaxed))
     return;
-  size_t t = next_slot(p->b);
+  size_t t = pointer_slot(p->b, NEXT_BITS);
   const float *next = next_of[t].next;
   size_t bytes = next_of[t].next_bytes / 2;
   if (next_of[t].key != p->b || !next)
     return;
   atomic_store(&pool.ahead_ptr, (const char *)next);
-  atomic_store(&pool.ahead_len, bytes < ahead_bytes ? bytes : ahead_bytes);
+  atomic_store(&pool.ahead_len, bytes < most ? bytes : most);
   atomic_fetch_add(&pool.ahead_gen, 1);
 }
 
@@ -726,7 +730,7 @@ static int kernel_rows(void) {
  * off), and the bytes it has read ahead so far. */
 long specstream_skinny_ahead_kb(void) {
 #if HAVE_X86
-  return kernel_rows() > 0 ? (long)(ahead_bytes >> 10) : -1;
+  return kernel_rows() > 0 ? (long)(atomic_load(&ahead_bytes) >> 10) : -1;
 #else
   return -1;
 #endif
@@ -745,7 +749,7 @@ long long specstream_skinny_ahead_read(void) {
 void specstream_skinny_set_ahead_kb(long kb) {
 #if HAVE_X86
   kernel_rows();
-  ahead_bytes = kb > 0 ? (size_t)kb << 10 : 0;
+  atomic_store(&ahead_bytes, kb > 0 ? (size_t)kb << 10 : 0);
 #else
   (void)kb;
 #endif
