@@ -535,3 +535,25 @@ def test_chat_ctrl_c_stops_a_reply_and_stats_show_it(tmp_path, tiny_model_dir):
     stats = [line for line in out.splitlines() if line.startswith("[ar]")]
     assert stats and "cancelled" in stats[-1], out[-800:]
     assert int(stats[-1].split("] ")[1].split()[0]) > 0  # the tokens of the stopped reply
+
+
+def test_bench_and_generate_refuse_counts_no_run_could_use_before_loading(tiny_model_dir, tmp_path):
+    """A benchmark asked for no prompts, no rounds, no tokens or a negative temperature is
+    refused in one line before anything loads or runs: `bench --prompts 0` had benchmarked
+    every prompt, `--rounds 0` ended its run in "no median for empty data", `--max-tokens 0`
+    and `--temp -1` failed only once the model was loaded or the first sampling run came."""
+    out = tmp_path / "reports" / "b.json"
+    for flag, value, words in (
+        ("--prompts", "0", "--prompts must be at least 1"),
+        ("--prompts", "-2", "--prompts must be at least 1"),
+        ("--rounds", "0", "--rounds must be at least 1"),
+        ("--max-tokens", "0", "--max-tokens must be at least 1"),
+        ("--temp", "-1", "temperature"),
+        ("--temp", "nan", "temperature"),
+    ):
+        err = _one_line_error(run("bench", "--model", str(tiny_model_dir), flag, value, "--json", str(out)))
+        assert words in err, (flag, value, err)
+        assert not out.parent.exists(), (flag, value)  # nothing written, no folder made
+    for flag, value, words in (("-m", "0", "--max-tokens must be at least 1"), ("--max-kv-size", "1", "at least 2")):
+        err = _one_line_error(run("generate", "--model", str(tiny_model_dir), "--prompt", "hi", flag, value))
+        assert words in err, (flag, value, err)

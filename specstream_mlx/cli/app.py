@@ -81,13 +81,10 @@ def context_limit(m, max_kv_size: Optional[int]) -> int:
 
 
 def _fit_context(m, tok, prompt, max_tokens: int, max_kv_size: Optional[int], chat_template: bool) -> int:
-    """``max_tokens`` capped by the context left after the prompt; exits when the prompt does not fit."""
+    """``max_tokens`` (at least 1) capped by the context left after the prompt; exits when the
+    prompt does not fit."""
     from ..runtime.generation import encode_prompt
 
-    if max_tokens < 1:
-        _err(f"--max-tokens must be at least 1, got {max_tokens}")
-    if max_kv_size is not None and max_kv_size < 2:
-        _err(f"--max-kv-size must be at least 2, got {max_kv_size}")
     try:
         n = len(encode_prompt(tok, prompt, chat_template))
     except Exception as e:  # a broken chat template, a tokenizer failure
@@ -360,6 +357,10 @@ def generate(
         tree_spec = tree if tree == "auto" else TreeSpec.parse(tree)
     except ValueError as e:
         _err(str(e))
+    if max_tokens < 1:  # before the model loads, not after
+        _err(f"--max-tokens must be at least 1, got {max_tokens}")
+    if max_kv_size is not None and max_kv_size < 2:
+        _err(f"--max-kv-size must be at least 2, got {max_kv_size}")
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
     ss_log = lambda s: typer.echo(f"specstream-mlx: {s}", err=True)  # noqa: E731
     tools = _read_tools(tools_file, m)
@@ -634,6 +635,12 @@ def bench(
     """Benchmark ar, mlx_lm, mlx_lm with a draft model, lookup and ss on the same prompts."""
     from ..bench import markdown_table, run_bench, write_chart
     from ..io.loading import ModelLoadError, resolve_model_path
+
+    # Before anything loads: each of these took a model's loading or a run's minutes to fail.
+    for flag, value in (("--prompts", prompts), ("--rounds", rounds)):
+        if value < 1:
+            _err(f"{flag} must be at least 1, got {value}")
+    _check_sampling_flags(temp, 1.0, max_tokens)
 
     try:
         path = resolve_model_path(model)
