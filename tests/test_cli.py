@@ -557,3 +557,40 @@ def test_bench_and_generate_refuse_counts_no_run_could_use_before_loading(tiny_m
     for flag, value, words in (("-m", "0", "--max-tokens must be at least 1"), ("--max-kv-size", "1", "at least 2")):
         err = _one_line_error(run("generate", "--model", str(tiny_model_dir), "--prompt", "hi", flag, value))
         assert words in err, (flag, value, err)
+    # chat had loaded and then refused every message (a context of 1, a tree it cannot
+    # parse) or taken --max-kv-size 0 for no limit; serve had started with a context of 1.
+    model = ["--model", str(tiny_model_dir)]
+    for args, words in (
+        (["chat", *model, "--max-kv-size", "1"], "--max-kv-size must be at least 2"),
+        (["chat", *model, "--max-kv-size", "0"], "--max-kv-size must be at least 2"),
+        (["chat", *model, "--tree", "dynamic:0"], "dynamic:0"),
+        (["serve", "--stdio", *model, "--max-context", "1"], "--max-context must be at least 2"),
+        (["serve", "--http", *model, "--timeout", "0"], "--timeout"),
+        (["serve", "--http", *model, "--max-connections", "0"], "--max-connections must be at least 1"),
+    ):
+        err = _one_line_error(run(*args, input="hi\n"))
+        assert words in err, (args, err)
+
+
+def test_data_and_evaluation_commands_refuse_values_no_run_could_use(tiny_model_dir, tmp_path):
+    """One line and nothing written for a value no run could use, before any model loads:
+    `eval-bfcl -m 0` had ended in a traceback and `--limit 0` evaluated every item;
+    `prepare-sharegpt --valid-fraction 2` wrote every conversation to valid and none to
+    train; `calibrate-pruning --keep 1.5` was refused only once the model had loaded;
+    `convert --num-streams -1` converted."""
+    out = tmp_path / "out"
+    for args, words in (
+        (["eval-bfcl", "--model", str(tiny_model_dir), "-m", "0"], "--max-tokens must be at least 1"),
+        (["eval-bfcl", "--model", str(tiny_model_dir), "--limit", "0"], "--limit must be at least 1"),
+        (["prepare-sharegpt", "--out", str(out), "--valid-fraction", "2"], "--valid-fraction"),
+        (["prepare-sharegpt", "--out", str(out), "--valid-fraction", "0"], "--valid-fraction"),
+        (["prepare-sharegpt", "--out", str(out), "--max-examples", "0"], "--max-examples must be at least 1"),
+        (["prepare-sharegpt", "--out", str(out), "--max-turns", "0"], "--max-turns must be at least 1"),
+        (["calibrate-pruning", "--model", str(tiny_model_dir), "--data", str(out), "--keep", "1.5"], "--keep"),
+        (["calibrate-pruning", "--model", str(tiny_model_dir), "--data", str(out), "--keep", "0"], "--keep"),
+        # -1 streams had converted as none
+        (["convert", "--hf-path", str(tiny_model_dir), "--mlx-path", str(out), "--num-streams", "-1"], "--num-streams"),
+    ):
+        err = _one_line_error(run(*args))
+        assert words in err, (args, err)
+        assert not out.exists(), args

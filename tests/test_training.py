@@ -968,3 +968,36 @@ def test_a_shared_fine_tune_is_written_as_its_adapter_fuses(tmp_path, corpus):
     assert n > 0 and set(have) == set(want)
     assert all(mx.array_equal(have[k], want[k]) for k in want)
     assert any(not mx.array_equal(have[k], base[k]) for k in base)  # the fine-tune is in them
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("batch_size", 0),  # had ended in a division by zero
+        ("save_every", 0),  # the same, at the first checkpoint
+        ("steps_per_eval", 0),
+        ("max_seq_len", 1),  # had crashed inside MLX
+        ("iters", 0),
+        ("epochs", -1.0),
+        ("learning_rate", -1e-3),  # had trained, backwards
+        ("learning_rate", float("nan")),
+        ("num_streams", 0),
+        ("stream_layers", 0),
+        ("warmup", -1),
+        ("alpha_stream", -0.1),
+        ("pruning_keep", 2.0),
+    ],
+)
+def test_training_settings_no_run_could_use_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**{field: value})
+
+
+def test_the_shortest_sequences_train(tmp_path, corpus, base_dir):
+    """The least max_seq_len the settings take (2) trains a step."""
+    data, _ = corpus
+    cfg = TrainConfig(
+        mode="lossless", num_streams=2, stream_layers=1, lora_rank=2, iters=1, batch_size=2, max_seq_len=2
+    )
+    res = train(str(base_dir), str(data), str(tmp_path / "o"), cfg, progress=False, log=lambda s: None)
+    assert (res.out_dir / "specstream.json").exists()

