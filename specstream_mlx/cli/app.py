@@ -365,7 +365,7 @@ def generate(
 ):
     """Generate a completion, streaming text to stdout."""
     from ..method.tree import TreeSpec
-    from ..runtime.generation import stream_generate
+    from ..runtime.generation import encode_prompt, stream_generate
     from ..runtime.sampling import SamplingParams
 
     if prompt == "-":
@@ -408,8 +408,6 @@ def generate(
             sys.stdout.write("\n")
         raise typer.Exit(130) from None
     if as_json:
-        from ..runtime.generation import encode_prompt
-
         out = {
             "text": "".join(text),
             "tokens": tokens,
