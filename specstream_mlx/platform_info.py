@@ -321,15 +321,16 @@ def choose_blas(setting: Optional[str] = None, gemv: bool = True, malloc: Option
 def configured_choice(malloc: bool = True) -> BlasChoice:
     """:func:`choose_blas` as this process's environment sets it (``SPECSTREAM_BLAS``,
     ``SPECSTREAM_BLAS_GEMV``, and with ``malloc`` ``SPECSTREAM_MALLOC``; without, none)."""
-    # The native libraries read these in C, where an unknown value would leave its default
-    # (or, through atoi, turn a mechanism off) without a word.
-    for name, unit in ((LOCK_SPIN_ENV, "a number of tries"), (KBLOCK_ENV, "depth columns"), (AHEAD_ENV, "KB")):
+    for name, (unit, least, most) in NUMBER_SETTINGS.items():
         value = os.environ.get(name, "").strip()
-        if value and not (value.isdigit() and int(value) <= 1 << 20):
-            raise BlasSettingError(f"{name}={value!r}: expected {unit} from 0 (none) to {1 << 20}")
+        if value and not (value.isdigit() and least <= int(value) <= most):
+            raise BlasSettingError(f"{name}={value!r}: expected {unit} from {least} to {most}")
     prefetch = os.environ.get(PREFETCH_ENV, "")
     if prefetch and prefetch not in PREFETCH_MODES:
         raise BlasSettingError(f"{PREFETCH_ENV}={prefetch!r}: expected nta, t0, t1 or off")
+    isa = os.environ.get(ISA_ENV, "")
+    if isa and isa not in ("avx2", "avx512"):
+        raise BlasSettingError(f"{ISA_ENV}={isa!r}: expected avx2 (AVX2 tiles where AVX-512 is there) or avx512")
     return choose_blas(
         os.environ.get(BLAS_ENV),
         gemv=os.environ.get(GEMV_ENV, "1") != "0",
@@ -557,6 +558,21 @@ PREFETCH_ENV = "SPECSTREAM_SKINNY_PREFETCH"
 PREFETCH_MODES = ("off", "nta", "t0", "t1")  # the kernel's codes 0-3, and PREFETCH_ENV's values
 KBLOCK_ENV = "SPECSTREAM_SKINNY_KBLOCK"  # the kernel's depth block: a number of columns, 0: none
 AHEAD_ENV = "SPECSTREAM_SKINNY_AHEAD_KB"  # how much of the next weight a waiting worker reads ahead
+ISA_ENV = "SPECSTREAM_SKINNY_ISA"
+# The native libraries' whole-number settings: what each counts, its least and its most. They
+# are read in C with atoi, where a word or a negative number would leave the default, turn a
+# mechanism off or run the kernel on one thread without a word (configured_choice checks).
+NUMBER_SETTINGS = {
+    LOCK_SPIN_ENV: ("a number of tries (0: none)", 0, 1 << 20),
+    KBLOCK_ENV: ("depth columns (0: none)", 0, 1 << 20),
+    AHEAD_ENV: ("KB (0: none)", 0, 1 << 20),
+    "SPECSTREAM_SKINNY_ROWS": ("rows (0 or 1: the kernel off)", 0, 1 << 20),
+    "SPECSTREAM_SKINNY_THREADS": ("threads", 1, 1 << 10),
+    "SPECSTREAM_SKINNY_MIN_ROWS": ("rows", 1, 2),
+    "SPECSTREAM_SKINNY_PARALLEL_MIN": ("weight elements", 0, 1 << 40),
+    "SPECSTREAM_SKINNY_SPIN_US": ("microseconds", 0, 1 << 30),
+    "SPECSTREAM_SKINNY_YIELD": ("0 or 1", 0, 1),
+}
 
 
 def skinny_prefetch() -> Optional[str]:

@@ -22,7 +22,8 @@ MLX is imported and are read by :mod:`specstream_mlx.blas_env` (docs/USAGE.md);
 ``SPECSTREAM_JIT_AVX2=0`` (MLX's compiled CPU kernels built with MLX's own flags) acts at
 ``import specstream_mlx`` and is read by :mod:`specstream_mlx.cpu_jit`. Everything
 else takes its setting as an argument; :func:`current` is read at each use, so a test or a
-caller that changes the environment is seen.
+caller that changes the environment is seen. The switches among them take 0 or 1 only; the
+CLI refuses any other value before it runs (:func:`check`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,19 @@ class Settings:
     compile_passes: bool
     fuse_projections: bool = True
     attention: str = "auto"
+
+
+# The settings that are switches: read as "1" / "0" where they are used, so any other value
+# would be taken for the default without a word (``check`` refuses it first).
+SWITCHES = ("SPECSTREAM_COMPILE", "SPECSTREAM_FUSE", "SPECSTREAM_JIT_AVX2", "SPECSTREAM_JIT_STRIDED")
+
+
+def check() -> None:
+    """Raises ValueError naming a switch (:data:`SWITCHES`) set to anything but 0 or 1."""
+    for name in SWITCHES:
+        value = os.environ.get(name, "").strip()
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{name}={value!r}: expected 0 or 1")
 
 
 def current() -> Settings:

@@ -594,3 +594,11 @@ def test_data_and_evaluation_commands_refuse_values_no_run_could_use(tiny_model_
         err = _one_line_error(run(*args))
         assert words in err, (args, err)
         assert not out.exists(), args
+
+
+def test_a_switch_set_to_neither_0_nor_1_is_refused():
+    """SPECSTREAM_COMPILE=yes had run passes op by op, as if unset, without a word."""
+    for name in ("SPECSTREAM_COMPILE", "SPECSTREAM_FUSE", "SPECSTREAM_JIT_AVX2", "SPECSTREAM_JIT_STRIDED"):
+        r = run("doctor", env={**os.environ, name: "yes"})
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip() == f"specstream-mlx: error: {name}='yes': expected 0 or 1", r.stderr

@@ -413,6 +413,34 @@ def test_a_bad_prefetch_setting_is_refused_in_one_line():
             assert P.PREFETCH_ENV in lines[0] and "'T1x'" in lines[0] and "nta, t0, t1 or off" in lines[0], lines
 
 
+@pytest.mark.parametrize(
+    "name, good, bad",
+    [
+        ("SPECSTREAM_SKINNY_ROWS", ("0", "9", "48"), ("nine", "-1")),  # "nine" had turned the kernel off
+        ("SPECSTREAM_SKINNY_THREADS", ("1", "2"), ("0", "two")),  # either had run it on one thread
+        ("SPECSTREAM_SKINNY_MIN_ROWS", ("1", "2"), ("0", "3")),
+        ("SPECSTREAM_SKINNY_PARALLEL_MIN", ("0", "262144"), ("-1", "lots")),
+        ("SPECSTREAM_SKINNY_SPIN_US", ("0", "50"), ("-5", "long")),
+        ("SPECSTREAM_SKINNY_YIELD", ("0", "1"), ("2", "yes")),
+        ("SPECSTREAM_SKINNY_ISA", ("avx2", "avx512"), ("sse", "AVX2")),
+    ],
+)
+def test_every_kernel_setting_is_checked_before_the_kernel_reads_it(monkeypatch, name, good, bad):
+    """The kernel reads its settings in C (atoi, strcmp), where a value it cannot read keeps its
+    default or turns a mechanism off without a word: the CLI refuses them first, in one line
+    that names the setting and the value (BlasSettingError)."""
+    from specstream_mlx import platform_info as P
+
+    for value in good:
+        monkeypatch.setenv(name, value)
+        P.configured_choice(malloc=False)
+    for value in bad:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(P.BlasSettingError, match=name) as e:
+            P.configured_choice(malloc=False)
+        assert repr(value) in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("setting", ["KBLOCK_ENV", "AHEAD_ENV"])
 def test_a_bad_depth_block_or_read_ahead_setting_is_refused_in_one_line(setting):
     """SPECSTREAM_SKINNY_KBLOCK takes a number of depth columns (0: whole depths) and

@@ -216,7 +216,12 @@ def _root(
         help="Print versions, the MLX device and the BLAS in use, then exit.",
     ),
 ):
-    pass
+    from ..settings import check
+
+    try:
+        check()
+    except ValueError as e:
+        _err(str(e), 2)
 
 
 @app.command()
