@@ -579,6 +579,7 @@ def test_data_and_evaluation_commands_refuse_values_no_run_could_use(tiny_model_
     train; `calibrate-pruning --keep 1.5` was refused only once the model had loaded;
     `convert --num-streams -1` converted."""
     out = tmp_path / "out"
+    (tmp_path / "a-file").write_text("")
     for args, words in (
         (["eval-bfcl", "--model", str(tiny_model_dir), "-m", "0"], "--max-tokens must be at least 1"),
         (["eval-bfcl", "--model", str(tiny_model_dir), "--limit", "0"], "--limit must be at least 1"),
@@ -588,6 +589,9 @@ def test_data_and_evaluation_commands_refuse_values_no_run_could_use(tiny_model_
         (["prepare-sharegpt", "--out", str(out), "--max-turns", "0"], "--max-turns must be at least 1"),
         (["calibrate-pruning", "--model", str(tiny_model_dir), "--data", str(out), "--keep", "1.5"], "--keep"),
         (["calibrate-pruning", "--model", str(tiny_model_dir), "--data", str(out), "--keep", "0"], "--keep"),
+        # an --out that is a file had ended in a FileExistsError traceback
+        (["prepare-sharegpt", "--out", str(tmp_path / "a-file"), "--max-examples", "4"], "is not a folder"),
+        (["prepare-bfcl", "--out", str(tmp_path / "a-file")], "is not a folder"),
         # -1 streams had converted as none
         (["convert", "--hf-path", str(tiny_model_dir), "--mlx-path", str(out), "--num-streams", "-1"], "--num-streams"),
     ):

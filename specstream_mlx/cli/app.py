@@ -157,6 +157,21 @@ def _report_path(text: str, option: str = "--json") -> Path:
     return out
 
 
+def _data_dir(text: str, option: str = "--out", make: bool = True) -> Path:
+    """A data directory a command will write, checked before it runs (and made, with
+    ``make``): one line naming the option where the path is a file or cannot be made."""
+    out = Path(text)
+    if out.exists() and not out.is_dir():
+        _err(f"{option} {text}: exists and is not a folder")
+    if not make:
+        return out
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _err(f"{option} {text}: cannot make the folder ({e.strerror or e})")
+    return out
+
+
 def _write_report(out: Path, text: str) -> None:
     """Write ``text`` to ``out`` whole or not at all (a temporary beside it, renamed)."""
     import os
@@ -991,6 +1006,7 @@ def distill(
         cut_loops=not keep_loops,
         backend=backend,
     )
+    _data_dir(out, make=False)  # made once the model and the prompts are read
     try:
         counts = _distill(model, prompts, out, opts, log=lambda s: typer.echo(s, err=True))
     except (ModelLoadError, DataError, TrainError, ValueError, OSError) as e:
@@ -1017,8 +1033,9 @@ def prepare_sharegpt(
     for flag, value in (("--max-examples", max_examples), ("--max-turns", max_turns)):
         if value is not None and value < 1:
             _err(f"{flag} must be at least 1, got {value}")
+    folder = _data_dir(out)
     try:
-        counts = write_sharegpt_jsonl(Path(out), max_examples, valid_fraction, seed, max_turns)
+        counts = write_sharegpt_jsonl(folder, max_examples, valid_fraction, seed, max_turns)
     except RuntimeError as e:
         _err(str(e))
     typer.echo(f"wrote {out}: " + ", ".join(f"{k} {v}" for k, v in counts.items()), err=True)
@@ -1038,9 +1055,10 @@ def prepare_bfcl(
     from ..io.loading import ModelLoadError, load_tokenizer, resolve_model_path
     from ..tasks.bfcl import BFCLError, prepare
 
+    folder = _data_dir(out)
     try:
         tok = load_tokenizer(resolve_model_path(model))
-        res = prepare(Path(out), tok, max_tokens or None)
+        res = prepare(folder, tok, max_tokens or None)
     except (BFCLError, ModelLoadError) as e:
         _err(str(e))
     for split, n in res.counts.items():
