@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -64,6 +65,13 @@ def _load_for_decoding(model: str, mode: Optional[str], report=None, adapter_pat
     return m, tok, mode, modes
 
 
+def _at_least(least: int, *flags) -> None:
+    """One line and exit 1 for the first ``(flag, value)`` below ``least`` (None: not given)."""
+    for flag, value in flags:
+        if value is not None and value < least:
+            _err(f"{flag} must be at least {least}, got {value}")
+
+
 def _check_sampling_flags(
     temp: float,
     top_p: float,
@@ -71,22 +79,23 @@ def _check_sampling_flags(
     max_kv_size: Optional[int] = None,
     kv_flag: str = "--max-kv-size",
     tree: Optional[str] = None,
-) -> None:
-    """One line and exit 1, before a model loads, for a temperature, top-p, --max-tokens,
-    context limit or draft tree no request could use."""
+    top_k: int = 0,
+    seed: Optional[int] = None,
+):
+    """The sampling and the draft tree (``"auto"``, a parsed spec, or None where not given)
+    the flags ask for; one line and exit 1, before a model loads, for a temperature, top-p,
+    top-k, --max-tokens, context limit or draft tree no request could use."""
     from ..method.tree import TreeSpec
     from ..runtime.sampling import SamplingParams
 
     try:
-        SamplingParams(temperature=temp, top_p=top_p)
-        if tree is not None and tree != "auto":
-            TreeSpec.parse(tree)
+        sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+        tree_spec = TreeSpec.parse(tree) if tree not in (None, "auto") else tree
     except ValueError as e:
         _err(str(e))
-    if max_tokens < 1:
-        _err(f"--max-tokens must be at least 1, got {max_tokens}")
-    if max_kv_size is not None and max_kv_size < 2:
-        _err(f"{kv_flag} must be at least 2, got {max_kv_size}")
+    _at_least(1, ("--max-tokens", max_tokens))
+    _at_least(2, (kv_flag, max_kv_size))
+    return sampling, tree_spec
 
 
 def context_limit(m, max_kv_size: Optional[int]) -> int:
@@ -143,8 +152,6 @@ def _report_path(text: str, option: str = "--json") -> Path:
     """Where a command will write its report, settled before it runs (a benchmark's minutes
     are not lost to a path that fails at the end): its folder made where missing, and one
     line naming the option where the path is a folder or its folder cannot be made or written."""
-    import os
-
     out = Path(text)
     if out.is_dir():
         _err(f"{option} {text}: is a folder; name a file")
@@ -174,8 +181,6 @@ def _data_dir(text: str, option: str = "--out", make: bool = True) -> Path:
 
 def _write_report(out: Path, text: str) -> None:
     """Write ``text`` to ``out`` whole or not at all (a temporary beside it, renamed)."""
-    import os
-
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, out)
@@ -384,18 +389,11 @@ def generate(
     ),
 ):
     """Generate a completion, streaming text to stdout."""
-    from ..method.tree import TreeSpec
     from ..runtime.generation import encode_prompt, stream_generate
-    from ..runtime.sampling import SamplingParams
 
     if prompt == "-":
         prompt = sys.stdin.read()
-    try:
-        sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
-        tree_spec = tree if tree == "auto" else TreeSpec.parse(tree)
-    except ValueError as e:
-        _err(str(e))
-    _check_sampling_flags(temp, top_p, max_tokens, max_kv_size)
+    sampling, tree_spec = _check_sampling_flags(temp, top_p, max_tokens, max_kv_size, tree=tree, top_k=top_k, seed=seed)
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
     ss_log = lambda s: typer.echo(f"specstream-mlx: {s}", err=True)  # noqa: E731
     tools = _read_tools(tools_file, m)
@@ -596,9 +594,7 @@ def serve(
     for flag, seconds in (("--timeout", timeout), ("--header-timeout", header_timeout)):
         if not 0 < seconds < math.inf:
             _err(f"{flag} must be a number of seconds above 0, got {seconds}")
-    for flag, count in (("--max-connections", max_connections), ("--max-connections-per-peer", max_per_peer)):
-        if count is not None and count < 1:
-            _err(f"{flag} must be at least 1, got {count}")
+    _at_least(1, ("--max-connections", max_connections), ("--max-connections-per-peer", max_per_peer))
     hosts = [h.strip().lower() for h in (allowed_hosts or "").split(",") if h.strip()]
     if "*" in hosts and not api_key:
         _err("--allowed-hosts '*' accepts any Host header; it needs --api-key")
@@ -676,9 +672,7 @@ def bench(
     from ..io.loading import ModelLoadError, resolve_model_path
 
     # Before anything loads: each of these took a model's loading or a run's minutes to fail.
-    for flag, value in (("--prompts", prompts), ("--rounds", rounds)):
-        if value < 1:
-            _err(f"{flag} must be at least 1, got {value}")
+    _at_least(1, ("--prompts", prompts), ("--rounds", rounds))
     _check_sampling_flags(temp, 1.0, max_tokens)
 
     try:
@@ -1030,9 +1024,7 @@ def prepare_sharegpt(
     # valid and test each take this share: train keeps the rest.
     if not 0.0 < valid_fraction < 0.5:
         _err(f"--valid-fraction must be above 0 and below 0.5 (valid and test take it each), got {valid_fraction}")
-    for flag, value in (("--max-examples", max_examples), ("--max-turns", max_turns)):
-        if value is not None and value < 1:
-            _err(f"{flag} must be at least 1, got {value}")
+    _at_least(1, ("--max-examples", max_examples), ("--max-turns", max_turns))
     folder = _data_dir(out)
     try:
         counts = write_sharegpt_jsonl(folder, max_examples, valid_fraction, seed, max_turns)
@@ -1097,10 +1089,7 @@ def eval_bfcl(
     from ..tasks.bfcl import BFCLError
     from ..tasks.evaluate import bfcl_test_rows, evaluate, format_report, format_table, read_test_rows, spread
 
-    if limit is not None and limit < 1:
-        _err(f"--limit must be at least 1, got {limit}")
-    if max_tokens < 1:
-        _err(f"--max-tokens must be at least 1, got {max_tokens}")
+    _at_least(1, ("--limit", limit), ("--max-tokens", max_tokens))
     try:
         rows = spread(read_test_rows(Path(data) / "test.jsonl") if data else bfcl_test_rows(), limit)
     except (OSError, ValueError, BFCLError) as e:
