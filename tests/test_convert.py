@@ -329,3 +329,32 @@ def test_a_multimodal_gemma3_checkpoint_converts_its_language_model(tmp_path):
     with torch.no_grad():
         want = ref(input_ids=torch.tensor(ids)).logits.numpy()
     assert np.abs(_logits(model, ids) - want).max() / np.abs(want).max() < 1e-4
+
+
+def test_a_quantized_model_with_streams_exports_as_the_floats_it_decodes_with(tmp_path, hf_models):
+    """export had refused every quantized model (the bundled default among them); it now writes
+    the float32 weights the quantized ones stand for, and the streams import with them."""
+    from mlx.utils import tree_flatten
+
+    from specstream_mlx import generate, load
+    from specstream_mlx.convert.export import export_hf
+
+    _, src, _ = hf_models("llama-q")
+    opts = ConvertOptions(dtype="float32", quantize=True, q_bits=4, q_group_size=32, num_streams=2, stream_layers=1)
+    quantized = convert(str(src), str(tmp_path / "q"), opts)
+    save_byte_tokenizer(quantized)
+    said = []
+    hf = export_hf(str(quantized), str(tmp_path / "hf"), log=said.append)
+    cfg = json.loads((hf / "config.json").read_text())
+    assert "quantization" not in cfg and cfg["torch_dtype"] == "float32"
+    assert "4-bit weights expanded to float32" in said[-1]
+    assert all(v.dtype == mx.float32 for v in mx.load(str(hf / "model.safetensors")).values())
+    back = convert(str(hf), str(tmp_path / "back"))
+    a, tok = load(str(quantized))  # on the CPU backend: the quantized weights expanded on load
+    b, _ = load(str(back))  # refuses streams whose base fingerprint is not this base's
+    theirs = dict(tree_flatten(b.base.parameters()))
+    for name, v in tree_flatten(a.base.parameters()):
+        assert mx.array_equal(v, theirs[name]).item(), name
+    for mode in ("ss", "ar"):
+        ra, rb = (generate(m, tok, list(range(3, 14)), max_tokens=12, mode=mode) for m in (a, b))
+        assert ra.tokens == rb.tokens and ra.stats.forward_passes == rb.stats.forward_passes

@@ -177,6 +177,31 @@ def test_tokenizer_custom_code_is_refused_in_one_line(tmp_path, tiny_model_dir):
     assert len(lines) == 1 and lines[0]["code"] == "load_failed" and "auto_map" in lines[0]["message"]
 
 
+def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused_not_decoded(tmp_path, hf_models):
+    """A model directory holding a tokenizer with more ids than the model's vocabulary (here
+    the byte tokenizer beside a 151-token model): its ids past the embedding table had been
+    decoded from whatever memory follows it (fluent garbage, exit 0)."""
+    from specstream_mlx import generate, load
+    from specstream_mlx.demo.byte_tokenizer import save_byte_tokenizer
+    from specstream_mlx.runtime.bounded import PromptError
+
+    _, _, converted = hf_models("llama-q")
+    d = copy_model(converted, tmp_path / "m")
+    save_byte_tokenizer(d)
+    r = subprocess.run(
+        [*CLI, "generate", "--model", str(d), "--prompt", "hello there", "-m", "4", "--temp", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "outside the model's vocabulary (0..150)" in r.stderr.strip().splitlines()[-1]
+    model, tok = load(str(d))
+    with pytest.raises(PromptError, match="token id 201"):
+        generate(model, tok, "hello there", max_tokens=4)
+    assert generate(model, tok, [3, 4, 5], max_tokens=4).tokens  # ids inside it decode as before
+
+
 def test_index_shards_must_stay_inside_the_model_directory(tmp_path, tiny_model_dir):
     src = tmp_path / "hf"
     copy_model(tiny_model_dir, src, streams=False)

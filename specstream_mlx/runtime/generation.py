@@ -106,6 +106,18 @@ def make_steps(
     raise ValueError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
 
 
+def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """Raise :class:`~.bounded.PromptError` for an id outside the model's vocabulary: the
+    embedding lookup does not check its indices, and an id past the table read whatever memory
+    follows it (a tokenizer of another model's gave fluent garbage, a larger one could crash)."""
+    outside = [i for i in ids if not 0 <= i < vocab_size]
+    if outside:
+        raise PromptError(
+            f"the prompt holds token id {outside[0]}, outside the model's vocabulary (0..{vocab_size - 1}): "
+            "the tokenizer does not belong to this model"
+        )
+
+
 def encode_prompt(
     tokenizer,
     prompt: Union[str, Sequence[int], List[Dict[str, str]]],
@@ -176,6 +188,7 @@ def stream_generate(
     ids = encode_prompt(tokenizer, prompt, use_chat_template)
     if not ids:
         raise ValueError("empty prompt")
+    check_token_ids(ids, base_model(model).args.vocab_size)
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
