@@ -239,6 +239,24 @@ def test_nan_loss_stops_cleanly(tmp_path, corpus, base_dir, monkeypatch):
     assert not (tmp_path / "n" / "specstream.json").exists()
 
 
+def test_training_data_past_the_models_vocabulary_is_refused(tmp_path, hf_models):
+    """A base directory holding a tokenizer with more ids than the model's vocabulary (the byte
+    tokenizer beside a 151-token model): training had looked up ids past the embedding table."""
+    from specstream_mlx.demo.byte_tokenizer import save_byte_tokenizer
+    from tests.helpers.tiny_models import copy_model
+
+    _, _, converted = hf_models("llama-q")
+    m = copy_model(converted, tmp_path / "m")
+    save_byte_tokenizer(m)
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "train.jsonl").write_text("\n" + json.dumps({"text": "a\x01b"}) + "\n")
+    cfg = TrainConfig(mode="lossless", num_streams=2, stream_layers=1, iters=2, batch_size=2)
+    with pytest.raises(DataError, match=r"train.jsonl:2: token id \d+ is outside the model's vocabulary \(0..150\)"):
+        train(str(m), str(d), str(tmp_path / "out"), cfg, progress=False, log=lambda s: None)
+    assert not (tmp_path / "out").exists()
+
+
 def test_data_errors_name_file_and_line(tmp_path, base_dir):
     _, tok = load(str(base_dir), warn=False)
     d = tmp_path / "d"

@@ -115,25 +115,34 @@ def truncate(ex: Example, max_len: int) -> Example:
     return Example(ex.tokens[s : s + max_len], 1)
 
 
-def read_records(path: Path, tokenizer) -> Iterator[Tuple[int, Example]]:
+def read_records(path: Path, tokenizer, vocab_size: Optional[int] = None) -> Iterator[Tuple[int, Example]]:
     """(line number, example) of every record of a JSONL split; a malformed line stops
-    with ``file:line: reason``."""
+    with ``file:line: reason``, and so does a token id outside ``vocab_size`` (the
+    embedding lookup does not check its indices: a tokenizer that is not the model's would
+    train on whatever memory follows the table)."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield lineno, encode_record(json.loads(line), tokenizer)
+                ex = encode_record(json.loads(line), tokenizer)
+                outside = [] if vocab_size is None else [t for t in ex.tokens if not 0 <= t < vocab_size]
+                if outside:
+                    raise DataError(
+                        f"token id {outside[0]} is outside the model's vocabulary (0..{vocab_size - 1}): "
+                        "the tokenizer does not belong to this model"
+                    )
+                yield lineno, ex
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
             except DataError as e:
                 raise DataError(f"{path}:{lineno}: {e}") from None
 
 
-def load_split(path: Path, tokenizer, max_seq_len: int) -> Dataset:
+def load_split(path: Path, tokenizer, max_seq_len: int, vocab_size: Optional[int] = None) -> Dataset:
     """Read one JSONL split; a malformed line stops with ``file:line: reason``."""
     examples, truncated = [], 0
-    for _, ex in read_records(path, tokenizer):
+    for _, ex in read_records(path, tokenizer, vocab_size):
         if len(ex.tokens) < 2:
             continue
         if len(ex.tokens) > max_seq_len:
@@ -143,21 +152,22 @@ def load_split(path: Path, tokenizer, max_seq_len: int) -> Dataset:
     return Dataset(examples, truncated, path.name)
 
 
-def load_dataset(data_dir: Path, tokenizer, max_seq_len: int):
-    """(train, valid or None, test or None) from a data directory."""
+def load_dataset(data_dir: Path, tokenizer, max_seq_len: int, vocab_size: Optional[int] = None):
+    """(train, valid or None, test or None) from a data directory; ``vocab_size``: the model's,
+    which every token id must be inside."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise DataError(f"{data_dir}: no such data directory")
     train_path = data_dir / "train.jsonl"
     if not train_path.exists():
         raise DataError(f"{train_path}: missing (a data directory needs train.jsonl and valid.jsonl)")
-    train = load_split(train_path, tokenizer, max_seq_len)
+    train = load_split(train_path, tokenizer, max_seq_len, vocab_size)
     if not len(train):
         raise DataError(f"{train_path}: no usable examples")
     splits = []
     for name in ("valid", "test"):
         p = data_dir / f"{name}.jsonl"
-        splits.append(load_split(p, tokenizer, max_seq_len) if p.exists() else None)
+        splits.append(load_split(p, tokenizer, max_seq_len, vocab_size) if p.exists() else None)
     return train, splits[0], splits[1]
 
 

@@ -51,8 +51,8 @@ class TrainData:
     total_steps: int
 
 
-def _load_data(data_dir: str, tokenizer, cfg: TrainConfig, log) -> TrainData:
-    train_ds, valid_ds, _ = load_dataset(Path(data_dir), tokenizer, cfg.max_seq_len)
+def _load_data(data_dir: str, tokenizer, vocab_size: int, cfg: TrainConfig, log) -> TrainData:
+    train_ds, valid_ds, _ = load_dataset(Path(data_dir), tokenizer, cfg.max_seq_len, vocab_size)
     for ds in (train_ds, valid_ds):
         if ds is not None and ds.truncated:
             log(
@@ -341,7 +341,7 @@ def train(
     if cfg.stream_layers > len(model.layers):
         raise TrainError(f"--stream-layers {cfg.stream_layers} exceeds the model's {len(model.layers)} layers")
     model.freeze()
-    data = _load_data(data_dir, loaded.tokenizer, cfg, log)
+    data = _load_data(data_dir, loaded.tokenizer, model.args.vocab_size, cfg, log)
     log(
         f"[train] {cfg.mode} mode, {cfg.backend} backend"
         + (f" ({acc.num_processes} processes)" if acc is not None and acc.num_processes > 1 else "")
