@@ -16,7 +16,7 @@ from typing import Callable, Dict, Optional
 import mlx.core as mx
 
 from specstream_mlx.io.conversion import DTYPES, Source, Target, write_model_directory
-from specstream_mlx.io.files import check_replaceable, copy_tokenizer_files
+from specstream_mlx.io.files import check_replaceable, check_writable, copy_tokenizer_files
 
 __all__ = ["ConvertError", "ConvertOptions", "convert", "convert_gguf"]
 
@@ -247,6 +247,7 @@ def convert(
     opts = opts or ConvertOptions()
     dst = Path(mlx_path).expanduser()
     check_replaceable(dst, opts.force, ConvertError)
+    check_writable(dst, ConvertError)  # before the work: its result has somewhere to go
     _check_quantize_args(opts)
     src = _resolve_source(hf_path)
     config = read_config(src)
@@ -323,6 +324,7 @@ def convert_gguf(
     _check_quantize_args(opts)
     dst = Path(mlx_path).expanduser()
     check_replaceable(dst, opts.force, ConvertError)
+    check_writable(dst, ConvertError)  # before the work: its result has somewhere to go
     try:
         source = gguf_source(Path(gguf_path).expanduser(), log)
     except GGUFError as e:

@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from specstream_mlx.io.files import atomic_directory, check_replaceable, copy_tokenizer_files
+from specstream_mlx.io.files import atomic_directory, check_replaceable, check_writable, copy_tokenizer_files
 from specstream_mlx.io.fingerprint import weights_fingerprint
 from specstream_mlx.io.loading import ModelLoadError, load_config, load_model, resolve_model_path
 from specstream_mlx.io.quantization import cast_floating
@@ -33,6 +33,7 @@ def export_hf(model_path: str, hf_path: str, force: bool = False, log=lambda s: 
     except ModelLoadError as e:
         raise ConvertError(str(e)) from e
     check_replaceable(dst, force, ConvertError)  # before the load: a path it cannot write costs nothing
+    check_writable(dst, ConvertError)
     # The Hugging Face layout holds no MLX quantization: a quantized model is written as the
     # float32 weights its quantized ones stand for (expanded exactly, as the CPU backend
     # decodes them), so that transformers, mlx-lm and `convert` read it as it decodes here.

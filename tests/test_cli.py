@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -606,3 +607,28 @@ def test_a_switch_set_to_neither_0_nor_1_is_refused():
         r = run("doctor", env={**os.environ, name: "yes"})
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert r.stderr.strip() == f"specstream-mlx: error: {name}='yes': expected 0 or 1", r.stderr
+
+
+def test_a_destination_no_directory_can_be_made_at_is_one_line_before_the_work(tiny_model_dir, tmp_path):
+    """`convert`/`export` into a path under a file or on /proc had ended in a traceback from
+    mkdtemp, and `train` ran to its end and then lost the trained streams that way."""
+    (tmp_path / "a-file").write_text("")
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "valid"):
+        (data / f"{split}.jsonl").write_text('{"text": "hello there"}\n{"text": "general kenobi"}\n')
+    under_a_file = (tmp_path / "a-file" / "out", f"{tmp_path / 'a-file'} is not a directory")
+    for dst, why in (under_a_file, (Path("/proc/x/out"), "")):
+        for args in (
+            ["convert", "--hf-path", str(tiny_model_dir), "--mlx-path", str(dst)],
+            ["export", "--model", str(tiny_model_dir), "--hf-path", str(dst)],
+            ["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(dst), "--iters", "2"],
+        ):
+            r = run(*args)
+            err = _one_line_error(r)
+            assert f"{dst}: cannot write a directory there ({why}" in err, (args, err)
+            assert "[train]" not in r.stderr, "trained before the destination was checked"
+    from specstream_mlx.io.files import check_writable
+
+    check_writable(tmp_path / "new" / "deeper" / "out", ValueError)  # the probe leaves nothing behind
+    assert not (tmp_path / "new").exists()

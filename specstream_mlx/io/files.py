@@ -121,6 +121,37 @@ def check_replaceable(dst: Path, force: bool, error) -> None:
         )
 
 
+def _directory_beside(dst: Path, error, clean: bool = False) -> Path:
+    """A new private directory beside ``dst``, its parents made; ``error(message)``, one line,
+    where none can be made (a read-only or virtual file system, a parent that is a file).
+    ``clean``: first remove what a killed run into the same ``dst`` left there."""
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if clean:  # leftovers of an earlier run into the same destination that was killed (kill -9)
+            clean_stale_temporaries(dst.parent, (f".{dst.name}.tmp-", f".{dst.name}.old-"))
+        return Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    except OSError as e:
+        above = next((p for p in dst.parents if p.exists()), None)
+        why = f"{above} is not a directory" if above is not None and not above.is_dir() else e.strerror or str(e)
+        raise error(f"{dst}: cannot write a directory there ({why})") from None
+
+
+def check_writable(dst: Path, error) -> None:
+    """Raise ``error(message)`` unless a directory can be written at ``dst``'s place: for work
+    that writes its result only at its end (a conversion, a training run), checked before it
+    starts. Leaves nothing behind: the probe and any parent it made are removed."""
+    dst = Path(dst).absolute()
+    made = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]
+    try:
+        os.rmdir(_directory_beside(dst, error))
+    finally:
+        for p in made:  # innermost first
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+
+
 @contextmanager
 def atomic_directory(dst: Path, force: bool, exists_error) -> Iterator[Path]:
     """Yield a temporary sibling of ``dst`` to fill; on success it replaces
@@ -128,13 +159,11 @@ def atomic_directory(dst: Path, force: bool, exists_error) -> Iterator[Path]:
     crash never leaves a half-written directory at ``dst``.
 
     ``exists_error(message)`` builds the exception raised when ``dst`` exists
-    and ``force`` is False."""
+    and ``force`` is False, or when no directory can be made beside it (a read-only or
+    virtual file system, a parent that is a file): one line, before anything is written."""
     dst = Path(dst)
     check_replaceable(dst, force, exists_error)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    # Leftovers of an earlier run into the same destination that was killed (kill -9).
-    clean_stale_temporaries(dst.parent, (f".{dst.name}.tmp-", f".{dst.name}.old-"))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    tmp = _directory_beside(dst, exists_error, clean=True)
     # mkdtemp makes the directory private (0700); the result gets the usual mode.
     umask = os.umask(0)
     os.umask(umask)

@@ -22,7 +22,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from ..io.files import atomic_directory, clean_stale_temporaries, replaceable
+from ..io.files import atomic_directory, check_writable, clean_stale_temporaries, replaceable
 from ..io.loading import load_model_dir, resolve_model_path
 from .calibrate import calibrate_pruning
 from .checkpoint import (
@@ -210,6 +210,7 @@ def _check_destination(base_dir: Path, out: Path, cfg: TrainConfig, resume: bool
     # --force or not (it would be deleted).
     if out.is_dir() and not replaceable(out):
         raise TrainError(f"--out {out}: exists and is not a model directory; refusing to replace it")
+    check_writable(out, TrainError)  # before the run: a result nowhere to go would be lost
 
 
 def _adopt_existing_streams(streams, cfg: TrainConfig, log):
