@@ -623,6 +623,8 @@ def test_a_destination_no_directory_can_be_made_at_is_one_line_before_the_work(t
             ["convert", "--hf-path", str(tiny_model_dir), "--mlx-path", str(dst)],
             ["export", "--model", str(tiny_model_dir), "--hf-path", str(dst)],
             ["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(dst), "--iters", "2"],
+            # distill's had been a bare "[Errno 2] ..." after the model and the prompts were read
+            ["distill", "--model", str(tiny_model_dir), "--prompts", str(data), "--out", str(dst)],
         ):
             r = run(*args)
             err = _one_line_error(r)

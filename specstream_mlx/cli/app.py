@@ -171,6 +171,13 @@ def _data_dir(text: str, option: str = "--out", make: bool = True) -> Path:
     if out.exists() and not out.is_dir():
         _err(f"{option} {text}: exists and is not a folder")
     if not make:
+        if not out.exists():
+            from ..io.files import check_writable
+
+            try:
+                check_writable(out, ValueError)  # made later: that it can be, known now
+            except ValueError as e:
+                _err(f"{option} {e}")
         return out
     try:
         out.mkdir(parents=True, exist_ok=True)
