@@ -634,3 +634,31 @@ def test_a_destination_no_directory_can_be_made_at_is_one_line_before_the_work(t
 
     check_writable(tmp_path / "new" / "deeper" / "out", ValueError)  # the probe leaves nothing behind
     assert not (tmp_path / "new").exists()
+
+
+def test_a_seed_or_pruning_threshold_no_generator_takes_is_one_line(tiny_model_dir, tmp_path):
+    """A negative --seed had ended in a traceback from MLX's, numpy's or PyTorch's generator
+    after the work began (distill and prepare-sharegpt leaving their folder behind), one over
+    2**64 in a nanobind type error; --prune-threshold -1, 2 or nan had been taken (above 1
+    every draft node is pruned)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "valid"):
+        (data / f"{split}.jsonl").write_text('{"text": "hello there"}\n')
+    out = tmp_path / "out"
+    model = ["--model", str(tiny_model_dir)]
+    for seed in ("-1", str(1 << 64)):
+        for args in (
+            ["generate", *model, "-p", "hi", "--temp", "0.7", "--seed", seed],
+            ["chat", *model, "--seed", seed],
+            ["bench", *model, "--seed", seed],
+            ["distill", *model, "--prompts", str(data), "--out", str(out), "--seed", seed],
+            ["prepare-sharegpt", "--out", str(out), "--max-examples", "3", "--seed", seed],
+            ["train", *model, "--data", str(data), "--out", str(out), "--iters", "1", "--seed", seed],
+        ):
+            err = _one_line_error(run(*args))
+            assert f"--seed must be an integer from 0 to {(1 << 63) - 1}, got {seed}" in err, (args, err)
+            assert not out.exists(), args
+    for threshold in ("-1", "2", "nan"):
+        err = _one_line_error(run("generate", *model, "-p", "hi", "--prune-threshold", threshold))
+        assert "--prune-threshold: the pruning threshold must be a probability in [0, 1]" in err, err

@@ -1004,6 +1004,7 @@ def test_a_shared_fine_tune_is_written_as_its_adapter_fuses(tmp_path, corpus):
         ("warmup", -1),
         ("alpha_stream", -0.1),
         ("pruning_keep", 2.0),
+        ("seed", -1),
     ],
 )
 def test_training_settings_no_run_could_use_are_refused(field, value):

@@ -72,6 +72,15 @@ def _at_least(least: int, *flags) -> None:
             _err(f"{flag} must be at least {least}, got {value}")
 
 
+def _check_seed(seed: Optional[int]) -> None:
+    """One line and exit 1 for a --seed no generator takes (MLX's, numpy's and PyTorch's
+    refused a negative one in a traceback, after the work had started)."""
+    from ..runtime.sampling import SEED_MAX
+
+    if seed is not None and not 0 <= seed <= SEED_MAX:
+        _err(f"--seed must be an integer from 0 to {SEED_MAX}, got {seed}")
+
+
 def _check_sampling_flags(
     temp: float,
     top_p: float,
@@ -88,6 +97,7 @@ def _check_sampling_flags(
     from ..method.tree import TreeSpec
     from ..runtime.sampling import SamplingParams
 
+    _check_seed(seed)
     try:
         sampling = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
         tree_spec = TreeSpec.parse(tree) if tree not in (None, "auto") else tree
@@ -401,6 +411,12 @@ def generate(
     if prompt == "-":
         prompt = sys.stdin.read()
     sampling, tree_spec = _check_sampling_flags(temp, top_p, max_tokens, max_kv_size, tree=tree, top_k=top_k, seed=seed)
+    from ..runtime.speculative import check_pruning_threshold
+
+    try:
+        check_pruning_threshold(prune_threshold)
+    except ValueError as e:
+        _err(f"--prune-threshold: {e}")
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
     ss_log = lambda s: typer.echo(f"specstream-mlx: {s}", err=True)  # noqa: E731
     tools = _read_tools(tools_file, m)
@@ -536,7 +552,7 @@ def chat(
     """Chat with a model: streaming replies, multi-turn KV reuse, /commands (/help)."""
     from .chat import ChatOptions, run_chat
 
-    _check_sampling_flags(temp, top_p, max_tokens, max_kv_size, tree=tree)
+    _check_sampling_flags(temp, top_p, max_tokens, max_kv_size, tree=tree, seed=seed)
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
     tools = _read_tools(tools_file, m)
     if tools:
@@ -680,7 +696,7 @@ def bench(
 
     # Before anything loads: each of these took a model's loading or a run's minutes to fail.
     _at_least(1, ("--prompts", prompts), ("--rounds", rounds))
-    _check_sampling_flags(temp, 1.0, max_tokens)
+    _check_sampling_flags(temp, 1.0, max_tokens, seed=seed)
 
     try:
         path = resolve_model_path(model)
@@ -993,6 +1009,7 @@ def distill(
     from ..train.distill import DistillOptions
     from ..train.distill import distill as _distill
 
+    _check_seed(seed)
     opts = DistillOptions(
         max_tokens,
         temp,
@@ -1032,6 +1049,7 @@ def prepare_sharegpt(
     if not 0.0 < valid_fraction < 0.5:
         _err(f"--valid-fraction must be above 0 and below 0.5 (valid and test take it each), got {valid_fraction}")
     _at_least(1, ("--max-examples", max_examples), ("--max-turns", max_turns))
+    _check_seed(seed)
     folder = _data_dir(out)
     try:
         counts = write_sharegpt_jsonl(folder, max_examples, valid_fraction, seed, max_turns)
@@ -1240,6 +1258,7 @@ def train(
     from ..train import train as _train
     from ..train.data import DataError
 
+    _check_seed(seed)
     try:
         same = {f.name: options[f.name] for f in fields(TrainConfig) if f.name in options}
         same.update(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional, TextIO
 
 from ..runtime.generation import MODES
-from ..runtime.sampling import SamplingParams
+from ..runtime.sampling import SEED_MAX, SamplingParams
 from ..runtime.session import ChatSession, ContextError, Reply
 
 HELP = "commands: /help  /reset  /stats  /mode ss|ar|lookup  /temp T  /quit"
@@ -102,7 +102,7 @@ class _Chat:
 
     def turn(self, text: str) -> None:
         o = self.opts
-        seed = (o.seed + self.turns) if o.seed is not None else time.time_ns() % 2**31
+        seed = (o.seed + self.turns) % (SEED_MAX + 1) if o.seed is not None else time.time_ns() % 2**31
         self.turns += 1
         sampling = SamplingParams(temperature=o.temp, top_p=o.top_p, seed=seed)
         cancel = threading.Event()

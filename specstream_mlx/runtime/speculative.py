@@ -85,6 +85,13 @@ class PassResult:
     resync: bool = False
 
 
+def check_pruning_threshold(threshold: Optional[float]) -> None:
+    """Raise ValueError unless ``threshold`` is None (the model's own) or a probability: above 1
+    every draft node was pruned, below 0 none, and NaN pruned every one (no comparison holds)."""
+    if threshold is not None and not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"the pruning threshold must be a probability in [0, 1], got {threshold}")
+
+
 def make_policy(
     sm: SpeculativeModel,
     tree: Union[None, str, TreeSpec],
@@ -95,6 +102,7 @@ def make_policy(
 ):
     """The policy of one generation: ``auto`` (default the model's shared one) when the tree
     is ``"auto"``, else the fixed tree."""
+    check_pruning_threshold(pruning_threshold)
     threshold = sm.streams.config.pruning_threshold if pruning_threshold is None else pruning_threshold
     if not sampling.greedy:
         threshold = 0.0  # lossless sampling: see ss_steps

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from ..runtime.sampling import SamplingParams
+from ..runtime.sampling import SEED_MAX, SamplingParams
 from ..tasks.tool_calls import ToolCall, ToolError, check_tools, format_calls, parse_tool_calls, with_tools
 
 ROLES = ("system", "user", "assistant")
@@ -217,7 +217,7 @@ def parse_sampling(body: dict, default_temperature: float, default_top_p: float 
         temperature=number(body, "temperature", default_temperature, 0.0, 100.0),
         top_p=number(body, "top_p", default_top_p, 1e-9, 1.0),
         top_k=number(body, "top_k", 0, 0, 1 << 30, integer=True),
-        seed=number(body, "seed", None, 0, (1 << 63) - 1, integer=True),
+        seed=number(body, "seed", None, 0, SEED_MAX, integer=True),
     )
 
 

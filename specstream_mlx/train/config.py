@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
+from ..runtime.sampling import SEED_MAX
+
 
 class TrainError(RuntimeError):
     pass
@@ -131,6 +133,8 @@ class TrainConfig:
         for name in ("alpha_main", "alpha_stream", "distill_weight", "lora_scale"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not 0 <= self.seed <= SEED_MAX:  # MLX's, numpy's and PyTorch's generators all take these
+            raise ValueError(f"seed must be an integer from 0 to {SEED_MAX}, got {self.seed}")
         if not 0 <= self.pruning_keep <= 1:
             raise ValueError(f"pruning_keep must be in [0, 1] (0: keep the threshold), got {self.pruning_keep}")
         if self.mode not in ("lossless", "shared"):
