@@ -584,6 +584,8 @@ def test_data_and_evaluation_commands_refuse_values_no_run_could_use(tiny_model_
     for args, words in (
         (["eval-bfcl", "--model", str(tiny_model_dir), "-m", "0"], "--max-tokens must be at least 1"),
         (["eval-bfcl", "--model", str(tiny_model_dir), "--limit", "0"], "--limit must be at least 1"),
+        # a tree no pass could use had been refused only after the model loaded, in a traceback
+        (["eval-bfcl", "--model", str(tiny_model_dir), "--tree", "dynamic:0"], "bad tree spec 'dynamic:0'"),
         (["prepare-sharegpt", "--out", str(out), "--valid-fraction", "2"], "--valid-fraction"),
         (["prepare-sharegpt", "--out", str(out), "--valid-fraction", "0"], "--valid-fraction"),
         (["prepare-sharegpt", "--out", str(out), "--max-examples", "0"], "--max-examples must be at least 1"),

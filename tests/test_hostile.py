@@ -196,6 +196,20 @@ def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused_not_decoded(tmp_pat
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "outside the model's vocabulary (0..150)" in r.stderr.strip().splitlines()[-1]
+    # eval-bfcl's had been a traceback
+    bfcl = tmp_path / "bfcl"
+    bfcl.mkdir()
+    row = {"id": "simple_0", "category": "simple", "tools": [], "ground_truth": [], "messages": []}
+    row["messages"] = [{"role": "user", "content": "hello there"}]
+    (bfcl / "test.jsonl").write_text(json.dumps(row) + "\n")
+    r = subprocess.run(
+        [*CLI, "eval-bfcl", "--model", str(d), "--data", str(bfcl), "--mode", "ar"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "outside the model's vocabulary (0..150)" in r.stderr.strip().splitlines()[-1]
     model, tok = load(str(d))
     with pytest.raises(PromptError, match="token id 201"):
         generate(model, tok, "hello there", max_tokens=4)

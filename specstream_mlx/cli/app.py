@@ -1114,7 +1114,8 @@ def eval_bfcl(
     from ..tasks.bfcl import BFCLError
     from ..tasks.evaluate import bfcl_test_rows, evaluate, format_report, format_table, read_test_rows, spread
 
-    _at_least(1, ("--limit", limit), ("--max-tokens", max_tokens))
+    _at_least(1, ("--limit", limit))
+    _check_sampling_flags(0.0, 1.0, max_tokens, tree=tree)  # greedy; a tree no pass could use, before loading
     try:
         rows = spread(read_test_rows(Path(data) / "test.jsonl") if data else bfcl_test_rows(), limit)
     except (OSError, ValueError, BFCLError) as e:
@@ -1139,12 +1140,17 @@ def eval_bfcl(
             bar.update(1)
             bar.set_postfix_str(f"accuracy {rep.accuracy:.1%}")
 
+        failure = None  # said after the progress bar's last line, so that it ends the output
         try:
             report = evaluate(m, tok, rows, these, tree if "ss" in these else None, max_tokens, name, progress)
         except KeyboardInterrupt:
-            _err("interrupted; no report written", 130)
+            failure = ("interrupted; no report written", 130)
+        except ValueError as e:  # a prompt the model's tokenizer or template cannot give it
+            failure = (f"{name}: {e}", 1)
         finally:
             bar.close()
+        if failure is not None:
+            _err(*failure)
         if m.streams is not None:
             report.extra_parameters = sum(v.size for _, v in tree_flatten(m.streams.parameters()))
         typer.echo(format_report(report))
