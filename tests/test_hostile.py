@@ -196,6 +196,15 @@ def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused_not_decoded(tmp_pat
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "outside the model's vocabulary (0..150)" in r.stderr.strip().splitlines()[-1]
+    # bench's ended before its progress bar's last line
+    r = subprocess.run(
+        [*CLI, "bench", "--model", str(d), "--prompts", "1", "--rounds", "1", "--max-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "outside the model's vocabulary (0..150)" in r.stderr.strip().splitlines()[-1]
     # eval-bfcl's had been a traceback
     bfcl = tmp_path / "bfcl"
     bfcl.mkdir()

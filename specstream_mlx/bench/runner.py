@@ -300,6 +300,14 @@ def _run_all(methods: Dict[str, Callable[[int], Run]], n_prompts: int, rounds: i
         from tqdm import tqdm
 
         bar = tqdm(total=len(methods) * (rounds * n_prompts + 1), desc="bench", unit="run")
+    try:
+        return _rounds(methods, n_prompts, rounds, bar)
+    finally:  # closed before an error is said, so that the error ends the output
+        if bar:
+            bar.close()
+
+
+def _rounds(methods: Dict[str, Callable[[int], Run]], n_prompts: int, rounds: int, bar) -> Dict[str, List[Run]]:
     runs: Dict[str, List[Run]] = {name: [] for name in methods}
     for fn in methods.values():
         fn(0)  # warm-up (also measures --tree auto step costs once)
@@ -320,8 +328,6 @@ def _run_all(methods: Dict[str, Callable[[int], Run]], n_prompts: int, rounds: i
                 if bar:
                     bar.update(1)
             turn += 1
-    if bar:
-        bar.close()
     return runs  # per method in (round, prompt) order: the summary pairs runs across methods
 
 
