@@ -20,6 +20,25 @@ import struct
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Tuple
 
+# The largest sampling or shuffling seed taken: MLX's PRNG keys take 64 unsigned bits, numpy's
+# and PyTorch's generators any non-negative integer of 63.
+SEED_MAX = (1 << 63) - 1
+
+
+def outside_vocabulary(ids: Iterable[int], vocab_size: int) -> Optional[str]:
+    """Why token ``ids`` cannot be looked up in a model's vocabulary of ``vocab_size`` (one line),
+    or None: the embedding lookup does not check its indices, and an id past the table reads
+    whatever memory follows it (another model's tokenizer gave fluent garbage; a larger one
+    could crash)."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is None:
+        return None
+    return (
+        f"token id {bad} is outside the model's vocabulary (0..{vocab_size - 1}): "
+        "the tokenizer does not belong to this model"
+    )
+
+
 # Text files of a model directory: the largest real tokenizer.json we know is ~35 MB.
 MAX_JSON_BYTES = 16 << 20
 MAX_TOKENIZER_BYTES = 128 << 20

@@ -13,7 +13,9 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, Tuple, TypeVar
+from typing import Callable, Iterator, Sequence, Tuple, TypeVar
+
+from ..io.limits import outside_vocabulary
 
 T = TypeVar("T")
 
@@ -25,6 +27,14 @@ FATAL = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 class PromptError(ValueError):
     """A prompt the model's own template or tokenizer could not turn into tokens."""
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """Raise :class:`PromptError` for an id outside the model's vocabulary
+    (:func:`~specstream_mlx.io.limits.outside_vocabulary`)."""
+    why = outside_vocabulary(ids, vocab_size)
+    if why:
+        raise PromptError(why)
 
 
 class _Deadline(Exception):

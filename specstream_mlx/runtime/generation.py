@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..method.tree import TreeSpec
 from .autotune import AutoPolicy
-from .bounded import TEMPLATE_SECONDS, PromptError, guarded, time_limit
+from .bounded import TEMPLATE_SECONDS, PromptError, check_token_ids, guarded, time_limit
 from .loaded_model import base_model
 from .lookup import lookup_steps
 from .sampling import SamplingParams
@@ -104,18 +104,6 @@ def make_steps(
     if mode == "lookup":
         return lookup_steps(base_model(model), ids, sampling, cache=cache)
     raise ValueError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
-
-
-def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
-    """Raise :class:`~.bounded.PromptError` for an id outside the model's vocabulary: the
-    embedding lookup does not check its indices, and an id past the table read whatever memory
-    follows it (a tokenizer of another model's gave fluent garbage, a larger one could crash)."""
-    outside = [i for i in ids if not 0 <= i < vocab_size]
-    if outside:
-        raise PromptError(
-            f"the prompt holds token id {outside[0]}, outside the model's vocabulary (0..{vocab_size - 1}): "
-            "the tokenizer does not belong to this model"
-        )
 
 
 def encode_prompt(

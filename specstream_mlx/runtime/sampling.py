@@ -13,9 +13,9 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..io.limits import SEED_MAX
+
 GREEDY_BELOW = 1e-5
-# The largest sampling seed taken (the server's requests and the CLI's --seed alike).
-SEED_MAX = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        # MLX's PRNG keys take 64 unsigned bits, and seed + n (reply n of a chat) must fit too.
+        # MLX's PRNG keys take 64 unsigned bits (a chat's reply n uses seed + n, wrapped at SEED_MAX).
         if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be an integer from 0 to {SEED_MAX}, got {self.seed}")
 

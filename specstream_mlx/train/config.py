@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from ..runtime.sampling import SEED_MAX
+from ..io.limits import SEED_MAX
 
 
 class TrainError(RuntimeError):

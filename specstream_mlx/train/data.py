@@ -20,6 +20,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..io.limits import outside_vocabulary
+
 
 class DataError(ValueError):
     pass
@@ -126,12 +128,9 @@ def read_records(path: Path, tokenizer, vocab_size: Optional[int] = None) -> Ite
                 continue
             try:
                 ex = encode_record(json.loads(line), tokenizer)
-                outside = [] if vocab_size is None else [t for t in ex.tokens if not 0 <= t < vocab_size]
-                if outside:
-                    raise DataError(
-                        f"token id {outside[0]} is outside the model's vocabulary (0..{vocab_size - 1}): "
-                        "the tokenizer does not belong to this model"
-                    )
+                why = None if vocab_size is None else outside_vocabulary(ex.tokens, vocab_size)
+                if why:
+                    raise DataError(why)
                 yield lineno, ex
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None

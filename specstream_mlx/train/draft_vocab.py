@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..method.streams import CONFIG_FILE, DRAFT_VOCAB_KEY, WEIGHTS_FILE
-from .data import DataError, read_records
+from .data import read_records
 
 # The size `specstream-mlx draft-vocab` takes by default: on SmolLM2's ShareGPT streams a
 # greedy dynamic:8@1 decoding of 16 bench prompts accepted the same tokens with 8,192 and
@@ -54,10 +54,8 @@ def count_reply_tokens(
     """(vocab_size,) counts of the reply tokens (from each record's completion start) of a
     JSONL split; a malformed line stops with ``file:line: reason``."""
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for lineno, ex in read_records(path, tokenizer):
+    for lineno, ex in read_records(path, tokenizer, vocab_size):
         reply = np.asarray(ex.tokens[ex.completion_start :], dtype=np.int64)
-        if len(reply) and (reply.min() < 0 or reply.max() >= vocab_size):
-            raise DataError(f"{path}:{lineno}: token id outside the model's vocabulary ({vocab_size})")
         counts += np.bincount(reply, minlength=vocab_size)
         if progress and lineno % 500 == 0:
             progress(lineno)
