@@ -22,13 +22,15 @@ MLX is imported and are read by :mod:`specstream_mlx.blas_env` (docs/USAGE.md);
 ``SPECSTREAM_JIT_AVX2=0`` (MLX's compiled CPU kernels built with MLX's own flags) acts at
 ``import specstream_mlx`` and is read by :mod:`specstream_mlx.cpu_jit`. Everything
 else takes its setting as an argument; :func:`current` is read at each use, so a test or a
-caller that changes the environment is seen. The switches among them take 0 or 1 only; the
-CLI refuses any other value before it runs (:func:`check`).
+caller that changes the environment is seen. The switches among them take 0 or 1 only, and the
+cache must be a folder that can be made and written; the CLI refuses anything else before it
+runs (:func:`check`).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,11 +59,29 @@ SWITCHES = ("SPECSTREAM_COMPILE", "SPECSTREAM_FUSE", "SPECSTREAM_JIT_AVX2", "SPE
 
 
 def check() -> None:
-    """Raises ValueError naming a switch (:data:`SWITCHES`) set to anything but 0 or 1."""
+    """Raises ValueError naming a switch (:data:`SWITCHES`) set to anything but 0 or 1, or a
+    cache folder that cannot be made or written: without one the product kernel and the
+    compiled kernels' flags could not be built and decoding ran several times slower, the
+    bundled model failed to convert, and neither said why."""
     for name in SWITCHES:
         value = os.environ.get(name, "").strip()
         if value not in ("", "0", "1"):
             raise ValueError(f"{name}={value!r}: expected 0 or 1")
+    cache = current().cache_dir
+    what = (
+        f"SPECSTREAM_MLX_CACHE={os.environ['SPECSTREAM_MLX_CACHE']}"
+        if os.environ.get("SPECSTREAM_MLX_CACHE")
+        else cache
+    )
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=cache, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        above = next((p for p in [cache, *cache.parents] if p.exists()), None)
+        why = f"{above} is not a folder" if above is not None and not above.is_dir() else e.strerror or str(e)
+        raise ValueError(f"{what}: the cache folder cannot be made or written ({why})") from None
 
 
 def current() -> Settings:

@@ -611,6 +611,23 @@ def test_a_switch_set_to_neither_0_nor_1_is_refused():
         assert r.stderr.strip() == f"specstream-mlx: error: {name}='yes': expected 0 or 1", r.stderr
 
 
+def test_a_cache_folder_that_cannot_be_made_or_written_is_refused(tmp_path):
+    """SPECSTREAM_MLX_CACHE naming a file had turned the product kernel, the mutexes' spinning and
+    the compiled kernels' flags off without a word (none of them could be built there: decoding
+    several times slower), and the bundled model failed only when it was first converted."""
+    (tmp_path / "a-file").write_text("")
+    for cache, why in ((tmp_path / "a-file", "is not a folder"), (tmp_path / "a-file" / "sub", "is not a folder")):
+        r = run("doctor", env={**os.environ, "SPECSTREAM_MLX_CACHE": str(cache)})
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip() == (
+            f"specstream-mlx: error: SPECSTREAM_MLX_CACHE={cache}: the cache folder cannot be made or written "
+            f"({tmp_path / 'a-file'} {why})"
+        ), r.stderr
+    fresh = tmp_path / "new" / "cache"
+    assert run("doctor", env={**os.environ, "SPECSTREAM_MLX_CACHE": str(fresh)}).returncode == 0
+    assert fresh.is_dir() and not list(fresh.glob(".probe-*"))
+
+
 def test_a_destination_no_directory_can_be_made_at_is_one_line_before_the_work(tiny_model_dir, tmp_path):
     """`convert`/`export` into a path under a file or on /proc had ended in a traceback from
     mkdtemp, and `train` ran to its end and then lost the trained streams that way."""
