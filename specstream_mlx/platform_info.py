@@ -426,6 +426,35 @@ def preload_in_process() -> Optional[BlasChoice]:
     return choice
 
 
+def warn_if_no_kernel(choice: BlasChoice) -> None:
+    """One line when the product kernel was wanted in front of the BLAS but could not be built
+    (no C compiler): decoding then ran on the BLAS alone, the plain step several times slower,
+    without a word. Not where a cache it would be built in is unusable (the CLI refuses that)."""
+    from .settings import current
+
+    cache = current().cache_dir
+    if (
+        choice.path is None
+        or choice.forwarder is not None
+        or os.environ.get(GEMV_ENV, "1") == "0"
+        or platform.machine() not in ("x86_64", "AMD64")
+        or not sys.platform.startswith("linux")
+        or (cache.exists() and not (cache.is_dir() and os.access(cache, os.W_OK)))
+    ):
+        return
+    why = (
+        "no C compiler (cc or gcc) was found"
+        if not (shutil.which("cc") or shutil.which("gcc"))
+        else "it did not compile"
+    )
+    print(
+        f"specstream-mlx: warning: the product kernel could not be built ({why}): matrix products run on "
+        f"{choice.library.name if choice.library else choice.path} alone, a decoding step several times slower; "
+        "install gcc (Debian/Ubuntu: `apt install gcc`)",
+        file=sys.stderr,
+    )
+
+
 def warn_if_reference_blas() -> None:
     """Once per process: say so when MLX's CPU products run on the bundled reference BLAS."""
     global _warned
@@ -471,6 +500,8 @@ def maybe_reexec_with_blas(argv: Optional[list] = None) -> None:
                 file=sys.stderr,
             )
         want_blas = False
+    if want_blas or _in_process is not None:
+        warn_if_no_kernel(choice)
     want_malloc = not malloc_preloaded(choice.malloc)
     # A BLAS loaded in-process here is preloaded there, with the forwarder in front of it:
     # the forwarder's library also holds the mutexes that spin (native/lock_spin.c), which
