@@ -442,15 +442,13 @@ def warn_if_no_kernel(choice: BlasChoice) -> None:
         or (cache.exists() and not (cache.is_dir() and os.access(cache, os.W_OK)))
     ):
         return
-    why = (
-        "no C compiler (cc or gcc) was found"
-        if not (shutil.which("cc") or shutil.which("gcc"))
-        else "it did not compile"
-    )
+    if shutil.which("cc") or shutil.which("gcc"):
+        why, fix = "the C compiler failed on it", "check that `cc` builds shared libraries here"
+    else:
+        why, fix = "no C compiler (cc or gcc) was found", "install gcc (Debian/Ubuntu: `apt install gcc`)"
     print(
         f"specstream-mlx: warning: the product kernel could not be built ({why}): matrix products run on "
-        f"{choice.library.name if choice.library else choice.path} alone, a decoding step several times slower; "
-        "install gcc (Debian/Ubuntu: `apt install gcc`)",
+        f"{choice.library.name if choice.library else choice.path} alone, a decoding step several times slower; " + fix,
         file=sys.stderr,
     )
 
