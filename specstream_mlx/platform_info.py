@@ -428,8 +428,8 @@ def preload_in_process() -> Optional[BlasChoice]:
 
 def warn_if_no_kernel(choice: BlasChoice) -> None:
     """One line when the product kernel was wanted in front of the BLAS but could not be built
-    (no C compiler): decoding then ran on the BLAS alone, the plain step several times slower,
-    without a word. Not where a cache it would be built in is unusable (the CLI refuses that)."""
+    (no C compiler, or one that failed): decoding then ran on the BLAS alone, the plain step
+    several times slower, without a word. Not where a cache it would be built in is unusable (the CLI refuses that)."""
     from .settings import current
 
     cache = current().cache_dir
