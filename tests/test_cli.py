@@ -669,6 +669,14 @@ def test_a_destination_no_directory_can_be_made_at_is_one_line_before_the_work(t
             err = _one_line_error(r)
             assert f"{dst}: cannot write a directory there ({why}" in err, (args, err)
             assert "[train]" not in r.stderr, "trained before the destination was checked"
+    # train --export-hf had been checked only once training was done
+    train = ["train", "--model", str(tiny_model_dir), "--data", str(data), "--iters", "2"]
+    for out, export, words in (
+        (tmp_path / "t", under_a_file[0], f"--export-hf {under_a_file[0]}: cannot write a directory there"),
+        (tmp_path / "t", tmp_path / "t", "--export-hf must name another folder than --out"),
+    ):
+        r = run(*train, "--out", str(out), "--export-hf", str(export))
+        assert words in _one_line_error(r) and not out.exists(), r.stderr
     from specstream_mlx.io.files import check_writable
 
     check_writable(tmp_path / "new" / "deeper" / "out", ValueError)  # the probe leaves nothing behind

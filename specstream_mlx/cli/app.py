@@ -1265,6 +1265,16 @@ def train(
     from ..train.data import DataError
 
     _check_seed(seed)
+    if export_hf:  # before the run, as --out is: its result would otherwise come after the minutes
+        from ..io.files import check_replaceable, check_writable
+
+        if Path(export_hf).expanduser().resolve() == Path(out).expanduser().resolve():
+            _err("--export-hf must name another folder than --out (it would replace the trained model)")
+        try:
+            check_replaceable(Path(export_hf).expanduser(), force, ValueError)
+            check_writable(Path(export_hf).expanduser(), ValueError)
+        except ValueError as e:
+            _err(f"--export-hf {e}")
     try:
         same = {f.name: options[f.name] for f in fields(TrainConfig) if f.name in options}
         same.update(
