@@ -677,6 +677,12 @@ def test_a_destination_no_directory_can_be_made_at_is_one_line_before_the_work(t
     ):
         r = run(*train, "--out", str(out), "--export-hf", str(export))
         assert words in _one_line_error(r) and not out.exists(), r.stderr
+    # distill into the prompts' own folder had taken their train.jsonl for replies already written
+    before = (data / "train.jsonl").read_text()
+    for prompts in (data, data / "train.jsonl"):
+        r = run("distill", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--out", str(data))
+        assert "is where the prompts are" in _one_line_error(r), r.stderr
+    assert (data / "train.jsonl").read_text() == before
     from specstream_mlx.io.files import check_writable
 
     check_writable(tmp_path / "new" / "deeper" / "out", ValueError)  # the probe leaves nothing behind

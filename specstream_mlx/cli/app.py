@@ -1024,6 +1024,12 @@ def distill(
         cut_loops=not keep_loops,
         backend=backend,
     )
+    given = Path(prompts).expanduser().resolve()
+    into = Path(out).expanduser().resolve()
+    if into == given or (given.is_file() and into == given.parent):
+        # Its train/valid.jsonl would be taken for replies already written (distill resumes):
+        # the run "finished" at once, or added the model's replies to the prompts themselves.
+        _err(f"--out {out}: is where the prompts are; write the replies to another folder")
     _data_dir(out, make=False)  # made once the model and the prompts are read
     try:
         counts = _distill(model, prompts, out, opts, log=lambda s: typer.echo(s, err=True))
