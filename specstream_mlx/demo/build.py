@@ -519,7 +519,7 @@ def build_smollm2(scale: float = 1.0, seed: int = 0) -> None:
     data = RUNS / f"sharegpt-{SMOL_EXAMPLES // 1000}k"
     if not (data / "valid.jsonl").exists():
         subprocess.run(
-            [sys.executable, "-m", "specstream_mlx", "prepare-sharegpt", "--out", str(data)]
+            [sys.executable, "-m", "specstream_mlx", "prepare-sharegpt", "--out", str(data), "--force"]
             + ["--max-examples", str(SMOL_EXAMPLES), "--seed", str(seed)],
             check=True,
         )
@@ -623,7 +623,7 @@ def build_smollm2_fc(scale: float = 1.0, seed: int = 0) -> None:
     data = RUNS / f"bfcl-{FC_MAX_TOKENS}"
     if not (data / "test.jsonl").exists():
         subprocess.run(
-            [sys.executable, "-m", "specstream_mlx", "prepare-bfcl", "--out", str(data)]
+            [sys.executable, "-m", "specstream_mlx", "prepare-bfcl", "--out", str(data), "--force"]
             + ["--max-tokens", str(FC_MAX_TOKENS)],
             check=True,
         )
