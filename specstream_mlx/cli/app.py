@@ -1277,16 +1277,8 @@ def train(
     from ..train.data import DataError
 
     _check_seed(seed)
-    if export_hf:  # before the run, as --out is: its result would otherwise come after the minutes
-        from ..io.files import check_replaceable, check_writable
-
-        if Path(export_hf).expanduser().resolve() == Path(out).expanduser().resolve():
-            _err("--export-hf must name another folder than --out (it would replace the trained model)")
-        try:
-            check_replaceable(Path(export_hf).expanduser(), force, ValueError)
-            check_writable(Path(export_hf).expanduser(), ValueError)
-        except ValueError as e:
-            _err(f"--export-hf {e}")
+    if export_hf:
+        _check_export_destination(export_hf, out, force)
     try:
         same = {f.name: options[f.name] for f in fields(TrainConfig) if f.name in options}
         same.update(
@@ -1304,6 +1296,21 @@ def train(
         raise typer.Exit(130)
     if export_hf and res.written:
         _export_trained(out, export_hf, force)
+
+
+def _check_export_destination(export_hf: str, out: str, force: bool) -> None:
+    """``train --export-hf``'s folder, checked before the run as --out is: one line where it
+    could not be written (found only after the minutes of training, before) or is --out's."""
+    from ..io.files import check_replaceable, check_writable
+
+    dst = Path(export_hf).expanduser()
+    if dst.resolve() == Path(out).expanduser().resolve():
+        _err("--export-hf must name another folder than --out (it would replace the trained model)")
+    try:
+        check_replaceable(dst, force, ValueError)
+        check_writable(dst, ValueError)
+    except ValueError as e:
+        _err(f"--export-hf {e}")
 
 
 def _export_trained(out: str, export_hf: str, force: bool) -> None:
