@@ -617,7 +617,7 @@ def test_a_switch_set_to_neither_0_nor_1_is_refused():
         assert r.stderr.strip() == f"specstream-mlx: error: {name}='yes': expected 0 or 1", r.stderr
 
 
-def test_a_cache_folder_that_cannot_be_made_or_written_is_refused(tmp_path):
+def test_a_cache_folder_that_cannot_be_made_or_written_is_refused(tmp_path, monkeypatch):
     """SPECSTREAM_MLX_CACHE naming a file had turned the product kernel, the mutexes' spinning and
     the compiled kernels' flags off without a word (none of them could be built there: decoding
     several times slower), and the bundled model failed only when it was first converted."""
@@ -629,9 +629,12 @@ def test_a_cache_folder_that_cannot_be_made_or_written_is_refused(tmp_path):
             f"specstream-mlx: error: SPECSTREAM_MLX_CACHE={cache}: the cache folder cannot be made or written "
             f"({tmp_path / 'a-file'} {why})"
         ), r.stderr
+    from specstream_mlx.settings import check
+
     fresh = tmp_path / "new" / "cache"
-    assert run("doctor", env={**os.environ, "SPECSTREAM_MLX_CACHE": str(fresh)}).returncode == 0
-    assert fresh.is_dir() and not list(fresh.glob(".probe-*"))
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(fresh))
+    check()  # a cache that does not exist yet is made, and the probe leaves nothing in it
+    assert fresh.is_dir() and not list(fresh.iterdir())
 
 
 def test_a_product_kernel_that_cannot_be_built_is_said(tmp_path):
@@ -650,7 +653,8 @@ def test_a_product_kernel_that_cannot_be_built_is_said(tmp_path):
     assert len(warned) == (1 if served else 0) and all("no C compiler" in w for w in warned), r.stderr
     assert "blas_gemv_forwarding: False" in r.stdout
     env["PATH"] = os.environ["PATH"]
-    r = run("doctor", env=env)  # with one, built and said nothing of
+    env["SPECSTREAM_MLX_CACHE"] = os.environ["SPECSTREAM_MLX_CACHE"]  # the run's, the kernel built there
+    r = run("doctor", env=env)  # with a compiler: nothing said
     assert r.returncode == 0 and "could not be built" not in r.stderr, r.stderr
 
 
