@@ -180,45 +180,38 @@ def test_tokenizer_custom_code_is_refused_in_one_line(tmp_path, tiny_model_dir):
 def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused_not_decoded(tmp_path, hf_models):
     """A model directory holding a tokenizer with more ids than the model's vocabulary (here
     the byte tokenizer beside a 151-token model): its ids past the embedding table had been
-    decoded from whatever memory follows it (fluent garbage, exit 0)."""
+    decoded from whatever memory follows it (fluent garbage, exit 0) by generate, distill,
+    measure-acceptance and calibrate-pruning; bench's error had come before its progress
+    bar's last line, eval-bfcl's as a traceback."""
     from specstream_mlx import generate, load
+    from specstream_mlx.convert import ConvertOptions, convert
     from specstream_mlx.demo.byte_tokenizer import save_byte_tokenizer
     from specstream_mlx.runtime.bounded import PromptError
 
-    _, _, converted = hf_models("llama-q")
-    d = copy_model(converted, tmp_path / "m")
+    _, src, _ = hf_models("llama-q")
+    d = convert(str(src), str(tmp_path / "m"), ConvertOptions(dtype="float32", num_streams=2, stream_layers=1))
     save_byte_tokenizer(d)
-    r = subprocess.run(
-        [*CLI, "generate", "--model", str(d), "--prompt", "hello there", "-m", "4", "--temp", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert "outside the model's vocabulary (0..150)" in r.stderr.strip().splitlines()[-1]
-    # bench's ended before its progress bar's last line
-    r = subprocess.run(
-        [*CLI, "bench", "--model", str(d), "--prompts", "1", "--rounds", "1", "--max-tokens", "4"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
-    assert "outside the model's vocabulary (0..150)" in r.stderr.strip().splitlines()[-1]
-    # eval-bfcl's had been a traceback
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "valid"):
+        (data / f"{split}.jsonl").write_text('{"text": "hello there"}\n')
     bfcl = tmp_path / "bfcl"
     bfcl.mkdir()
     row = {"id": "simple_0", "category": "simple", "tools": [], "ground_truth": [], "messages": []}
     row["messages"] = [{"role": "user", "content": "hello there"}]
     (bfcl / "test.jsonl").write_text(json.dumps(row) + "\n")
-    r = subprocess.run(
-        [*CLI, "eval-bfcl", "--model", str(d), "--data", str(bfcl), "--mode", "ar"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
-    assert "outside the model's vocabulary (0..150)" in r.stderr.strip().splitlines()[-1]
+    for args in (
+        ["generate", "--prompt", "hello there", "-m", "4", "--temp", "0"],
+        ["bench", "--prompts", "1", "--rounds", "1", "--max-tokens", "4"],
+        ["eval-bfcl", "--data", str(bfcl), "--mode", "ar"],
+        ["distill", "--prompts", str(data), "--out", str(tmp_path / "replies"), "-m", "4"],
+        ["measure-acceptance", "--prompts", str(data)],
+        ["calibrate-pruning", "--data", str(data)],
+    ):
+        r = subprocess.run([*CLI, args[0], "--model", str(d), *args[1:]], capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, (args, r.stderr)
+        assert "outside the model's vocabulary (0..150)" in r.stderr.strip().splitlines()[-1], (args, r.stderr)
+    assert not (tmp_path / "replies").exists()
     model, tok = load(str(d))
     with pytest.raises(PromptError, match="token id 201"):
         generate(model, tok, "hello there", max_tokens=4)

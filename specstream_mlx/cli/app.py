@@ -822,6 +822,7 @@ def measure_acceptance_cmd(
     from ..io.prompts import PromptFileError
     from ..method.streams import CONFIG_FILE
     from ..runtime.acceptance_prior import measure_acceptance
+    from ..runtime.bounded import check_token_ids
     from ..runtime.generation import encode_prompt
 
     if n_prompts < 1 or max_tokens < 8:
@@ -836,7 +837,10 @@ def measure_acceptance_cmd(
     try:
         path, m, tok = _load_with_streams(model)
         rows = read_prompts_file(src, n_prompts)
-        ids = [mx.array(encode_prompt(tok, r["prompt"], use_chat_template=True)) for r in rows]
+        encoded = [encode_prompt(tok, r["prompt"], use_chat_template=True) for r in rows]
+        for e in encoded:
+            check_token_ids(e, m.base.args.vocab_size)
+        ids = [mx.array(e) for e in encoded]
         prior = measure_acceptance(
             m,
             ids,
@@ -958,7 +962,7 @@ def calibrate_pruning_cmd(
         lm = load_model_dir(model, warn=False)
         if lm.streams is None:
             _err(no_streams_message(lm.path))
-        _, valid, test = load_dataset(Path(data), lm.tokenizer, 4096)
+        _, valid, test = load_dataset(Path(data), lm.tokenizer, 4096, lm.model.args.vocab_size)
         ds = valid if valid is not None and len(valid) else test
         if ds is None or not len(ds):
             _err(f"{data}: needs a valid.jsonl or test.jsonl to calibrate on")

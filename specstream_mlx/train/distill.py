@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
+from ..io.limits import outside_vocabulary
 from ..io.loading import (
     cast_floating,
     compute_dtype_for_device,
@@ -267,13 +268,17 @@ def distill(
     limit = _context(path) - opts.max_tokens
     if limit <= 0:
         raise DataError(f"--max-tokens leaves no room for a prompt in the model's context ({limit} positions left)")
+    vocab_size = json.loads((path / "config.json").read_text()).get("vocab_size")
+    # Every split's prompts encoded and checked before anything is written.
+    chosen = {}
+    for split, rows in splits.items():
+        stats = SplitStats()
+        chosen[split] = (_selected(rows, tokenizer, limit, opts, stats, vocab_size, f"{prompts} ({split})"), stats)
     replies = _replies(model, tokenizer, path, opts)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     counts, t0 = {}, time.perf_counter()
-    for split, rows in splits.items():
-        stats = SplitStats()
-        rows = _selected(rows, tokenizer, limit, opts, stats)
+    for split, (rows, stats) in chosen.items():
         counts[split] = _distill_split(
             replies, tokenizer, rows, out / f"{split}.jsonl", split, opts, stats, t0, log, progress
         )
@@ -323,15 +328,30 @@ def _summary(split: str, st: SplitStats) -> str:
     return ", ".join(parts)
 
 
-def _selected(rows: List[PromptRow], tokenizer, limit: int, opts: DistillOptions, stats: SplitStats):
+def _selected(
+    rows: List[PromptRow],
+    tokenizer,
+    limit: int,
+    opts: DistillOptions,
+    stats: SplitStats,
+    vocab_size: Optional[int],
+    where: str,
+):
     """The prompts to answer, in the order they are generated: those that fit (counted),
     the first ``max_prompts`` of them, sorted by length so a batch pads little.
-    Deterministic, so a resumed run skips the same rows."""
+    Deterministic, so a resumed run skips the same rows. A prompt with a token id outside
+    the model's vocabulary (a tokenizer not the model's) is a DataError naming ``where``."""
     if opts.max_prompt_tokens is not None:
         limit = min(limit, opts.max_prompt_tokens)
     stats.limit = limit
     # A conversation's last prompt, rendered with its original turns: the longest one answered.
-    sized = [(len(_encode(tokenizer, r.messages)), r) for r in rows]
+    sized = []
+    for r in rows:
+        ids = _encode(tokenizer, r.messages)
+        why = outside_vocabulary(ids, vocab_size) if isinstance(vocab_size, int) else None
+        if why:
+            raise DataError(f"{where}: {why}")
+        sized.append((len(ids), r))
     keep = [(n, r) for n, r in sized if n <= limit]
     stats.skipped_long = len(sized) - len(keep)
     keep = keep[: opts.max_prompts]
