@@ -181,8 +181,7 @@ def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused_not_decoded(tmp_pat
     """A model directory holding a tokenizer with more ids than the model's vocabulary (here
     the byte tokenizer beside a 151-token model): its ids past the embedding table had been
     decoded from whatever memory follows it (fluent garbage, exit 0) by generate, distill,
-    measure-acceptance and calibrate-pruning; bench's error had come before its progress
-    bar's last line, eval-bfcl's as a traceback."""
+    measure-acceptance and calibrate-pruning; eval-bfcl's error had been a traceback."""
     from specstream_mlx import generate, load
     from specstream_mlx.convert import ConvertOptions, convert
     from specstream_mlx.demo.byte_tokenizer import save_byte_tokenizer
@@ -200,18 +199,21 @@ def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused_not_decoded(tmp_pat
     row = {"id": "simple_0", "category": "simple", "tools": [], "ground_truth": [], "messages": []}
     row["messages"] = [{"role": "user", "content": "hello there"}]
     (bfcl / "test.jsonl").write_text(json.dumps(row) + "\n")
+    # (bench and calibrate-pruning take the same checks: stream_generate's and load_dataset's)
     for args in (
         ["generate", "--prompt", "hello there", "-m", "4", "--temp", "0"],
-        ["bench", "--prompts", "1", "--rounds", "1", "--max-tokens", "4"],
         ["eval-bfcl", "--data", str(bfcl), "--mode", "ar"],
-        ["distill", "--prompts", str(data), "--out", str(tmp_path / "replies"), "-m", "4"],
         ["measure-acceptance", "--prompts", str(data)],
-        ["calibrate-pruning", "--data", str(data)],
     ):
         r = subprocess.run([*CLI, args[0], "--model", str(d), *args[1:]], capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and "Traceback" not in r.stderr, (args, r.stderr)
         assert "outside the model's vocabulary (0..150)" in r.stderr.strip().splitlines()[-1], (args, r.stderr)
-    assert not (tmp_path / "replies").exists()
+    from specstream_mlx.train.data import DataError
+    from specstream_mlx.train.distill import DistillOptions, distill
+
+    with pytest.raises(DataError, match=r"\(valid\): token id \d+ is outside the model's vocabulary \(0..150\)"):
+        distill(str(d), str(data), str(tmp_path / "replies"), DistillOptions(max_tokens=4))
+    assert not (tmp_path / "replies").exists()  # nothing written: every split is checked first
     model, tok = load(str(d))
     with pytest.raises(PromptError, match="token id 201"):
         generate(model, tok, "hello there", max_tokens=4)
