@@ -650,6 +650,25 @@ def test_bench_rotates_the_method_order_per_prompt():
     assert all(runs[n] == [(n, i) for _ in range(2) for i in range(3)] for n in names)
 
 
+def test_bench_closes_its_progress_bar_before_an_error_is_said(capsys):
+    """A run that fails (a prompt the model cannot take) had left the bar open: tqdm drew its
+    last line after the CLI's error, so the error was not the output's last line."""
+    from specstream_mlx.bench.runner import _run_all
+
+    def fails(i):
+        if i == 1:
+            raise ValueError("token id 201 is outside the model's vocabulary")
+        return i
+
+    from tqdm import tqdm
+
+    with pytest.raises(ValueError) as failure:  # held, as the CLI holds it while it says the error
+        _run_all({"ar": fails}, n_prompts=2, rounds=1, progress=True)
+    assert "bench" in capsys.readouterr().err  # the bar was drawn
+    assert not list(getattr(tqdm, "_instances", [])), "a bar left open draws after the error"
+    del failure
+
+
 def test_decode_prompts_sums_what_sweeps_compare(ss_model):
     """The examples' shared decoding loop: figures after each prompt's first step, summed."""
     from specstream_mlx import load
