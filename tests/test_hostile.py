@@ -199,11 +199,12 @@ def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused_not_decoded(tmp_pat
     row = {"id": "simple_0", "category": "simple", "tools": [], "ground_truth": [], "messages": []}
     row["messages"] = [{"role": "user", "content": "hello there"}]
     (bfcl / "test.jsonl").write_text(json.dumps(row) + "\n")
-    # (bench and calibrate-pruning take the same checks: stream_generate's and load_dataset's)
+    # (bench takes the same check as generate: stream_generate's)
     for args in (
         ["generate", "--prompt", "hello there", "-m", "4", "--temp", "0"],
         ["eval-bfcl", "--data", str(bfcl), "--mode", "ar"],
         ["measure-acceptance", "--prompts", str(data)],
+        ["calibrate-pruning", "--data", str(data)],
     ):
         r = subprocess.run([*CLI, args[0], "--model", str(d), *args[1:]], capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and "Traceback" not in r.stderr, (args, r.stderr)
