@@ -75,7 +75,7 @@ def _at_least(least: int, *flags) -> None:
 def _check_seed(seed: Optional[int]) -> None:
     """One line and exit 1 for a --seed no generator takes (MLX's, numpy's and PyTorch's
     refused a negative one in a traceback, after the work had started)."""
-    from ..runtime.sampling import SEED_MAX
+    from ..io.limits import SEED_MAX
 
     if seed is not None and not 0 <= seed <= SEED_MAX:
         _err(f"--seed must be an integer from 0 to {SEED_MAX}, got {seed}")
@@ -1032,12 +1032,6 @@ def distill(
         cut_loops=not keep_loops,
         backend=backend,
     )
-    given = Path(prompts).expanduser().resolve()
-    into = Path(out).expanduser().resolve()
-    if into == given or (given.is_file() and into == given.parent):
-        # Its train/valid.jsonl would be taken for replies already written (distill resumes):
-        # the run "finished" at once, or added the model's replies to the prompts themselves.
-        _err(f"--out {out}: is where the prompts are; write the replies to another folder")
     _data_dir(out, make=False)  # made once the model and the prompts are read
     try:
         counts = _distill(model, prompts, out, opts, log=lambda s: typer.echo(s, err=True))

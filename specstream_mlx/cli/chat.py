@@ -18,8 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
+from ..io.limits import SEED_MAX
 from ..runtime.generation import MODES
-from ..runtime.sampling import SEED_MAX, SamplingParams
+from ..runtime.sampling import SamplingParams
 from ..runtime.session import ChatSession, ContextError, Reply
 
 HELP = "commands: /help  /reset  /stats  /mode ss|ar|lookup  /temp T  /quit"

@@ -13,7 +13,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from ..runtime.sampling import SEED_MAX, SamplingParams
+from ..io.limits import SEED_MAX
+from ..runtime.sampling import SamplingParams
 from ..tasks.tool_calls import ToolCall, ToolError, check_tools, format_calls, parse_tool_calls, with_tools
 
 ROLES = ("system", "user", "assistant")

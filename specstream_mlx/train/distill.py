@@ -254,6 +254,11 @@ def distill(
     import mlx_lm
 
     opts.check()
+    given, into = Path(prompts).expanduser().resolve(), Path(out_dir).expanduser().resolve()
+    if into == given or (given.is_file() and into == given.parent):
+        # Its train/valid.jsonl would be taken for replies already written (a run resumes):
+        # the run "finished" at once, or added the model's replies to the prompts themselves.
+        raise DataError(f"{out_dir}: is where the prompts are; write the replies to another folder")
     found = read_prompts(Path(prompts), opts.splits)
     splits = {s: found[s] for s in opts.splits if s in found}
     if not splits:
@@ -265,10 +270,11 @@ def distill(
     dtype = compute_dtype_for_device()
     if dtype is not None:
         cast_floating(model, dtype)
-    limit = _context(path) - opts.max_tokens
+    config = json.loads((path / "config.json").read_text())
+    limit = _context(config) - opts.max_tokens
     if limit <= 0:
         raise DataError(f"--max-tokens leaves no room for a prompt in the model's context ({limit} positions left)")
-    vocab_size = json.loads((path / "config.json").read_text()).get("vocab_size")
+    vocab_size = config.get("vocab_size")
     # Every split's prompts encoded and checked before anything is written.
     chosen = {}
     for split, rows in splits.items():
@@ -358,10 +364,9 @@ def _selected(
     return [r for _, r in sorted(keep, key=lambda nr: nr[0])]
 
 
-def _context(path: Path) -> int:
+def _context(config: dict) -> int:
     """The model's context window (positions), or a large number when config.json names none."""
-    cfg = json.loads((path / "config.json").read_text())
-    n = cfg.get("max_position_embeddings")
+    n = config.get("max_position_embeddings")
     return n if isinstance(n, int) and n > 0 else 1 << 30
 
 
