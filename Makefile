@@ -59,8 +59,10 @@ endif
 demo: install-runtime
 	$(PY) -m specstream_mlx.demo.run
 
+# The suite runs on every core (pytest-xdist): its tests are independent, the bundled model
+# is converted once under a lock, and its cache is shared by the workers.
 test: install
-	env $(BLAS_ENV) $(PY) -m pytest -q --durations=10
+	env $(BLAS_ENV) $(PY) -m pytest -q -n auto --durations=10
 
 # The Swift client (examples/swift): built and tested against the real server when a Swift
 # toolchain is installed (on PATH, or at /opt/swift); skipped with one line otherwise.
