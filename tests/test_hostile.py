@@ -221,6 +221,72 @@ def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused_not_decoded(tmp_pat
     assert generate(model, tok, [3, 4, 5], max_tokens=4).tokens  # ids inside it decode as before
 
 
+def test_text_that_is_not_utf8_or_unicode_is_one_line_naming_where(tmp_path, tiny_model_dir):
+    """Bytes that are not UTF-8 (a Latin-1 file, a pasted line) and JSON escapes of lone
+    surrogates had reached the tokenizer: `tokenizers`' "TextInputSequence must be str" as
+    generate's error, a traceback from the training-data readers, and, under a locale that
+    reads stdin strictly (macOS's en_US.UTF-8), a decoding traceback that ended `chat` (the
+    conversation lost) and `generate -p -`."""
+    import os
+    import re
+
+    from specstream_mlx.io.prompts import PromptFileError, read_prompt_rows
+    from specstream_mlx.tasks.evaluate import read_test_rows
+    from specstream_mlx.train.data import DataError, load_dataset
+
+    strict = dict(os.environ, PYTHONIOENCODING="utf-8:strict")
+    model = ["--model", str(tiny_model_dir), "-m", "3"]
+
+    def run(args, stdin=b""):
+        r = subprocess.run([*CLI, *args], input=stdin, capture_output=True, env=strict, timeout=120)
+        return r.returncode, r.stderr.decode("utf-8", "replace")
+
+    for args, stdin, said in (
+        (["generate", *model, "-p", b"caf\xe9"], b"", "--prompt is not UTF-8 text: byte 0xe9 at character 4"),
+        (["generate", *model, "-p", "-"], b"hi \xff\n", "standard input is not UTF-8 text: byte 0xff at character 4"),
+        (["generate", *model, "-p", "hi", "--system-prompt", b"\xfe"], b"", "--system-prompt is not UTF-8"),
+    ):
+        code, err = run(args, stdin)
+        assert code == 1 and "Traceback" not in err, (args, err)
+        assert said in err.strip().splitlines()[-1], (args, err)
+    code, err = run(["chat", *model], b"caf\xe9 au lait\nhello\n")
+    assert code == 0 and "Traceback" not in err, err
+    assert "[not sent: the line is not UTF-8 text: byte 0xe9 at character 4]" in err
+    assert err.count("tok/s") == 1  # the next line is answered
+    # Files: the line and what is wrong with it, for every reader of user JSONL.
+    for name, line, said in (
+        ("latin1", b'{"text": "caf\xe9"}\n', ":2: not UTF-8 text: byte 0xe9 at character 14"),
+        ("escape", b'{"text": "a \\ud800 b"}\n', ":2: not Unicode text: a lone surrogate U+D800 at character 3"),
+        ("key", b'{"\\udc80": 1, "text": "x"}\n', ":2: not Unicode text: a lone surrogate U+DC80 at character 1"),
+    ):
+        data = tmp_path / name
+        data.mkdir()
+        for split in ("train", "valid"):
+            (data / f"{split}.jsonl").write_bytes(b'{"messages": [{"role": "user", "content": "fine"}]}\n' + line)
+        with pytest.raises(DataError, match=re.escape(f"train.jsonl{said}")):
+            load_dataset(str(data), _tokenizer(tiny_model_dir), 64)
+        with pytest.raises(PromptFileError, match=re.escape(f"valid.jsonl{said}")):
+            read_prompt_rows(data / "valid.jsonl")
+        with pytest.raises(ValueError, match=re.escape(f"valid.jsonl{said}")):
+            read_test_rows(data / "valid.jsonl")
+    from specstream_mlx.runtime.bounded import PromptError
+    from specstream_mlx.runtime.generation import encode_prompt
+
+    with pytest.raises(PromptError, match=re.escape("the user's text is not Unicode text: a lone surrogate U+D800")):
+        encode_prompt(_tokenizer(tiny_model_dir), "a \ud800")  # the library's callers, e.g. a JSON file's prompt
+    out = tmp_path / "streams"
+    code, err = run(["train", "--model", str(tiny_model_dir), "--data", str(tmp_path / "escape"), "--out", str(out)])
+    assert code != 0 and "Traceback" not in err, err
+    assert "train.jsonl:2: not Unicode text: a lone surrogate U+D800" in err.strip().splitlines()[-1], err
+    assert not out.exists()
+
+
+def _tokenizer(model_dir):
+    from specstream_mlx.io.loading import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
 def test_index_shards_must_stay_inside_the_model_directory(tmp_path, tiny_model_dir):
     src = tmp_path / "hf"
     copy_model(tiny_model_dir, src, streams=False)

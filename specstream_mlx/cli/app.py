@@ -32,6 +32,36 @@ def _err(msg: str, code: int = 1):
     raise typer.Exit(code)
 
 
+def _stdin_text():
+    """Standard input as text whose bytes that are not UTF-8 arrive as U+DC80..U+DCFF (checked
+    by :func:`_check_text`), not as a decoding traceback: a locale such as macOS's
+    en_US.UTF-8 reads stdin strictly."""
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="surrogateescape")
+    return sys.stdin
+
+
+def _check_text(text: Optional[str], what: str) -> None:
+    """Exit with one line when ``text`` is not text a tokenizer can take (bytes that are not
+    UTF-8 in a command line or on stdin), before any model is loaded."""
+    from ..io.limits import not_text
+
+    why = not_text(text) if text is not None else None
+    if why:
+        _err(f"{what} is {why}")
+
+
+def _prompt_text(prompt: str, system_prompt: Optional[str]) -> str:
+    """--prompt's text (standard input for '-'), checked with --system-prompt's."""
+    where = "--prompt -: standard input" if prompt == "-" else "--prompt"
+    if prompt == "-":
+        prompt = _stdin_text().read()
+    _check_text(prompt, where)
+    _check_text(system_prompt, "--system-prompt")
+    return prompt
+
+
 def _load_for_decoding(model: str, mode: Optional[str], report=None, adapter_path: Optional[str] = None):
     """Load ``model`` (or exit with one line naming the problem) and settle the
     decoding mode: ``mode`` when given and available, else ss when the model
@@ -412,8 +442,7 @@ def generate(
     """Generate a completion, streaming text to stdout."""
     from ..runtime.generation import encode_prompt, stream_generate
 
-    if prompt == "-":
-        prompt = sys.stdin.read()
+    prompt = _prompt_text(prompt, system_prompt)
     sampling, tree_spec = _check_sampling_flags(temp, top_p, max_tokens, max_kv_size, tree=tree, top_k=top_k, seed=seed)
     from ..runtime.speculative import check_pruning_threshold
 
@@ -557,6 +586,7 @@ def chat(
     from .chat import ChatOptions, run_chat
 
     _check_sampling_flags(temp, top_p, max_tokens, max_kv_size, tree=tree, seed=seed)
+    _check_text(system, "--system-prompt")
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
     tools = _read_tools(tools_file, m)
     if tools:
@@ -564,7 +594,7 @@ def chat(
 
         system = tools_system_message(tools, system)
     opts = ChatOptions(mode, temp, max_tokens, system, tree, top_p, context_limit(m, max_kv_size), seed)
-    raise typer.Exit(run_chat(m, tok, opts))
+    raise typer.Exit(run_chat(m, tok, opts, stdin=_stdin_text()))
 
 
 @app.command()

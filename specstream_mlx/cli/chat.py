@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
-from ..io.limits import SEED_MAX
+from ..io.limits import SEED_MAX, not_text
 from ..runtime.generation import MODES
 from ..runtime.sampling import SamplingParams
 from ..runtime.session import ChatSession, ContextError, Reply
@@ -203,6 +203,10 @@ def run_chat(
         if text is None:
             return 0
         if not text.strip():
+            continue
+        why = not_text(text)
+        if why:  # bytes that are not UTF-8 (pasted or piped): nothing a tokenizer could take
+            print(f"[not sent: the line is {why}]", file=stderr)
             continue
         if text.startswith("/"):
             if not chat.command(text):

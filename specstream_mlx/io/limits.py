@@ -39,6 +39,23 @@ def outside_vocabulary(ids: Iterable[int], vocab_size: int) -> Optional[str]:
     )
 
 
+def not_text(text: str, from_bytes: bool = True) -> Optional[str]:
+    """Why ``text`` is not Unicode text a tokenizer can take (one line), or None.
+
+    Python hands over bytes that are not UTF-8 (in a command line; on standard input where
+    the locale says so) as the code points U+DC80..U+DCFF, and a JSON escape can spell any
+    lone surrogate; no tokenizer encodes either (the Rust one fails with a type error).
+    ``from_bytes``: whether ``text`` was decoded from bytes that way (else each such code
+    point is said to be a lone surrogate)."""
+    bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+    if bad is None:
+        return None
+    point = ord(text[bad])
+    if from_bytes and 0xDC80 <= point <= 0xDCFF:
+        return f"not UTF-8 text: byte 0x{point - 0xDC00:02x} at character {bad + 1}"
+    return f"not Unicode text: a lone surrogate U+{point:04X} at character {bad + 1}"
+
+
 # Text files of a model directory: the largest real tokenizer.json we know is ~35 MB.
 MAX_JSON_BYTES = 16 << 20
 MAX_TOKENIZER_BYTES = 128 << 20

@@ -8,10 +8,11 @@ reference), or ``{"text": ...}``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from .jsonl import read_jsonl
 
 
 class PromptFileError(ValueError):
@@ -48,26 +49,14 @@ def parse_prompt_row(record, where: str) -> PromptRow:
     raise PromptFileError(f'{where}: expected "prompt", "messages" or "text"')
 
 
-def jsonl_lines(path: Path) -> List[str]:
-    """The lines of a JSONL file. Only "\\n" ends a line: ``str.splitlines`` would also split
-    at U+2028, U+0085 or a form feed, which JSON written with ``ensure_ascii=False`` keeps raw
-    inside strings (ShareGPT has them)."""
-    return path.read_text(encoding="utf-8").split("\n")
-
-
 def read_prompt_rows(path: Path, limit: Optional[int] = None) -> List[PromptRow]:
     """The rows of a JSONL prompt file (the first ``limit`` when given)."""
     path = Path(path)
     if not path.is_file():
         raise PromptFileError(f"{path}: no such prompts file")
     rows: List[PromptRow] = []
-    for i, line in enumerate(jsonl_lines(path), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(parse_prompt_row(json.loads(line), f"{path}:{i}"))
-        except json.JSONDecodeError as e:
-            raise PromptFileError(f"{path}:{i}: invalid JSON ({e.msg})") from None
+    for i, value in read_jsonl(path, PromptFileError):
+        rows.append(parse_prompt_row(value, f"{path}:{i}"))
         if limit is not None and len(rows) >= limit:
             break
     return rows

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Seq
 
 import mlx.core as mx
 
+from ..io.limits import not_text
 from ..method.tree import TreeSpec
 from .autotune import AutoPolicy
 from .bounded import TEMPLATE_SECONDS, PromptError, check_token_ids, guarded, time_limit
@@ -120,6 +121,10 @@ def encode_prompt(
     if isinstance(prompt, (list, tuple)) and (not prompt or isinstance(prompt[0], int)):
         return list(prompt)
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    for m in messages:
+        why = isinstance(m.get("content"), str) and not_text(m["content"])
+        if why:
+            raise PromptError(f"the {m.get('role', 'message')}'s text is {why}")
     templated = use_chat_template and getattr(tokenizer, "chat_template", None)
     if templated:
 

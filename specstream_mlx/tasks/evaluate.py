@@ -9,12 +9,12 @@ first mode's reply; τ and tokens/s count decoding passes only, the prefill apar
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+from ..io.jsonl import read_jsonl
 from .ast_check import check_calls
 from .tool_calls import may_be_call, parse_tool_calls
 
@@ -101,18 +101,14 @@ class EvalReport:
 def read_test_rows(path: Path) -> List[dict]:
     """The rows of a prepared ``test.jsonl`` (``prepare-bfcl``), the target turn dropped."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                msgs = r["messages"]
-                if msgs and msgs[-1]["role"] == "assistant":
-                    msgs = msgs[:-1]
-                rows.append(dict(r, messages=msgs))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not a prepare-bfcl row ({e})") from None
+    for n, r in read_jsonl(path):
+        try:
+            msgs = r["messages"]
+            if msgs and msgs[-1]["role"] == "assistant":
+                msgs = msgs[:-1]
+            rows.append(dict(r, messages=msgs))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not a prepare-bfcl row ({e})") from None
     return rows
 
 

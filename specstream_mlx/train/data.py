@@ -13,13 +13,13 @@ when the tokenizer has one. Completions end with EOS.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..io.jsonl import read_jsonl
 from ..io.limits import outside_vocabulary
 
 
@@ -122,20 +122,15 @@ def read_records(path: Path, tokenizer, vocab_size: Optional[int] = None) -> Ite
     with ``file:line: reason``, and so does a token id outside ``vocab_size`` (the
     embedding lookup does not check its indices: a tokenizer that is not the model's would
     train on whatever memory follows the table)."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ex = encode_record(json.loads(line), tokenizer)
-                why = None if vocab_size is None else outside_vocabulary(ex.tokens, vocab_size)
-                if why:
-                    raise DataError(why)
-                yield lineno, ex
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            except DataError as e:
-                raise DataError(f"{path}:{lineno}: {e}") from None
+    for lineno, record in read_jsonl(path, DataError):
+        try:
+            ex = encode_record(record, tokenizer)
+            why = None if vocab_size is None else outside_vocabulary(ex.tokens, vocab_size)
+            if why:
+                raise DataError(why)
+        except DataError as e:
+            raise DataError(f"{path}:{lineno}: {e}") from None
+        yield lineno, ex
 
 
 def load_split(path: Path, tokenizer, max_seq_len: int, vocab_size: Optional[int] = None) -> Dataset:
