@@ -226,7 +226,9 @@ def test_text_that_is_not_utf8_or_unicode_is_one_line_naming_where(tmp_path, tin
     surrogates had reached the tokenizer: `tokenizers`' "TextInputSequence must be str" as
     generate's error, a traceback from the training-data readers, and, under a locale that
     reads stdin strictly (macOS's en_US.UTF-8), a decoding traceback that ended `chat` (the
-    conversation lost) and `generate -p -`."""
+    conversation lost) and `generate -p -`. A line nested too deeply for the JSON parser had
+    been a RecursionError traceback, an integer of 5,000 digits a ValueError without the
+    file; `--tools` nested too deeply, a traceback."""
     import os
     import re
 
@@ -241,7 +243,10 @@ def test_text_that_is_not_utf8_or_unicode_is_one_line_naming_where(tmp_path, tin
         r = subprocess.run([*CLI, *args], input=stdin, capture_output=True, env=strict, timeout=120)
         return r.returncode, r.stderr.decode("utf-8", "replace")
 
+    tools = tmp_path / "tools.json"
+    tools.write_text("[" * 100000 + "]" * 100000)
     for args, stdin, said in (
+        (["generate", *model, "-p", "hi", "--tools", str(tools)], b"", "tools.json: not JSON (nested too deeply)"),
         (["generate", *model, "-p", b"caf\xe9"], b"", "--prompt is not UTF-8 text: byte 0xe9 at character 4"),
         (["generate", *model, "-p", "-"], b"hi \xff\n", "standard input is not UTF-8 text: byte 0xff at character 4"),
         (["generate", *model, "-p", "hi", "--system-prompt", b"\xfe"], b"", "--system-prompt is not UTF-8"),
@@ -258,6 +263,8 @@ def test_text_that_is_not_utf8_or_unicode_is_one_line_naming_where(tmp_path, tin
         ("latin1", b'{"text": "caf\xe9"}\n', ":2: not UTF-8 text: byte 0xe9 at character 14"),
         ("escape", b'{"text": "a \\ud800 b"}\n', ":2: not Unicode text: a lone surrogate U+D800 at character 3"),
         ("key", b'{"\\udc80": 1, "text": "x"}\n', ":2: not Unicode text: a lone surrogate U+DC80 at character 1"),
+        ("deep", b"[" * 100000 + b"]" * 100000 + b"\n", ":2: invalid JSON (nested too deeply)"),  # was a RecursionError
+        ("digits", b'{"text": "x", "n": ' + b"9" * 5000 + b"}\n", ":2: invalid JSON (Exceeds the limit"),
     ):
         data = tmp_path / name
         data.mkdir()

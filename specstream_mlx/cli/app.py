@@ -174,8 +174,10 @@ def _read_tools(path: Optional[str], m) -> Optional[list]:
         raw = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         _err(f"--tools {path}: cannot read ({e})")
-    except ValueError as e:
+    except ValueError as e:  # also an integer of 4,300+ digits
         _err(f"--tools {path}: not JSON ({e})")
+    except RecursionError:
+        _err(f"--tools {path}: not JSON (nested too deeply)")
     if isinstance(raw, dict) and "tools" in raw:
         raw = raw["tools"]
     try:

@@ -43,9 +43,11 @@ def read_jsonl(path: Path, error: Callable[[str], Exception] = ValueError) -> It
             if not why:
                 try:
                     value = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise error(f"{path}:{n}: invalid JSON ({e.msg})") from None
-                why = not_text_within(value)
+                    why = not_text_within(value)
+                except ValueError as e:  # ValueError: also an integer of 4,300+ digits
+                    raise error(f"{path}:{n}: invalid JSON ({getattr(e, 'msg', e)})") from None
+                except RecursionError:  # "[[[[…": no record is nested that deep
+                    raise error(f"{path}:{n}: invalid JSON (nested too deeply)") from None
             if why:
                 raise error(f"{path}:{n}: {why}")
             yield n, value
