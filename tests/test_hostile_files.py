@@ -265,3 +265,48 @@ def test_stdio_caps_max_tokens_above_the_context_as_documented(model, tmp_path):
     assert rc == 0 and len(done) == 1, out + err[-1000:]
     stats = done[0]["stats"]
     assert stats["prompt_tokens"] + stats["generated_tokens"] <= 48 and done[0]["finish_reason"] in ("length", "stop")
+
+
+def test_a_bad_adapter_is_one_error_naming_its_file(tmp_path, tiny_model_dir):
+    """--adapter-path and convert --adapter: an adapter_config.json with r 0 had been a
+    ZeroDivisionError ("smollm2: cannot load (ZeroDivisionError…)"), one that is not JSON a
+    bare "Expecting value" without the file, a list an AttributeError, nesting a
+    RecursionError; LoRA matrices whose ranks differ had been MLX's matmul message without
+    the file or tensor."""
+    import re
+
+    import mlx.core as mx
+
+    from specstream_mlx import load
+    from specstream_mlx.io.adapters import fuse_adapter_into
+
+    model, _ = load(str(tiny_model_dir))
+    h = json.loads((tiny_model_dir / "config.json").read_text())["hidden_size"]
+    key = "base_model.model.model.layers.0.self_attn.o_proj.lora_{}.weight"
+
+    def peft(config: str, a=(4, h), b=(h, 4)) -> Path:
+        d = tmp_path / f"peft{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "adapter_config.json").write_text(config)
+        mx.save_safetensors(
+            str(d / "adapter_model.safetensors"), {key.format("A"): mx.zeros(a), key.format("B"): mx.zeros(b)}
+        )
+        return d
+
+    mlxlm = tmp_path / "mlxlm"
+    mlxlm.mkdir()
+    (mlxlm / "adapter_config.json").write_text('{"lora_parameters": {"scale": "big"}}')
+    mx.save_safetensors(
+        str(mlxlm / "adapters.safetensors"), {"model.layers.0.self_attn.o_proj.lora_a": mx.zeros((h, 4))}
+    )
+    for d, said in (
+        (peft('{"r": 0}'), "adapter_config.json: r must be a positive integer, got 0"),
+        (peft('{"r": 4, "lora_alpha": null}'), "adapter_config.json: lora_alpha must be a finite number, got None"),
+        (peft("{"), "adapter_config.json: invalid JSON (Expecting property name"),
+        (peft("[4]"), "adapter_config.json: must be a JSON object"),
+        (peft("[" * 100000 + "]" * 100000), "adapter_config.json: invalid JSON (nested too deeply)"),
+        (peft('{"r": 4}', b=(h, 3)), f"adapter_model.safetensors: {key.format('A')}: shapes ({h}, 3) and (4, {h})"),
+        (mlxlm, "adapter_config.json: lora_parameters.scale must be a finite number, got 'big'"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(str(d / said.split(":")[0]) + ":" + said.split(":", 1)[1])):
+            fuse_adapter_into(model.base, d)

@@ -4,13 +4,15 @@ mlx-lm (``adapters.safetensors``) directories, for ``convert --adapter`` and the
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+
+from .limits import read_json
 
 
 def fuse_peft_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tuple[Dict[str, mx.array], int]:
@@ -22,11 +24,13 @@ def fuse_peft_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tuple[
         raise ValueError(f"{cfg_path}: missing (not a PEFT adapter directory)")
     if not w_path.exists():
         raise ValueError(f"{w_path}: missing (only safetensors adapters are supported)")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = _adapter_config(cfg_path)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    r = cfg["r"]
-    alpha = cfg.get("lora_alpha", r)
+    r = cfg.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"{cfg_path}: r must be a positive integer, got {r!r}")
+    alpha = _finite(cfg_path, "lora_alpha", cfg.get("lora_alpha", r))
     scale = alpha / (r**0.5) if cfg.get("use_rslora") else alpha / r
     ad = _read_adapter(w_path)
     weights = dict(weights)
@@ -42,6 +46,7 @@ def fuse_peft_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tuple[
             if target.startswith(prefix):
                 target = target[len(prefix) :]
                 break
+        _check_pair(w_path, k, B, A)
         _add_delta(weights, target + ".weight", scale * (B.astype(mx.float32) @ A.astype(mx.float32)), w_path, k)
         fused += 1
     if not fused:
@@ -49,11 +54,32 @@ def fuse_peft_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tuple[
     return weights, fused
 
 
+def _adapter_config(cfg_path: Path) -> Dict[str, Any]:
+    """adapter_config.json, read as a model directory's JSON files are (a regular file under
+    the size limit, nesting bounded): any failure one line naming it."""
+    cfg = read_json(cfg_path, cfg_path.parent)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path}: must be a JSON object")
+    return cfg
+
+
+def _finite(cfg_path: Path, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{cfg_path}: {key} must be a finite number, got {value!r}")
+    return float(value)
+
+
 def _read_adapter(w_path: Path) -> Dict[str, mx.array]:
     try:
         return mx.load(str(w_path))
     except Exception as e:  # corrupt file
         raise ValueError(f"{w_path}: cannot read safetensors ({e})") from e
+
+
+def _check_pair(w_path: Path, key: str, left: mx.array, right: mx.array) -> None:
+    """``left @ right`` is a LoRA update: two matrices sharing the rank."""
+    if left.ndim != 2 or right.ndim != 2 or left.shape[1] != right.shape[0]:
+        raise ValueError(f"{w_path}: {key}: shapes {left.shape} and {right.shape} do not make a rank-r update")
 
 
 def _add_delta(weights: Dict[str, mx.array], wk: str, delta: mx.array, w_path: Path, key: str) -> None:
@@ -73,14 +99,14 @@ def fuse_mlx_lm_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tupl
     adapter_dir = Path(adapter_dir)
     cfg_path = adapter_dir / "adapter_config.json"
     w_path = adapter_dir / "adapters.safetensors"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{cfg_path}: must be a JSON object")
+    cfg = _adapter_config(cfg_path) if cfg_path.exists() else {}
     kind = cfg.get("fine_tune_type", "lora")
     if kind != "lora":
         raise ValueError(f"{cfg_path}: fine_tune_type {kind!r} is not supported (only lora)")
     params = cfg.get("lora_parameters") or {}
-    scale = float(params.get("scale", 20.0))  # mlx-lm's default
+    if not isinstance(params, dict):
+        raise ValueError(f"{cfg_path}: lora_parameters must be a JSON object")
+    scale = _finite(cfg_path, "lora_parameters.scale", params.get("scale", 20.0))  # mlx-lm's default
     ad = _read_adapter(w_path)
     weights = dict(weights)
     fused = 0
@@ -91,6 +117,7 @@ def fuse_mlx_lm_adapter(weights: Dict[str, mx.array], adapter_dir: Path) -> Tupl
         if b is None:
             raise ValueError(f"{w_path}: {k} has no matching lora_b")
         wk = k[: -len(".lora_a")] + ".weight"
+        _check_pair(w_path, k, a, b)
         _add_delta(weights, wk, (scale * (a.astype(mx.float32) @ b.astype(mx.float32))).T, w_path, k)
         fused += 1
     if not fused:
