@@ -108,13 +108,17 @@ class HttpOptions:
 
 _CONNECTIONS = itertools.count()  # never reused, unlike id() of a closed connection's object
 
-# OpenAI fields this server cannot honour: refused rather than silently ignored.
+# OpenAI fields this server cannot honour: refused rather than silently ignored (their
+# neutral values, null / false / 0 / [] / {}, which some clients always send, are taken).
 UNSUPPORTED_FIELDS = (
     "logprobs",
     "top_logprobs",
     "functions",
     "function_call",
     "response_format",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
 )
 
 
