@@ -163,6 +163,31 @@ def test_tree_specs_that_would_draft_nothing_are_refused(text, rule):
         TreeSpec("dynamic", budget=0)
 
 
+@pytest.mark.parametrize(
+    "text", ["cartesian:1000x1000", "cartesian:8x8x8", "dynamic:513", "dynamic:100000@1", "dynamic:8+lookup:1000"]
+)
+def test_trees_beyond_any_that_pays_are_refused_before_a_pass(text):
+    """`generate --tree cartesian:1000x1000` had asked for a million rows a pass: the
+    process grew to the machine's 24 GB and was killed; `dynamic:100000` took 4.5 GB."""
+    named = text.partition("@")[0]  # the tree, without its hosting suffix
+    with pytest.raises(ValueError, match=f"bad tree spec '{re.escape(named)}': over 512 draft nodes"):
+        TreeSpec.parse(text)
+
+
+@pytest.mark.parametrize("text,nodes", [("cartesian:4x4x4x4", 340), ("cartesian:8x8x7", 520), ("dynamic:512", 512)])
+def test_the_draft_node_bound_counts_the_nodes_a_spec_drafts(text, nodes):
+    from specstream_mlx.method.tree import MAX_DRAFT_NODES, draft_nodes
+
+    spec = TreeSpec(kind="cartesian", widths=(4, 4, 4, 4))
+    assert draft_nodes(spec.widths) == 340 == len(cartesian_tree(0, np.zeros((4, 4), int), spec.widths)) - 1
+    if nodes <= MAX_DRAFT_NODES:
+        assert TreeSpec.parse(text)
+    else:
+        assert draft_nodes((8, 8, 7)) > MAX_DRAFT_NODES
+        with pytest.raises(ValueError, match="over 512"):
+            TreeSpec.parse(text)
+
+
 def test_suffixes_in_the_wrong_order_are_refused_with_the_right_order():
     """`dynamic:8@1+lookup` used to say only that @M needs a positive number."""
     with pytest.raises(ValueError, match=re.escape("+lookup goes before @M ('dynamic:8+lookup@1')")):

@@ -430,7 +430,8 @@ def generate(
         "--tree",
         help="Draft tree: auto (learns while decoding which tree pays here; may decode plainly), dynamic:BUDGET, "
         "cartesian:3x2x1, topk:K,DEPTH, chain:N; @M hosts streams at the root and M likely endpoints only "
-        "(e.g. dynamic:8@1); dynamic:BUDGET+lookup also drafts n-gram continuations of the text so far.",
+        "(e.g. dynamic:8@1); dynamic:BUDGET+lookup also drafts n-gram continuations of the text so far. "
+        "At most 512 draft nodes.",
     ),
     prune_threshold: Optional[float] = typer.Option(
         None, "--prune-threshold", help="Tree-pruning threshold (default: the model's)."

@@ -135,6 +135,23 @@ def hosting_nodes(parents: Sequence[int], reach: Sequence[float], m: int) -> np.
 
 # Tokens of an n-gram continuation a ``+lookup`` tree merges in (prompt-lookup's usual draft).
 LOOKUP_LEN = 5
+# The most draft nodes a tree may have. Each node is a row through every layer and the
+# LM head, and the tree mask is nodes x nodes: trees that pay hold tens of nodes (the method's
+# paper, Medusa's and EAGLE's trees under 100; ``--tree auto`` tries up to 24), while a
+# mistyped ``cartesian:1000x1000`` (a million rows) had run the machine out of memory.
+MAX_DRAFT_NODES = 512
+
+
+def draft_nodes(widths: Sequence[int]) -> int:
+    """Draft nodes of a Cartesian tree (root excluded), counted no further than just past
+    :data:`MAX_DRAFT_NODES`."""
+    total, level = 0, 1
+    for w in widths:
+        level *= w
+        total += level
+        if total > MAX_DRAFT_NODES:
+            break
+    return total
 
 
 @dataclass(frozen=True)
@@ -171,6 +188,9 @@ class TreeSpec:
             raise ValueError(f"{self.describe()}: every width must be at least 1 (and there must be one)")
         if self.kind == "dynamic" and (self.budget < 1 or self.depth < 1):
             raise ValueError(f"{self.describe()}: the budget and the depth must be at least 1")
+        asked = draft_nodes(self.widths) if self.kind == "cartesian" else max(self.budget, self.lookup)
+        if asked > MAX_DRAFT_NODES:
+            raise ValueError(f"{self.describe()}: over {MAX_DRAFT_NODES} draft nodes; trees that pay hold tens")
         if self.hosting < 0:
             raise ValueError(f"{self.describe()}: the number of hosting nodes must be at least 0")
         if self.lookup < 0 or (self.lookup and self.kind != "dynamic"):
@@ -220,7 +240,10 @@ class TreeSpec:
             base = TreeSpec.parse(body)
             if base.kind != "dynamic":
                 raise ValueError(f"bad tree spec {text!r}: lookup branches need a dynamic tree")
-            return replace(base, lookup=length)
+            try:
+                return replace(base, lookup=length)
+            except ValueError as e:
+                raise ValueError(f"bad tree spec {text!r}: {str(e).partition(': ')[2]}") from None
         kind, _, arg = text.partition(":")
         try:
             fields = TreeSpec._fields(kind, arg)
