@@ -29,7 +29,14 @@ from typing import Dict, Tuple
 
 import mlx.core as mx
 
-from specstream_mlx.method.streams import DRAFT_VOCAB_KEY, StreamConfig, StreamParams, lora_key, restore_draft_vocab
+from specstream_mlx.method.streams import (
+    DRAFT_VOCAB_KEY,
+    StreamConfig,
+    StreamParams,
+    lora_key,
+    one_line_mismatch,
+    restore_draft_vocab,
+)
 
 PREFIX = "speculative_streaming."
 CONFIG_KEY = "speculative_streaming"
@@ -92,7 +99,9 @@ def streams_from_hf(model, cfg_obj: dict, tensors: Dict[str, mx.array], where: s
     try:
         sp.load_weights(list(mapped.items()), strict=True)
     except ValueError as e:
-        raise ValueError(f"{where}: speculative_streaming tensors do not match the config ({e})") from e
+        raise ValueError(
+            f"{where}: speculative_streaming tensors do not match the config ({one_line_mismatch(str(e))})"
+        ) from e
     restore_draft_vocab(sp, model, draft_ids, where)
     return sp
 

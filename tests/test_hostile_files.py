@@ -3,6 +3,7 @@ model's own template or tokenizer that cannot take a server down (docs/SECURITY.
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -310,3 +311,29 @@ def test_a_bad_adapter_is_one_error_naming_its_file(tmp_path, tiny_model_dir):
     ):
         with pytest.raises(ValueError, match=re.escape(str(d / said.split(":")[0]) + ":" + said.split(":", 1)[1])):
             fuse_adapter_into(model.base, d)
+
+
+def test_stream_counts_and_mismatched_stream_files_are_one_line(tmp_path, tiny_model_dir):
+    """convert --num-streams 1000 had attached a thousand streams (and training them ran
+    the machine out of memory); a specstream.json that its weights do not match had been
+    MLX's message naming every parameter, one a line (57 lines for SmolLM2's streams)."""
+    from specstream_mlx.convert import ConvertError, ConvertOptions, convert
+    from specstream_mlx.io.loading import ModelLoadError, load_model_dir
+
+    with pytest.raises(ConvertError, match="--num-streams must be at most 32, got 33"):
+        convert(str(tiny_model_dir), str(tmp_path / "never"), ConvertOptions(num_streams=33))
+    r = subprocess.run(
+        [sys.executable, "-m", "specstream_mlx", "convert", "--hf-path", str(tiny_model_dir), "--mlx-path",
+         str(tmp_path / "never"), "--num-streams", "1000"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    _assert_one_line(r.returncode, r.stderr, "--num-streams must be 0 (none) to 32, got 1000")
+    assert not (tmp_path / "never").exists()
+    d = convert(str(tiny_model_dir), str(tmp_path / "m"), ConvertOptions(num_streams=2, stream_layers=2))
+    cfg = json.loads((d / "specstream.json").read_text())
+    cfg["lora"]["rank"] = 0  # the weights hold a LoRA the config no longer names
+    (d / "specstream.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError) as e:
+        load_model_dir(str(d))
+    assert "\n" not in str(e.value) and "streams.safetensors: does not match specstream.json" in str(e.value)
+    assert re.search(r"not in model: [^,]+, [^,]+, [^,]+, … \(\d+ in all\)", str(e.value)), str(e.value)

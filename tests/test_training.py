@@ -468,6 +468,12 @@ def test_training_checks_before_the_first_step(tmp_path, corpus, base_dir):
     cfg = TrainConfig(mode="lossless", num_streams=2, stream_layers=1, lora_rank=2, iters=1, batch_size=4)
     with pytest.raises(TrainError, match="--force"):
         train(str(q), str(data), str(q), cfg, progress=False, log=lambda s: None)
+    # A LoRA rank above the hidden size adds nothing: 100,000 had run the machine out of memory.
+    hidden = json.loads((base_dir / "config.json").read_text())["hidden_size"]
+    cfg = TrainConfig(mode="lossless", num_streams=2, stream_layers=1, lora_rank=hidden + 1, iters=1, new_streams=True)
+    with pytest.raises(TrainError, match=f"--lora-rank {hidden + 1} exceeds the model's hidden size {hidden}"):
+        train(str(base_dir), str(data), str(tmp_path / "o"), cfg, progress=False, log=lambda s: None)
+    assert not (tmp_path / "o").exists()
 
 
 def test_training_continues_from_existing_streams(tmp_path, corpus, base_dir):
@@ -1000,6 +1006,7 @@ def test_a_shared_fine_tune_is_written_as_its_adapter_fuses(tmp_path, corpus):
         ("learning_rate", -1e-3),  # had trained, backwards
         ("learning_rate", float("nan")),
         ("num_streams", 0),
+        ("num_streams", 1000),  # had run a 2-core machine's 24 GB out (killed)
         ("stream_layers", 0),
         ("warmup", -1),
         ("alpha_stream", -0.1),

@@ -361,7 +361,7 @@ def convert(
     ),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --mlx-path."),
     num_streams: int = typer.Option(
-        0, "--num-streams", help="Attach this many untrained speculative streams (γ); 0: none."
+        0, "--num-streams", help="Attach this many untrained speculative streams (γ, at most 32); 0: none."
     ),
     stream_layers: int = typer.Option(4, "--stream-layers", help="Top layers that run multi-stream attention (N_s)."),
     adapter: Optional[str] = typer.Option(None, "--adapter", help="PEFT LoRA adapter directory to fuse into the base."),
@@ -376,8 +376,10 @@ def convert(
 
     if (hf_path is None) == (gguf is None):
         _err("give exactly one of --hf-path and --gguf", 2)
-    if num_streams < 0:  # 0: none attached
-        _err(f"--num-streams must be 0 (none) or more, got {num_streams}")
+    from ..method.streams import MAX_STREAMS
+
+    if not 0 <= num_streams <= MAX_STREAMS:  # 0: none attached
+        _err(f"--num-streams must be 0 (none) to {MAX_STREAMS}, got {num_streams}")
 
     opts = ConvertOptions(
         dtype=dtype.value if dtype else None,
@@ -1236,9 +1238,9 @@ def train(
         TrainMode.lossless, "--mode", help="lossless (frozen base) or shared (LoRA shared by main and streams)."
     ),
     out: str = typer.Option(..., "--out", help="Output model directory."),
-    num_streams: int = typer.Option(4, "--num-streams", help="Speculative streams γ."),
+    num_streams: int = typer.Option(4, "--num-streams", help="Speculative streams γ (at most 32)."),
     stream_layers: int = typer.Option(4, "--stream-layers", help="Top layers with multi-stream attention."),
-    lora_rank: int = typer.Option(32, "--lora-rank", help="LoRA rank."),
+    lora_rank: int = typer.Option(32, "--lora-rank", help="LoRA rank (at most the hidden size)."),
     iters: Optional[int] = typer.Option(None, "--iters", help="Training steps (overrides --epochs)."),
     epochs: Optional[float] = typer.Option(None, "--epochs", help="Passes over train.jsonl (default 1)."),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),

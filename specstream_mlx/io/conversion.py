@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..method.streams import StreamConfig, StreamParams, new_streams, save_streams
+from ..method.streams import MAX_STREAMS, StreamConfig, StreamParams, new_streams, save_streams
 from ..models import UnsupportedModelError, build_model
 from .files import atomic_directory
 
@@ -179,6 +179,8 @@ def _streams(model, src: Source, target: Target, error, log) -> Optional[StreamP
         return None
     if not 1 <= target.stream_layers <= len(model.layers):
         raise error(f"--stream-layers must be in 1..{len(model.layers)}, got {target.stream_layers}")
+    if target.num_streams > MAX_STREAMS:
+        raise error(f"--num-streams must be at most {MAX_STREAMS}, got {target.num_streams}")
     streams = new_streams(model, StreamConfig(num_streams=target.num_streams, stream_layers=target.stream_layers))
     log(
         f"[convert] attached {target.num_streams} untrained streams in the top {target.stream_layers} layers "

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..method.streams import StreamParams, load_streams
+from ..method.streams import StreamParams, load_streams, one_line_mismatch
 from ..models import UnsupportedModelError, build_model
 from .limits import (
     MAX_TEMPLATE_CHARS,
@@ -213,7 +213,7 @@ def load_model(
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise ModelLoadError(f"{path}: weights do not match config.json ({e})") from e
+        raise ModelLoadError(f"{path}: weights do not match config.json ({one_line_mismatch(str(e))})") from e
     if config.get("quantization") and (dequantize_on_cpu() if dequantize is None else dequantize):
         added = dequantize_model(model)
         if dequantize is None:

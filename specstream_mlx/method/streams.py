@@ -27,6 +27,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..models.fusion import fused_part, linear_dims
 
 FORMAT_VERSION = 1
+# The most speculative streams a model may carry: each drafts one position further, and
+# acceptance falls with depth (the method's paper uses a handful; trees here go 4 deep);
+# every stream costs a row per position in training (1,000 had run it out of memory).
+MAX_STREAMS = 32
 CONFIG_FILE = "specstream.json"
 WEIGHTS_FILE = "streams.safetensors"
 # The draft vocabulary's token ids in WEIGHTS_FILE (not a parameter: never trained).
@@ -121,6 +125,8 @@ class StreamConfig:
             v = getattr(self, name)
             if not (_is_int(v) and v >= 1):
                 raise ValueError(f"'{name}' must be a positive integer, got {v!r}")
+        if self.num_streams > MAX_STREAMS:
+            raise ValueError(f"'num_streams' must be at most {MAX_STREAMS}, got {self.num_streams}")
         if not (_is_int(self.lora_rank) and self.lora_rank >= 0):
             raise ValueError(f"'lora.rank' must be a non-negative integer, got {self.lora_rank!r}")
         if self.mode not in ("lossless", "shared"):
@@ -242,8 +248,8 @@ class StreamParams(nn.Module):
         n_layers = len(model.layers)
         if not 1 <= cfg.stream_layers <= n_layers:
             raise ValueError(f"stream_layers must be in 1..{n_layers}, got {cfg.stream_layers}")
-        if cfg.num_streams < 1:
-            raise ValueError(f"num_streams must be >= 1, got {cfg.num_streams}")
+        if not 1 <= cfg.num_streams <= MAX_STREAMS:
+            raise ValueError(f"num_streams must be in 1..{MAX_STREAMS}, got {cfg.num_streams}")
         self.config = cfg
         self.first_layer = n_layers - cfg.stream_layers
         hidden = model.args.hidden_size
@@ -379,6 +385,16 @@ def save_streams(streams: StreamParams, out_dir: Path) -> None:
         json.dump(streams.config.to_json(), f, indent=2)
 
 
+def one_line_mismatch(message: str, names: int = 3) -> str:
+    """MLX's message about parameters that do not match (one name a line, every one of
+    them) on one line, naming the first few."""
+    head, colon, rest = message.partition(":")
+    items = [x.strip(" ,.") for x in rest.split("\n") if x.strip(" ,.")] if "\n" in rest else []
+    if len(items) <= names:
+        return " ".join(message.split())
+    return f"{head}: {', '.join(items[:names])}, … ({len(items)} in all)"
+
+
 def load_streams(model, model_dir: Path, warn=True) -> Optional[StreamParams]:
     """The streams stored beside a model, or None when it has none."""
     model_dir = Path(model_dir)
@@ -406,7 +422,7 @@ def load_streams(model, model_dir: Path, warn=True) -> Optional[StreamParams]:
     try:
         sp.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise ValueError(f"{w_path}: does not match {CONFIG_FILE} ({e})") from e
+        raise ValueError(f"{w_path}: does not match {CONFIG_FILE} ({one_line_mismatch(str(e))})") from e
     dtype = model.model.norm.weight.dtype
     sp.update(tree_unflatten([(k, v.astype(dtype)) for k, v in tree_flatten(sp.parameters())]))
     mx.eval(sp.parameters())

@@ -126,6 +126,10 @@ class TrainConfig:
         for name, low in least.items():
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        from ..method.streams import MAX_STREAMS
+
+        if self.num_streams > MAX_STREAMS:
+            raise ValueError(f"num_streams must be <= {MAX_STREAMS}, got {self.num_streams}")
         for name in ("learning_rate", "epochs"):
             value = getattr(self, name)
             if value is not None and not 0 < value < math.inf:

@@ -341,6 +341,8 @@ def train(
         cfg.stream_layers = min(cfg.stream_layers, len(model.layers))  # unused by a baseline
     if cfg.stream_layers > len(model.layers):
         raise TrainError(f"--stream-layers {cfg.stream_layers} exceeds the model's {len(model.layers)} layers")
+    if cfg.lora_rank > model.args.hidden_size:  # adds no direction, only memory (100,000 had run out of it)
+        raise TrainError(f"--lora-rank {cfg.lora_rank} exceeds the model's hidden size {model.args.hidden_size}")
     model.freeze()
     data = _load_data(data_dir, loaded.tokenizer, model.args.vocab_size, cfg, log)
     log(
