@@ -1019,6 +1019,13 @@ def test_training_settings_no_run_could_use_are_refused(field, value):
         TrainConfig(**{field: value})
 
 
+def test_stream_positions_past_the_longest_sequence_are_not_asked_for():
+    """--stream-positions 1000000 had made every batch a million stream positions wide (all
+    padding): a 3-token data set ran the machine out of memory (killed at 24 GB)."""
+    assert TrainConfig(stream_positions=10**6, max_seq_len=64).stream_positions == 63
+    assert TrainConfig(stream_positions=16, max_seq_len=64).stream_positions == 16
+
+
 def test_the_shortest_sequences_train(tmp_path, corpus, base_dir):
     """The least max_seq_len the settings take (2) trains a step."""
     data, _ = corpus

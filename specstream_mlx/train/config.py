@@ -126,6 +126,10 @@ class TrainConfig:
         for name, low in least.items():
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        # A sequence of max_seq_len tokens has at most max_seq_len - 1 positions to host
+        # streams; more are padding rows through the stream layers and the head (1,000,000
+        # had run the machine out of memory on a 3-token sequence).
+        self.stream_positions = min(self.stream_positions, self.max_seq_len - 1)
         from ..method.streams import MAX_STREAMS
 
         if self.num_streams > MAX_STREAMS:
