@@ -1250,7 +1250,9 @@ def train(
     alpha_stream: float = typer.Option(0.1, "--alpha-stream", help="Weight αj of each stream's loss."),
     no_distill: bool = typer.Option(False, "--no-distill", help="Lossless: train streams on data tokens only."),
     stream_positions: int = typer.Option(
-        64, "--stream-positions", help="Completion positions per sequence hosting streams (at most --max-seq-length - 1)."
+        64,
+        "--stream-positions",
+        help="Completion positions per sequence hosting streams (at most --max-seq-length - 1).",
     ),
     stream_embedding_rms: Optional[float] = typer.Option(None, "--stream-embedding-rms", help=EMBEDDING_RMS_HELP),
     embedding_lr: Optional[float] = typer.Option(None, "--embedding-lr", help=EMBEDDING_LR_HELP),
