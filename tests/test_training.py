@@ -213,6 +213,36 @@ def test_resume_with_other_stream_settings_names_them(tmp_path, corpus, base_dir
     assert (tmp_path / "r" / "checkpoint" / "state.json").read_text() == state
 
 
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, corpus, base_dir, monkeypatch):
+    """--resume from a checkpoint a full disk or an editor damaged: a state.json that is not
+    an object had been an AttributeError traceback, one that is not JSON a message without
+    the file, a truncated safetensors file MLX's RuntimeError traceback."""
+    import shutil
+
+    data, _ = corpus
+    kw = dict(mode="lossless", num_streams=2, stream_layers=1, lora_rank=2, iters=6, batch_size=4, stream_positions=4)
+    _interrupt_at_batch(monkeypatch, 3)
+    quiet = dict(progress=False, log=lambda s: None)
+    train(str(base_dir), str(data), str(tmp_path / "r"), TrainConfig(save_every=2, **kw), **quiet)
+    good = tmp_path / "good"
+    shutil.copytree(tmp_path / "r" / "checkpoint", good)
+    for name, damage, said in (
+        ("state.json", "[1, 2]", "not a checkpoint's state"),
+        ("state.json", "{", "Expecting property name"),
+        ("state.json", '{"step": "3"}', "not a checkpoint's state"),
+        ("trainable.safetensors", "", "unreadable"),
+        ("optimizer.safetensors", "not safetensors", "unreadable"),
+    ):
+        shutil.rmtree(tmp_path / "r" / "checkpoint")
+        shutil.copytree(good, tmp_path / "r" / "checkpoint")
+        (tmp_path / "r" / "checkpoint" / name).write_text(damage)
+        with pytest.raises(TrainError) as e:
+            train(str(base_dir), str(data), str(tmp_path / "r"), TrainConfig(**kw), resume=True, **quiet)
+        msg = str(e.value)
+        assert "\n" not in msg and f"checkpoint/{name}: " in msg and said in msg, msg
+        assert "run without --resume to start afresh" in msg
+
+
 def test_nan_loss_stops_cleanly(tmp_path, corpus, base_dir, monkeypatch):
     import specstream_mlx.train.trainer as T
 

@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..io.files import TOKENIZER_FILES
-from ..method.streams import find_linear, lora_key, save_streams
+from ..method.streams import find_linear, lora_key, one_line_mismatch, save_streams
 from .config import TrainConfig, TrainError
 
 
@@ -65,7 +65,7 @@ def load_checkpoint(ckpt_dir: Path, trainable, cfg) -> "tuple[int, dict]":
 
     A checkpoint resumes only under the settings it was written with: a stream shape
     that differs is named in one line (not left to a shape error from the loader)."""
-    state = json.loads((ckpt_dir / "state.json").read_text())
+    state = _checkpoint_state(ckpt_dir / "state.json")
     written = state.get("config", {})
     written_by = written.get("backend", "mlx")
     if written_by != cfg.backend:
@@ -78,8 +78,39 @@ def load_checkpoint(ckpt_dir: Path, trainable, cfg) -> "tuple[int, dict]":
                 f"resume with the settings the run started with ({flag}; --new-streams if it started fresh streams "
                 "on a model that has some)"
             )
-    trainable.load_weights(list(mx.load(str(ckpt_dir / "trainable.safetensors")).items()), strict=True)
-    return int(state["step"]), mx.load(str(ckpt_dir / "optimizer.safetensors"))
+    weights = _checkpoint_arrays(ckpt_dir / "trainable.safetensors")
+    try:
+        trainable.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise TrainError(_damaged(ckpt_dir / "trainable.safetensors", one_line_mismatch(str(e)))) from None
+    return state["step"], _checkpoint_arrays(ckpt_dir / "optimizer.safetensors")
+
+
+def _damaged(path: Path, why) -> str:
+    return f"{path}: unreadable ({why}); the checkpoint is damaged: run without --resume to start afresh"
+
+
+def _checkpoint_state(path: Path) -> dict:
+    """A checkpoint's state.json, or one TrainError naming it (a disk that filled up, a file
+    edited by hand: had been a traceback, or a JSON message without the file)."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise TrainError(_damaged(path, e)) from None
+    if not (isinstance(state, dict) and isinstance(state.get("config", {}), dict) and _is_step(state.get("step"))):
+        raise TrainError(_damaged(path, "not a checkpoint's state: no step count"))
+    return state
+
+
+def _is_step(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _checkpoint_arrays(path: Path) -> dict:
+    try:
+        return mx.load(str(path))
+    except Exception as e:  # MLX's RuntimeError for a truncated file, ValueError for a bad header
+        raise TrainError(_damaged(path, e)) from None
 
 
 def _as_list(v):
