@@ -499,6 +499,7 @@ def test_n_and_unsupported_fields_are_refused(server):
         ({"frequency_penalty": 0.5}, b"frequency_penalty"),
         ({"presence_penalty": -1}, b"presence_penalty"),
         ({"logit_bias": {"42": 100}}, b"logit_bias"),
+        ({"stop": [""]}, b"must not be empty"),  # had ended every reply before its first token
     ):
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
         status, payload = _http(port, json.dumps(body).encode())

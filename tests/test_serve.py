@@ -70,6 +70,8 @@ def bad_lines(rng: random.Random):
         {"prompt": "x", "mode": 3},
         {"prompt": "x", "stop": 5},
         {"prompt": "x", "stop": [1]},
+        {"prompt": "x", "stop": ""},  # had stopped every reply before its first token
+        {"prompt": "x", "stop": ["a", ""]},
         {"prompt": "x", "seed": "s"},
         {"prompt": "x", "messages": []},
         {},

@@ -196,6 +196,8 @@ def parse_stop(raw: Any) -> List[str]:
     stop = [raw] if isinstance(raw, str) else raw
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
         raise ProtocolError("invalid_type", f'"stop" must be a string or a list of at most {MAX_STOP_STRINGS} strings')
+    if any(s == "" for s in stop):  # it would match before the first token: every reply empty
+        raise ProtocolError("invalid_value", '"stop" strings must not be empty')
     return [check_text(s, "stop") for s in stop]
 
 
