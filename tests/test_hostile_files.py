@@ -274,8 +274,6 @@ def test_a_bad_adapter_is_one_error_naming_its_file(tmp_path, tiny_model_dir):
     bare "Expecting value" without the file, a list an AttributeError, nesting a
     RecursionError; LoRA matrices whose ranks differ had been MLX's matmul message without
     the file or tensor."""
-    import re
-
     import mlx.core as mx
 
     from specstream_mlx import load

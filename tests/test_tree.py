@@ -174,17 +174,18 @@ def test_trees_beyond_any_that_pays_are_refused_before_a_pass(text):
         TreeSpec.parse(text)
 
 
-@pytest.mark.parametrize("text,nodes", [("cartesian:4x4x4x4", 340), ("cartesian:8x8x7", 520), ("dynamic:512", 512)])
-def test_the_draft_node_bound_counts_the_nodes_a_spec_drafts(text, nodes):
+@pytest.mark.parametrize("widths", [(3, 2, 1), (4, 4, 4, 4), (8, 8, 7)])
+def test_the_draft_node_bound_counts_the_nodes_a_cartesian_spec_drafts(widths):
+    """340 nodes (4x4x4x4) are taken, 520 (8x8x7) refused: the bound counts what is drafted."""
     from specstream_mlx.method.tree import MAX_DRAFT_NODES, draft_nodes
 
-    spec = TreeSpec(kind="cartesian", widths=(4, 4, 4, 4))
-    assert draft_nodes(spec.widths) == 340 == len(cartesian_tree(0, np.zeros((4, 4), int), spec.widths)) - 1
+    nodes = len(cartesian_tree(0, np.zeros((len(widths), max(widths)), int), widths)) - 1  # root excluded
+    assert draft_nodes(widths) == nodes
+    text = "cartesian:" + "x".join(map(str, widths))
     if nodes <= MAX_DRAFT_NODES:
-        assert TreeSpec.parse(text)
+        assert TreeSpec.parse(text).widths == widths
     else:
-        assert draft_nodes((8, 8, 7)) > MAX_DRAFT_NODES
-        with pytest.raises(ValueError, match="over 512"):
+        with pytest.raises(ValueError, match="over 512 draft nodes"):
             TreeSpec.parse(text)
 
 
