@@ -273,7 +273,10 @@ def distill(
     config = json.loads((path / "config.json").read_text())
     limit = _context(config) - opts.max_tokens
     if limit <= 0:
-        raise DataError(f"--max-tokens leaves no room for a prompt in the model's context ({limit} positions left)")
+        raise DataError(
+            f"--max-tokens {opts.max_tokens} leaves no room for a prompt in the model's context of "
+            f"{_context(config)} tokens"
+        )
     vocab_size = config.get("vocab_size")
     # Every split's prompts encoded and checked before anything is written.
     chosen = {}
