@@ -750,3 +750,23 @@ def test_http_worker_decodes_each_client_with_its_own_auto_policy(ss_model):
     assert alice.costs is bob.costs is model.tuner(SamplingParams()).costs
     assert shared is None and plain is None  # the model's shared policy; ar has none
     assert len(app.policies) == 2
+
+
+def test_bench_refuses_a_draft_model_it_cannot_use_before_loading(tmp_path, tiny_model_dir):
+    """bench --draft naming a folder that holds no model had been a bare "[Errno 2] …
+    config.json" after the model loaded; a draft with another vocabulary (demo-sql's 1,024 tokens for demo-chat's 4,096)
+    had been timed as if mlx-lm's speculative decoding could verify its ids."""
+    from specstream_mlx.bench.runner import _draft_path
+
+    with pytest.raises(ValueError, match="--draft .*nowhere: no such model directory"):
+        _draft_path(tiny_model_dir, str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="--draft .*empty: not a model directory"):
+        _draft_path(tiny_model_dir, str(tmp_path / "empty"))
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(cfg, vocab_size=cfg["vocab_size"] + 1)))
+    with pytest.raises(ValueError, match=f"a vocabulary of {cfg['vocab_size'] + 1} tokens, the model's has"):
+        _draft_path(tiny_model_dir, str(other))
+    assert _draft_path(tiny_model_dir, str(tiny_model_dir)) == tiny_model_dir  # the same vocabulary: taken

@@ -20,7 +20,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import mlx.core as mx
 
+from ..io.limits import read_json
 from ..io.loading import (
+    ModelLoadError,
     cast_floating,
     compute_dtype_for_device,
     dequantize_model,
@@ -262,7 +264,19 @@ def _draft_path(path: Path, draft: Optional[str]) -> Optional[Path]:
     if draft is None:
         cand = path.parent / f"{path.name}-draft"
         return cand if cand.is_dir() else None
-    return resolve_model_path(draft) if draft else None
+    if not draft:
+        return None
+    try:
+        found = resolve_model_path(draft)
+    except ModelLoadError as e:
+        raise ValueError(f"--draft {e}") from None
+    if not (found / "config.json").is_file():  # had been a bare errno, after the model loaded
+        raise ValueError(f"--draft {draft}: not a model directory (no config.json)")
+    # mlx-lm verifies the draft's token ids as the model's own: another vocabulary is nonsense.
+    theirs, ours = (read_json(p / "config.json").get("vocab_size") for p in (found, path))
+    if theirs != ours:
+        raise ValueError(f"--draft {draft}: a vocabulary of {theirs} tokens, the model's has {ours}")
+    return found
 
 
 def _methods(
@@ -410,12 +424,12 @@ def run_bench(
         prompts = _prompt_set_rows(path, prompt_set, n_prompts, max_tokens)
     else:
         prompts = load_bench_prompts(path, n_prompts, Path(prompts_file) if prompts_file else None)
+    draft_path = _draft_path(path, draft)
     sm, tok = load(str(path), warn=False)
     attention = attention_form(sm.base)  # what every method's model attends with (one process)
     del sm
     ids = [encode_prompt(tok, p["prompt"], use_chat_template=True) for p in prompts]
     setup = BenchSetup(prompts, ids, max_tokens, temperature, seed)
-    draft_path = _draft_path(path, draft)
     methods, ours = _methods(path, setup, tree, draft_path, baseline, num_draft_tokens)
     runs = _run_all(methods, len(prompts), rounds, progress)
     # What --tree auto measured and chose per decoding kind (recorded with the machine).
