@@ -273,10 +273,15 @@ def _draft_path(path: Path, draft: Optional[str]) -> Optional[Path]:
     if not (found / "config.json").is_file():  # had been a bare errno, after the model loaded
         raise ValueError(f"--draft {draft}: not a model directory (no config.json)")
     # mlx-lm verifies the draft's token ids as the model's own: another vocabulary is nonsense.
-    theirs, ours = (read_json(p / "config.json").get("vocab_size") for p in (found, path))
+    theirs, ours = (_vocab_size(p) for p in (found, path))
     if theirs != ours:
         raise ValueError(f"--draft {draft}: a vocabulary of {theirs} tokens, the model's has {ours}")
     return found
+
+
+def _vocab_size(model_dir: Path) -> Optional[int]:
+    cfg = read_json(model_dir / "config.json")
+    return cfg.get("vocab_size") if isinstance(cfg, dict) else None
 
 
 def _methods(
