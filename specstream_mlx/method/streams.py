@@ -125,8 +125,6 @@ class StreamConfig:
             v = getattr(self, name)
             if not (_is_int(v) and v >= 1):
                 raise ValueError(f"'{name}' must be a positive integer, got {v!r}")
-        if self.num_streams > MAX_STREAMS:
-            raise ValueError(f"'num_streams' must be at most {MAX_STREAMS}, got {self.num_streams}")
         if not (_is_int(self.lora_rank) and self.lora_rank >= 0):
             raise ValueError(f"'lora.rank' must be a non-negative integer, got {self.lora_rank!r}")
         if self.mode not in ("lossless", "shared"):

@@ -271,11 +271,11 @@ def distill(
     if dtype is not None:
         cast_floating(model, dtype)
     config = json.loads((path / "config.json").read_text())
-    limit = _context(config) - opts.max_tokens
+    context = _context(config)
+    limit = context - opts.max_tokens
     if limit <= 0:
         raise DataError(
-            f"--max-tokens {opts.max_tokens} leaves no room for a prompt in the model's context of "
-            f"{_context(config)} tokens"
+            f"--max-tokens {opts.max_tokens} leaves no room for a prompt in the model's context of {context} tokens"
         )
     vocab_size = config.get("vocab_size")
     # Every split's prompts encoded and checked before anything is written.
