@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from ..io.adapters import fuse_adapter_into
@@ -129,7 +130,12 @@ def load(
         from ..platform_info import warn_if_reference_blas
 
         warn_if_reference_blas()
-    lm = load_model_dir(path_or_name, dtype=dtype, lazy=lazy, warn=warn)
+    # The weights are built lazily and evaluated once, fused: each fused weight is computed
+    # (a 4-bit one expanded on the CPU backend) straight into its place. Expanded first and
+    # fused after, every q/k/v and gate/up weight was written twice and the process touched
+    # ~150 MB more fresh memory; SmolLM2 on a 2-core Xeon loaded in 2.0-5.6 s against
+    # 0.8-0.9 s so, at 0.78 against 0.93-0.95 GB peak, its decode steps unchanged.
+    lm = load_model_dir(path_or_name, dtype=dtype, lazy=True, warn=warn)
     if adapter_path is not None:
         try:
             fuse_adapter_into(lm.model, Path(adapter_path))
@@ -138,6 +144,8 @@ def load(
     if fuse is None:
         fuse = current_settings().fuse_projections
     if fuse:
-        fuse_projections(lm.model, evaluate=not lazy)
+        fuse_projections(lm.model, evaluate=False)
+    if not lazy:
+        mx.eval(lm.model.parameters())
     set_attention_form(lm.model, choose_attention(lm.model, attention))
     return SpeculativeModel(lm.model, lm.streams, lm.path), lm.tokenizer
