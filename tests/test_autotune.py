@@ -260,6 +260,22 @@ def test_costs_come_from_timed_passes_and_estimate_untimed_arms():
     assert costs.cost((4, 0)) > 3.5
 
 
+def test_a_slow_first_pass_does_not_set_an_arms_cost():
+    """The first pass of an arm in a process carries its warm-up (new shapes, fresh memory):
+    SmolLM2's first lookup pass of a process took 50.8 ms against 31-37 for the next ones, an
+    EMA that started from it stored 2.49 plain steps for an arm that costs 1.5-1.8, and a
+    later process, trusting that cost, never resumed lookup passes on a reply that copied
+    its prompt. Timings start from the median of their first TIME_MIN samples."""
+    costs = PassCosts()
+    for s in (0.0508, 0.0332, 0.0327, 0.0368):
+        costs.observe_pass(A.LOOKUP_ARM, s)
+    for s in (0.0239, 0.0324, 0.0312, 0.0224) + (0.0222,) * 40:
+        costs.observe_plain(s)  # the first plain tokens after a prompt are slow too
+    steady_pass = 0.0332 + C.TIME_EMA * (0.0368 - 0.0332)
+    assert costs.cost(A.LOOKUP_ARM) == pytest.approx(steady_pass / 0.0222, rel=0.02)
+    assert costs.cost(A.LOOKUP_ARM) < 1.6
+
+
 def test_plain_probes_come_when_trees_are_timed_and_then_periodically():
     auto = AutoPolicy(PassCosts(), depth=4, budget=4, hosting=0)
     kinds = []
