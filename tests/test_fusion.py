@@ -90,3 +90,19 @@ def test_load_fuses_for_decoding_and_can_keep_the_stored_layout(tiny_model_dir):
     assert "qkv_proj" in model.layers[0].self_attn and "gate_up_proj" in model.layers[0].mlp
     model, _ = load(str(tiny_model_dir), warn=False, fuse=False)
     assert "q_proj" in model.layers[0].self_attn and "gate_proj" in model.layers[0].mlp
+
+
+def test_a_quantized_model_loads_fused_and_expanded_in_one_evaluation(tiny_model_dir, tmp_path):
+    """``load`` builds a 4-bit model lazily, fuses and evaluates once (on the CPU backend its
+    weights expanded to float32 as they are written): the same bits as expanding every
+    weight first and fusing after."""
+    opts = ConvertOptions(quantize=True, q_bits=4, q_group_size=32)
+    dst = convert(str(tiny_model_dir), str(tmp_path / "q4"), opts)
+    model, _ = load(str(dst), warn=False)
+    reference = load_model(dst)[0]  # expanded (on this backend) and evaluated, then fused
+    fuse_projections(reference)
+    got, want = dict(tree_flatten(model.base.parameters())), dict(tree_flatten(reference.parameters()))
+    assert got.keys() == want.keys() and any(k.endswith("qkv_proj.weight") for k in got)
+    for k, v in got.items():
+        assert mx.array_equal(v, want[k]).item(), k
+    assert all(v.dtype == mx.float32 for v in got.values())
