@@ -20,13 +20,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import mlx.core as mx
 
-from ..io.limits import read_json
 from ..io.loading import (
     ModelLoadError,
     cast_floating,
     compute_dtype_for_device,
     dequantize_model,
     dequantize_on_cpu,
+    load_config,
     resolve_model_path,
 )
 from ..io.prompts import read_prompt_rows
@@ -268,20 +268,15 @@ def _draft_path(path: Path, draft: Optional[str]) -> Optional[Path]:
         return None
     try:
         found = resolve_model_path(draft)
+        if not (found / "config.json").is_file():  # had been a bare errno, after the model loaded
+            raise ValueError(f"--draft {draft}: not a model directory (no config.json)")
+        # mlx-lm verifies the draft's token ids as the model's own: another vocabulary is nonsense.
+        theirs, ours = (load_config(p).get("vocab_size") for p in (found, path))
     except ModelLoadError as e:
         raise ValueError(f"--draft {e}") from None
-    if not (found / "config.json").is_file():  # had been a bare errno, after the model loaded
-        raise ValueError(f"--draft {draft}: not a model directory (no config.json)")
-    # mlx-lm verifies the draft's token ids as the model's own: another vocabulary is nonsense.
-    theirs, ours = (_vocab_size(p) for p in (found, path))
     if theirs != ours:
         raise ValueError(f"--draft {draft}: a vocabulary of {theirs} tokens, the model's has {ours}")
     return found
-
-
-def _vocab_size(model_dir: Path) -> Optional[int]:
-    cfg = read_json(model_dir / "config.json")
-    return cfg.get("vocab_size") if isinstance(cfg, dict) else None
 
 
 def _methods(

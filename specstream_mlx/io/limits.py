@@ -39,6 +39,9 @@ def outside_vocabulary(ids: Iterable[int], vocab_size: int) -> Optional[str]:
     )
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def not_text(text: str, from_bytes: bool = True) -> Optional[str]:
     """Why ``text`` is not Unicode text a tokenizer can take (one line), or None.
 
@@ -47,9 +50,10 @@ def not_text(text: str, from_bytes: bool = True) -> Optional[str]:
     lone surrogate; no tokenizer encodes either (the Rust one fails with a type error).
     ``from_bytes``: whether ``text`` was decoded from bytes that way (else each such code
     point is said to be a lone surrogate)."""
-    bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
-    if bad is None:
+    found = _SURROGATE.search(text)  # in C: a scan per character in Python took 2 s a training split
+    if found is None:
         return None
+    bad = found.start()
     point = ord(text[bad])
     if from_bytes and 0xDC80 <= point <= 0xDCFF:
         return f"not UTF-8 text: byte 0x{point - 0xDC00:02x} at character {bad + 1}"

@@ -232,11 +232,10 @@ class MlxReplies:
         return res.texts
 
 
-def _replies(model, tokenizer, path: Path, opts: "DistillOptions"):
+def _replies(model, tokenizer, config: dict, opts: "DistillOptions"):
     if opts.backend == "torch":
         from .torch_generate import TorchReplies
 
-        config = json.loads((path / "config.json").read_text())
         return TorchReplies(model, config, tokenizer, opts.max_tokens, opts.temperature, opts.top_p)
     return MlxReplies(model, tokenizer, opts)
 
@@ -283,7 +282,7 @@ def distill(
     for split, rows in splits.items():
         stats = SplitStats()
         chosen[split] = (_selected(rows, tokenizer, limit, opts, stats, vocab_size, f"{prompts} ({split})"), stats)
-    replies = _replies(model, tokenizer, path, opts)
+    replies = _replies(model, tokenizer, config, opts)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     counts, t0 = {}, time.perf_counter()
