@@ -47,7 +47,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import FrozenSet, Optional
+from typing import FrozenSet, Optional, Tuple
 
 FLAGS = ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-trapping-math", "-finline-limit=100000")
 # The header every kernel includes, and the flags MLX 0.32 builds kernels with besides its
@@ -247,6 +247,14 @@ def _undo_inherited() -> None:
             os.environ["TMPDIR"] = before
         else:
             del os.environ["TMPDIR"]
+
+
+def builds_in_use() -> Tuple[Optional[Path], Optional[Path]]:
+    """The wrapper's folder and the kernels' folder :func:`enable` chose in this process;
+    (None, None) where it turned nothing on."""
+    if _enabled is None:
+        return None, None
+    return Path(os.environ.get(_RECORD[0], "")), _enabled
 
 
 def jit_words() -> str:

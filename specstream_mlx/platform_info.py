@@ -265,6 +265,17 @@ def choose_malloc(setting: Optional[str] = None) -> Optional[str]:
     raise BlasSettingError(f"{MALLOC_ENV}={setting!r}: unknown allocator; use {known} or a path")
 
 
+def gemv_library_path(cache_dir: Optional[Path] = None) -> Path:
+    """Where :func:`gemv_forwarder` keeps this version of the library (named by its sources'
+    hash, so that an upgrade builds its own), built or not."""
+    src = b"".join(p.read_bytes() for p in (GEMV_SOURCE, LOCK_SOURCE))
+    if cache_dir is None:  # the user cache of converted models
+        from .settings import current
+
+        cache_dir = current().cache_dir
+    return Path(cache_dir).expanduser() / "native" / f"libspecstream-gemv-{hashlib.sha256(src).hexdigest()[:12]}.so"
+
+
 def gemv_forwarder(cache_dir: Optional[Path] = None) -> Optional[str]:
     """Path of the compiled one-row forwarder (``native/gemv_forward.c``, with
     ``native/lock_spin.c``'s mutexes in the same library), built once per
@@ -273,12 +284,7 @@ def gemv_forwarder(cache_dir: Optional[Path] = None) -> Optional[str]:
     sources = (GEMV_SOURCE, LOCK_SOURCE)
     if not sys.platform.startswith("linux") or not all(p.exists() for p in sources):
         return None
-    src = b"".join(p.read_bytes() for p in sources)
-    if cache_dir is None:  # the user cache of converted models
-        from .settings import current
-
-        cache_dir = current().cache_dir
-    out = Path(cache_dir).expanduser() / "native" / f"libspecstream-gemv-{hashlib.sha256(src).hexdigest()[:12]}.so"
+    out = gemv_library_path(cache_dir)
     if out.exists():
         return str(out)
     cc = shutil.which("cc") or shutil.which("gcc")

@@ -340,6 +340,41 @@ def doctor(
                 typer.echo(f"streams: {cfg_path} is not a valid specstream.json")
 
 
+@app.command()
+def cache(
+    prune: bool = typer.Option(
+        False,
+        "--prune",
+        help="Remove the native builds this installation does not use (another installation rebuilds its own "
+        "when it next starts); converted models and learned measurements are kept.",
+    ),
+):
+    """What the user cache holds (converted models, learned measurements, native builds) and its size."""
+    from ..settings import current
+    from ..user_cache import BUILDS, builds_in_use, human, inventory, stale_words
+    from ..user_cache import prune as remove
+
+    root = current().cache_dir
+    entries = inventory(root, builds_in_use())
+    typer.echo(f"{root}: {human(sum(e.nbytes for e in entries))}")
+    stale = [e for e in entries if e.prunable]
+    for e in entries:
+        if not e.prunable:
+            used = " (in use)" if e.kind in BUILDS else ""
+            typer.echo(f"  {e.kind:<17} {human(e.nbytes):>9}  {e.path.relative_to(root)}{used}")
+    if not stale:
+        return
+    if not prune:
+        typer.echo(f"not in use: {stale_words(stale)}; specstream-mlx cache --prune removes them")
+        return
+    freed, failed = remove(stale)
+    typer.echo(f"removed {len(stale) - len(failed)} builds ({human(freed)})")
+    for path, why in failed:
+        typer.echo(f"specstream-mlx: error: {path}: {why}", err=True)
+    if failed:
+        raise typer.Exit(1)
+
+
 class DType(str, Enum):
     float16 = "float16"
     bfloat16 = "bfloat16"
