@@ -955,3 +955,38 @@ def test_calibration_times_passes_at_their_median_over_enough_runs(monkeypatch):
     monkeypatch.setattr(offline_costs, "measure_arm_costs", lambda *a, **k: seen.update(k) or "costs")
     assert A.calibrate(None, None, sampled=False, compiled=False) == "costs"
     assert seen["typical_seconds"] > 0 and seen["reps"] >= 3
+
+
+def test_a_plain_probe_times_each_token_as_a_whole_step():
+    """A probe's tokens are pipelined: each token's step is queued before the one before it
+    is handed out, and MLX holds the host back while a step's operations are in flight, so
+    its last token's step ran mostly while the one before it was queued: timed from resume
+    to resume it took a fifth of a step (SmolLM2: 5 against 24 ms). Booked as a plain
+    token, it pulled the plain step's average down by a fifth and every pass cost up by as
+    much: `eval-bfcl` on `smollm2-fc`, starting from the costs an earlier run had stored,
+    decoded plainly at 1.06x `ar` (with the last token left untimed, two runs one after the
+    other: 1.32x and 1.39x, the second from the costs the first stored)."""
+    import mlx.core as mx
+
+    from specstream_mlx.models import build_model
+    from specstream_mlx.runtime.cache import make_cache
+    from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.runtime.speculative import plain_probe
+
+    # Deep enough that a step's operations outnumber the tasks MLX lets be in flight.
+    config = dict(model_type="llama", hidden_size=128, num_hidden_layers=24, intermediate_size=256)
+    model = build_model(dict(config, num_attention_heads=4, num_key_value_heads=2, vocab_size=4096))
+    mx.eval(model.parameters())
+    cache = make_cache(model)
+    model(mx.array([[3, 1, 4, 1, 5, 9, 2, 6]]), cache=cache)
+    root, seconds = 7, []
+    for _ in range(3):
+        probe = plain_probe(model, root, 6, SamplingParams(), cache, 0, seconds.append)
+        try:
+            while True:
+                next(probe)
+        except StopIteration as done:
+            root = done.value
+    typical = float(np.median(seconds))
+    assert len(seconds) == 3 * 4, seconds  # each token between the first and the last
+    assert min(seconds) > 0.5 * typical, [round(s / typical, 2) for s in seconds]
