@@ -363,6 +363,8 @@ def cache(
             used = " (in use)" if e.kind in BUILDS else ""
             typer.echo(f"  {e.kind:<17} {human(e.nbytes):>9}  {e.path.relative_to(root)}{used}")
     if not stale:
+        if prune:
+            typer.echo("every build here is in use: nothing to remove")
         return
     if not prune:
         typer.echo(f"not in use: {stale_words(stale)}; specstream-mlx cache --prune removes them")
