@@ -254,7 +254,8 @@ def builds_in_use() -> Tuple[Optional[Path], Optional[Path]]:
     (None, None) where it turned nothing on."""
     if _enabled is None:
         return None, None
-    return Path(os.environ.get(_RECORD[0], "")), _enabled
+    folder = os.environ.get(_RECORD[0])
+    return (Path(folder) if folder else None), _enabled
 
 
 def jit_words() -> str:
