@@ -89,6 +89,12 @@ def test_the_cache_command_keeps_this_installations_builds(tmp_path):
     in_use = [line.split()[-3] for line in r.stdout.splitlines() if line.endswith("(in use)")]
     assert all((cache / p).exists() for p in in_use)
 
+    r = subprocess.run([*CLI, "doctor"], capture_output=True, text=True, timeout=120, env=env)
+    line = next(x for x in r.stdout.splitlines() if x.startswith("user_cache: "))
+    assert line.startswith(f"user_cache: {cache}, ") and line.endswith(
+        " KB of native builds not in use (specstream-mlx cache --prune)"
+    ), line
+
     r = subprocess.run([*CLI, "cache", "--prune"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1].startswith("removed 3 builds ("), r.stdout

@@ -307,6 +307,13 @@ def doctor(
     info = runtime_info()
     for k, v in info.items():
         typer.echo(f"{k}: {v}")
+    from ..settings import current
+    from ..user_cache import builds_in_use, human, inventory
+
+    entries = inventory(current().cache_dir, builds_in_use())
+    stale = sum(e.nbytes for e in entries if e.prunable)
+    unused = f"; {human(stale)} of native builds not in use (specstream-mlx cache --prune)" if stale else ""
+    typer.echo(f"user_cache: {current().cache_dir}, {human(sum(e.nbytes for e in entries))}{unused}")
     if info["blas"].startswith("reference"):
         typer.echo(f"hint: {FIX_HINT}")
     from ..io.loading import dequantize_on_cpu
