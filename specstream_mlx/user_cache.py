@@ -19,7 +19,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 MODEL = "model"
 WRAPPER = "kernel header"  # native/jit-bin-*: the g++ wrapper and MLX's precompiled header
@@ -36,17 +36,22 @@ _INCLUDE = re.compile(r"-I (\S+)")
 class CacheEntry:
     """One thing in the user cache: ``kind`` one of the names above, ``nbytes`` its files'
     sizes, ``in_use`` whether this installation uses it (models and measurements always),
-    ``note`` what it was built for, where that says something."""
+    ``built_for`` the MLX include folder a kernel header was precompiled from."""
 
     path: Path
     kind: str
     nbytes: int
     in_use: bool
-    note: str = ""
+    built_for: Optional[Path] = None
 
     @property
     def prunable(self) -> bool:
         return self.kind in BUILDS and not self.in_use
+
+    @property
+    def gone(self) -> bool:
+        """Built for an MLX installation that no longer exists (nothing can use it again)."""
+        return self.built_for is not None and not self.built_for.exists()
 
 
 def _size(path: Path) -> int:
@@ -65,16 +70,14 @@ def _size(path: Path) -> int:
     return total
 
 
-def _wrapper_note(folder: Path) -> str:
-    """The MLX installation a wrapper's header was precompiled for, and whether it is gone."""
+def _built_for(folder: Path) -> Optional[Path]:
+    """The MLX include folder a wrapper's header is precompiled from (None: no wrapper, or
+    one without a precompiled header)."""
     try:
         found = _INCLUDE.search((folder / "g++").read_text())
     except OSError:
-        return "no wrapper"
-    if found is None:
-        return "no precompiled header"
-    include = Path(found.group(1))
-    return f"for {include}" + ("" if include.exists() else " (gone)")
+        return None
+    return Path(found.group(1)) if found else None
 
 
 def _kind(path: Path) -> str:
@@ -110,9 +113,9 @@ def inventory(cache_dir: Path, in_use: Iterable[Optional[Path]]) -> List[CacheEn
         if path.name == "native" and path.is_dir():
             for inner in sorted(path.iterdir()):
                 kind = _native_kind(inner)
-                note = _wrapper_note(inner) if kind == WRAPPER else ""
+                built_for = _built_for(inner) if kind == WRAPPER else None
                 entries.append(
-                    CacheEntry(inner, kind, _size(inner), kind not in BUILDS or inner.resolve() in used, note)
+                    CacheEntry(inner, kind, _size(inner), kind not in BUILDS or inner.resolve() in used, built_for)
                 )
             continue
         kind = _kind(path)
@@ -121,7 +124,7 @@ def inventory(cache_dir: Path, in_use: Iterable[Optional[Path]]) -> List[CacheEn
     return sorted(entries, key=lambda e: (order[e.kind], str(e.path)))
 
 
-def prune(entries: Sequence[CacheEntry]) -> tuple:
+def prune(entries: Sequence[CacheEntry]) -> Tuple[int, List[Tuple[Path, str]]]:
     """Removes every prunable entry; returns (bytes freed, [(path, why) not removed])."""
     freed, failed = 0, []
     for e in entries:
@@ -145,7 +148,7 @@ def stale_words(stale: Sequence[CacheEntry]) -> str:
         these = [e for e in stale if e.kind == kind]
         if not these:
             continue
-        gone = sum(e.note.endswith("(gone)") for e in these)
+        gone = sum(e.gone for e in these)
         extra = f"; {gone} for MLX installations that are gone" if gone else ""
         parts.append(
             f"{len(these)} {kind}{'s' if len(these) > 1 else ''} ({human(sum(e.nbytes for e in these))}{extra})"

@@ -48,8 +48,8 @@ def test_inventory_marks_what_is_unused_and_prune_removes_only_that(tmp_path):
     assert ".smollm2.lock" not in by_name
     assert by_name["smollm2"].kind == MODEL and by_name["smollm2"].nbytes == 1002
     assert by_name["step_costs.json"].kind == MEASUREMENTS
-    assert by_name["jit-bin-0000dead"].kind == WRAPPER and by_name["jit-bin-0000dead"].note.endswith("(gone)")
-    assert by_name["jit-bin-0000beef"].note == f"for {live}"
+    assert by_name["jit-bin-0000dead"].kind == WRAPPER and by_name["jit-bin-0000dead"].gone
+    assert by_name["jit-bin-0000beef"].built_for == live and not by_name["jit-bin-0000beef"].gone
     assert by_name["jit-tmp-0000dead"].kind == KERNELS and by_name["jit-tmp-0000dead"].nbytes == 700
     assert by_name["libspecstream-gemv-000000000000.so"].kind == PRODUCTS
     stale = {e.path.name for e in entries if e.prunable}
