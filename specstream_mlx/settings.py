@@ -12,6 +12,9 @@
                           shape); default op by op (docs/DESIGN.md, decision 18).
 ``SPECSTREAM_FUSE``       ``0``: decoding keeps each layer's q/k/v and gate/up products apart
                           as stored; default fused at load (docs/DESIGN.md, decision 35).
+``SPECSTREAM_STORED``     ``0``: the CPU product kernel reads a quantized model's weights as
+                          expanded to float32; default it reads their stored 4/8-bit form
+                          where it can (docs/DESIGN.md, decision 43).
 ``SPECSTREAM_ATTENTION``  how queries attend: ``fused``, ``composed`` or ``auto`` (default:
                           the form measured faster here, for several query rows and for one;
                           docs/DESIGN.md, decision 37).
@@ -43,6 +46,7 @@ class Settings:
         cache_dir: the user cache directory (not created here).
         compile_passes: run speculative passes as compiled graphs.
         fuse_projections: fuse q/k/v and gate/up at load for decoding.
+        stored_weights: let the CPU product kernel read quantized weights as stored.
         attention: the attention form, as given (checked where it is used,
             :func:`specstream_mlx.runtime.attention_choice.configured_form`).
     """
@@ -51,11 +55,12 @@ class Settings:
     compile_passes: bool
     fuse_projections: bool = True
     attention: str = "auto"
+    stored_weights: bool = True
 
 
 # The settings that are switches: read as "1" / "0" where they are used, so any other value
 # would be taken for the default without a word (``check`` refuses it first).
-SWITCHES = ("SPECSTREAM_COMPILE", "SPECSTREAM_FUSE", "SPECSTREAM_JIT_AVX2", "SPECSTREAM_JIT_STRIDED")
+SWITCHES = ("SPECSTREAM_COMPILE", "SPECSTREAM_FUSE", "SPECSTREAM_JIT_AVX2", "SPECSTREAM_JIT_STRIDED", "SPECSTREAM_STORED")
 
 
 def check() -> None:
@@ -97,4 +102,5 @@ def current() -> Settings:
         compile_passes=os.environ.get("SPECSTREAM_COMPILE", "").strip() == "1",
         fuse_projections=os.environ.get("SPECSTREAM_FUSE", "").strip() != "0",
         attention=os.environ.get("SPECSTREAM_ATTENTION", "").strip() or "auto",
+        stored_weights=os.environ.get("SPECSTREAM_STORED", "").strip() != "0",
     )

@@ -597,6 +597,98 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
         assert res["ahead"] == (512 if kernel == "pausing" else 1024 if intel else 0), res
 
 
+STORED_CHECK = r"""
+import ctypes, json
+import mlx.core as mx, numpy as np
+from specstream_mlx.platform_info import skinny_kernel
+from specstream_mlx.runtime.stored_weights import _kernel, _pointer, served
+
+register, unregister = _kernel()
+most = skinny_kernel()[1]
+rng = np.random.default_rng(0)
+out = {"cases": 0, "apart": [], "served": [], "expected": [], "refused": []}
+
+
+def expanded(k, n, bits, group, f16):
+    q, s, b = mx.quantize(mx.array(rng.standard_normal((n, k)).astype(np.float32)), group_size=group, bits=bits)
+    if f16:  # scales and biases as a float16 file stores them
+        s, b = s.astype(mx.float16).astype(mx.float32), b.astype(mx.float16).astype(mx.float32)
+    w = mx.dequantize(q, s, b, group, bits)
+    mx.eval(q, s, b, w)
+    return w, (q, s, b)
+
+
+def reg(w, form, bits, group):
+    q, s, b = form
+    return register(_pointer(w), w.shape[0], w.shape[1], _pointer(q), bits, group, _pointer(s), _pointer(b))
+
+
+# Widths, groups, depths whole (576) and in blocks (1536, with the kernel's 512-column
+# blocks), and columns not a multiple of the tile; every row count a tile takes, and more
+# (49 and 80 rows: these weights are small, so the kernel takes them in blocks of rows).
+for bits, group, k, n, f16 in [
+    (4, 32, 576, 197, True), (8, 32, 1536, 70, True), (4, 64, 1536, 133, False), (8, 128, 640, 64, False),
+    (4, 32, 160, 35, True)]:
+    w, form = expanded(k, n, bits, group, f16)
+    rows = [rng.standard_normal((m, k)).astype(np.float32) for m in (1, 2, 3, 5, 6, 7, 9, 13, 32, 48, 49, 80)]
+    plain = [np.array(mx.array(a) @ w.T) for a in rows]  # not registered: the float32 kernel
+    assert reg(w, form, bits, group) == 1, (bits, group, k, n)
+    before = served()
+    for a, want in zip(rows, plain):
+        got = np.array(mx.array(a) @ w.T)
+        out["cases"] += 1
+        if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
+            out["apart"].append([bits, group, k, n, a.shape[0], float(np.abs(got - want).max())])
+    out["served"].append(served() - before)
+    out["expected"] += [sum(-(-a.shape[0] // most) for a in rows), 0]  # one per product, or per block of rows
+    unregister(_pointer(w))
+    before = served()
+    mx.eval(mx.array(rows[0]) @ w.T)
+    out["served"].append(served() - before)  # unregistered: read as float32 again
+# Refused: a form whose values are not the weight's, a depth of 128 or less, a group that is
+# not a power of two, a width the kernel does not take.
+w, (q, s, b) = expanded(576, 64, 4, 32, True)
+off = mx.array(np.array(w) + np.float32(1e-3))
+mx.eval(off)
+out["refused"] = [reg(off, (q, s, b), 4, 32)]
+w2, form2 = expanded(128, 64, 4, 32, True)
+out["refused"].append(reg(w2, form2, 4, 32))
+out["refused"].append(reg(w, (q, s, b), 4, 48))
+out["refused"].append(reg(w, (q, s, b), 3, 32))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_weights_read_as_stored_give_the_float32_products_bits(isa):
+    """The kernel reading a quantized weight's stored form (4 and 8 bits, groups of 32 to
+    128, depths whole and in blocks, every row count its tiles take, more rows in blocks)
+    gives the bits the float32 weight gives, an unregistered
+    weight is read as float32 again, and a form whose values are not the weight's (or a
+    shape the kernel does not take) is refused."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from specstream_mlx import platform_info as P
+
+    choice = P.choose_blas("openblas")
+    assert choice.forwarder is not None, "the forwarder did not build (no C compiler?)"
+    if not {"avx2", "fma"} <= _cpu_flags():
+        pytest.fail("the kernel needs AVX2 and FMA: this CPU cannot run the product kernel at all")
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("SPECSTREAM_SKINNY")}
+    env.update(choice.env())
+    if isa == "avx2":
+        env["SPECSTREAM_SKINNY_ISA"] = "avx2"
+    out = subprocess.run([sys.executable, "-c", STORED_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["cases"] == 60 and res["apart"] == [], res
+    # Every product served (in blocks of rows beyond the tiles' most); none once unregistered.
+    assert res["served"] == res["expected"] and res["served"][0] >= 12, res
+    assert res["refused"] == [0, 0, 0, 0], res
+
 FORK_CHECK = r"""
 import ctypes, os, time
 import numpy as np

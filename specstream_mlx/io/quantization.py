@@ -12,6 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map, tree_unflatten
 
+from ..models.stored import StoredForm
+from ..models.stored import attach as attach_stored
+
 
 class QuantizationConfigError(ValueError):
     """A malformed ``quantization`` entry; the message names the file and the field."""
@@ -98,7 +101,8 @@ def dequantize_model(model: nn.Module) -> int:
         # Scales in float32 first: dequantizing with float16 scales rounds every weight to float16.
         biases = m.get("biases")
         biases = None if biases is None else biases.astype(mx.float32)
-        w = mx.dequantize(m.weight, m.scales.astype(mx.float32), biases, m.group_size, m.bits)
+        scales = m.scales.astype(mx.float32)
+        w = mx.dequantize(m.weight, scales, biases, m.group_size, m.bits)
         before = sum(v.nbytes for k, v in m.items() if isinstance(v, mx.array) and k != "bias")
         if isinstance(m, nn.QuantizedEmbedding):
             new = nn.Embedding(w.shape[0], w.shape[1])
@@ -107,6 +111,9 @@ def dequantize_model(model: nn.Module) -> int:
             if "bias" in m:
                 new.bias = m.bias
         new.weight = w
+        if biases is not None and getattr(m, "mode", "affine") == "affine":
+            # What the CPU product kernel may read instead of w (runtime.stored_weights).
+            attach_stored(new, StoredForm(m.weight, scales, biases, m.bits, m.group_size))
         replaced.append((path, new))
         added += w.nbytes - before
     if replaced:

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import base
+from . import base, stored
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
@@ -75,6 +75,7 @@ def concat_linear(modules: Sequence[nn.Module]) -> nn.Module:
         fused = nn.Linear(1, 1, bias=bias)
     # The small placeholder's arrays are replaced, never computed with.
     fused.update({k: mx.concatenate([m[k] for m in modules], axis=0) for k in fused if k in first})
+    stored.attach(fused, stored.concatenated([stored.stored_form(m) for m in modules]))
     return fused
 
 

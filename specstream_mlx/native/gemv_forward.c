@@ -42,6 +42,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -122,6 +123,7 @@ typedef struct {
   float alpha, beta;
   const float *a, *b;
   float *c;
+  const struct stored_weight *stored; /* b's stored form, read instead of b (or NULL) */
 } product_t;
 
 #if HAVE_X86
@@ -345,8 +347,173 @@ static void row_columns(const product_t *p, int j, int j1) {
     one(p, j);
 }
 
+/* ---- weights read in their stored form ---------------------------------------------------
+ *
+ * On the CPU backend a quantized model's weights are expanded to float32 at load (MLX's own
+ * 4-bit product there costs several float32 ones), so a step streams 4-8 times the bytes the
+ * file stores: SmolLM2's 4-bit layers and 8-bit head are 98 MB stored and 538 MB expanded.
+ * Where the loader registers a weight's stored form beside its float32 expansion
+ * (specstream_stored_register), the kernel reads the stored form instead: each tile's weight
+ * vectors are expanded in registers (w = q * scale + bias, MLX's affine quantization) and
+ * multiplied exactly as the float32 tiles multiply them. Registration checks that every
+ * expanded value equals the float32 weight bit for bit, and the products take the same
+ * arithmetic as the float32 kernel's (the same lanes, depth blocks and sums), so the outputs
+ * are the same bits either way; only the bytes read differ. A weight is found by the pointer
+ * MLX passes (the float32 array's data, kept alive by the registrant while registered) and
+ * its shape. */
+
+struct stored_weight {
+  const float *w; /* the float32 weight it stands for: the b that MLX passes */
+  int n, k, bits, group;
+  const uint8_t *q; /* row j's k elements at q + j * row_bytes, the low bits first */
+  size_t row_bytes;
+  const float *scales, *biases; /* row j's k / group of each at j * (k / group) */
+  int group_shift;              /* log2(group): an element's group is kk >> group_shift */
+};
+
+enum { STORED_SLOTS = 4096, STORED_BITS = 12 };
+static struct stored_weight *_Atomic stored_table[STORED_SLOTS];
+static struct stored_weight stored_gone; /* a removed entry: lookups probe on past it */
+static pthread_mutex_t stored_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int stored_count;
+static atomic_llong stored_served; /* products served from stored forms, all told */
+
+/* A weight's first slot: its cache line's number, Fibonacci-hashed. */
+static inline size_t stored_slot(const float *w) { return ((size_t)w >> 6) * 0x9E3779B97F4A7C15ull >> (64 - STORED_BITS); }
+
+/* The stored form registered for the weight b of n x k (a row-major ldb = k), or NULL. Read
+ * without the lock: entries are published whole and freed only once unregistered, which the
+ * registrant does when nothing can use the weight any more. */
+static const struct stored_weight *find_stored(const float *b, int n, int k, int ldb) {
+  if (atomic_load_explicit(&stored_count, memory_order_relaxed) == 0)
+    return NULL;
+  size_t h = stored_slot(b);
+  for (int i = 0; i < STORED_SLOTS; i++) {
+    struct stored_weight *e = atomic_load_explicit(&stored_table[(h + i) % STORED_SLOTS], memory_order_acquire);
+    if (e == NULL)
+      return NULL;
+    if (e != &stored_gone && e->w == b)
+      return e->n == n && e->k == k && ldb == k ? e : NULL;
+  }
+  return NULL;
+}
+
+static void product_columns(const product_t *p, int j0, int j1);
+
+/* Scaled and offset in two roundings, as MLX expands them: never contracted into one
+ * multiply-add (the compiler may, where the target has FMA). */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+/* Expands elements [k0, k1) of row j into dst (k0 and k1 multiples of 16, as registration
+ * ensures): the integers widened in element order (four-bit ones two to a byte, the low
+ * nibble first), converted, scaled and offset by their group's scale and bias. Sixteen
+ * elements at a time, from 8 bytes (four bits) split into their nibbles, interleaved in
+ * order, or from 16 bytes (eight bits). */
+#define DEFINE_EXPAND(ISA, TARGET, VEC, LANES, WIDEN, CVT, SCALE, SET1, STOREU)                                    \
+  __attribute__((target(TARGET), always_inline)) static inline void expand16_##ISA(                                \
+      const uint8_t *row, const float *sc, const float *bi, int shift, int kk, float *out, const int bits) {      \
+    __m128i bytes;                                                                                                \
+    if (bits == 4) {                                                                                              \
+      const __m128i low4 = _mm_set1_epi8(15);                                                                     \
+      __m128i x = _mm_loadl_epi64((const __m128i *)(row + (unsigned)kk / 2));                                     \
+      bytes = _mm_unpacklo_epi8(_mm_and_si128(x, low4), _mm_and_si128(_mm_srli_epi16(x, 4), low4));              \
+    } else {                                                                                                      \
+      bytes = _mm_loadu_si128((const __m128i *)(row + kk));                                                       \
+    }                                                                                                             \
+    unsigned g = (unsigned)kk >> shift;                                                                           \
+    VEC scale = SET1(sc[g]), bias = SET1(bi[g]);                                                                  \
+    STOREU(out, SCALE(CVT(WIDEN(bytes)), scale, bias));                                                           \
+    if (LANES < 16)                                                                                               \
+      STOREU(out + LANES, SCALE(CVT(WIDEN(_mm_srli_si128(bytes, 8))), scale, bias));                              \
+  }                                                                                                               \
+  __attribute__((target(TARGET))) static void expand_##ISA(const struct stored_weight *s, int j, int k0, int k1,   \
+                                                            float *dst) {                                         \
+    const uint8_t *row = s->q + (size_t)j * s->row_bytes;                                                         \
+    const size_t first = ((size_t)j * s->k) >> s->group_shift;                                                    \
+    const float *sc = s->scales + first, *bi = s->biases + first;                                                 \
+    const int shift = s->group_shift;                                                                             \
+    if (s->bits == 4)                                                                                             \
+      for (int kk = k0; kk < k1; kk += 16)                                                                        \
+        expand16_##ISA(row, sc, bi, shift, kk, dst + (kk - k0), 4);                                               \
+    else                                                                                                          \
+      for (int kk = k0; kk < k1; kk += 16)                                                                        \
+        expand16_##ISA(row, sc, bi, shift, kk, dst + (kk - k0), 8);                                               \
+  }
+
+__attribute__((target("avx2,fma"))) static inline __m256 scale_avx2(__m256 w, __m256 s, __m256 b) {
+  return _mm256_add_ps(_mm256_mul_ps(w, s), b);
+}
+__attribute__((target("avx512f"))) static inline __m512 scale_avx512(__m512 w, __m512 s, __m512 b) {
+  return _mm512_add_ps(_mm512_mul_ps(w, s), b);
+}
+
+DEFINE_EXPAND(avx2, "avx2,fma", __m256, 8, _mm256_cvtepu8_epi32, _mm256_cvtepi32_ps, scale_avx2, _mm256_set1_ps,
+              _mm256_storeu_ps)
+DEFINE_EXPAND(avx512, "avx512f", __m512, 16, _mm512_cvtepu8_epi32, _mm512_cvtepi32_ps, scale_avx512,
+              _mm512_set1_ps, _mm512_storeu_ps)
+
+#pragma GCC pop_options
+
+static void expand(const struct stored_weight *s, int j, int k0, int k1, float *dst) {
+  (use_avx512 ? expand_avx512 : expand_avx2)(s, j, k0, k1, dst);
+}
+
+/* Each thread's buffer of expanded weight rows (NR rows of one depth block). */
+static __thread float *strip_buf;
+static __thread size_t strip_cap;
+
+static float *strip(size_t floats) {
+  if (floats > strip_cap) {
+    free(strip_buf);
+    strip_buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+    strip_cap = strip_buf ? floats : 0;
+  }
+  return strip_buf;
+}
+
+/* Output columns [j0, j1) of a product whose weight is read stored: NR weight rows of a depth
+ * block at a time are expanded into a buffer in the L1 cache and multiplied there by the
+ * float32 kernel's own tiles, in product_columns's depth blocks, so every output is the same
+ * sum of the same values as when the float32 weight is read. */
+static void stored_columns(const product_t *p, int j0, int j1) {
+  const struct stored_weight *s = p->stored;
+  int block = k_block > 0 && p->k > k_block + k_block / 2 ? k_block : p->k;
+  void (*many)(const product_t *, int) = use_avx512 ? rows4_avx512 : rows4_avx2;
+  void (*one)(const product_t *, int) = use_avx512 ? rows1_avx512 : rows1_avx2;
+  float *buf = strip((size_t)NR * block);
+  if (buf == NULL) { /* out of memory: the float32 weight, as stored in b */
+    product_t q = *p;
+    q.stored = NULL;
+    product_columns(&q, j0, j1);
+    return;
+  }
+  for (int k0 = 0; k0 < p->k; k0 += block) {
+    int k1 = p->k - k0 < block ? p->k : k0 + block;
+    product_t q = *p;
+    q.a = p->a + k0;
+    q.k = k1 - k0;
+    q.ldb = k1 - k0;
+    q.b = buf;
+    if (k0 > 0)
+      q.beta = 1.0f; /* the blocks before it are in c */
+    for (int j = j0; j < j1;) {
+      int nr = j1 - j >= NR ? NR : 1;
+      for (int r = 0; r < nr; r++)
+        expand(s, j + r, k0, k1, buf + (size_t)r * q.ldb);
+      q.c = p->c + j; /* the tiles write columns 0..nr-1 of this view */
+      (nr == NR ? many : one)(&q, 0);
+      j += nr;
+    }
+  }
+}
+
 /* Output columns [j0, j1) for every row of a. */
 static void product_columns(const product_t *p, int j0, int j1) {
+  if (p->stored) {
+    stored_columns(p, j0, j1);
+    return;
+  }
   if (p->trans_b && k_block > 0 && p->k > k_block + k_block / 2) {
     /* Every block in the row tiles, a short last one too: the transposed tiles below (for
      * short depths from four rows on) add in another order than one row's tiles. */
@@ -726,6 +893,83 @@ static int kernel_rows(void) {
 #endif
 }
 
+#if HAVE_X86
+/* Registers the stored form of the float32 weight w (n x k, row-major): bits 4 or 8 per
+ * element, packed the low bits first, row by row (row_bytes = k * bits / 8), and one scale and
+ * one bias per group of elements of a row. The registrant keeps w, q, scales and biases alive
+ * and unchanged until it unregisters w. Returns 1 when registered; 0 when the kernel does not
+ * serve such a product (the kernel off, a width or group it does not take, a depth the float32
+ * kernel multiplies another way), or when an expanded value differs from w's (w then stays
+ * read as it is); -1 when the table is full or out of memory. */
+int specstream_stored_register(const float *w, int n, int k, const void *q, int bits, int group,
+                               const float *scales, const float *biases) {
+  if (kernel_rows() <= 0 || (bits != 4 && bits != 8) || group < 16 || (group & (group - 1)) != 0 ||
+      k % group != 0 || k <= KN_MAX_K || n < 1)
+    return 0;
+  struct stored_weight *e = malloc(sizeof(*e));
+  if (e == NULL)
+    return -1;
+  *e = (struct stored_weight){w, n, k, bits, group, q, (size_t)k * bits / 8, scales, biases, __builtin_ctz(group)};
+  /* Every row expanded as the kernel expands it must give w's row, bit for bit. */
+  float *row = malloc((size_t)k * sizeof(float));
+  int same = row != NULL;
+  for (int j = 0; j < n && same; j++) {
+    expand(e, j, 0, k, row);
+    same = memcmp(row, w + (size_t)j * k, (size_t)k * sizeof(float)) == 0;
+  }
+  free(row);
+  if (!same) {
+    free(e);
+    return 0;
+  }
+  pthread_mutex_lock(&stored_lock);
+  size_t h = stored_slot(w);
+  int placed = 0;
+  for (int i = 0; i < STORED_SLOTS && !placed; i++) {
+    size_t at = (h + i) % STORED_SLOTS;
+    struct stored_weight *old = atomic_load(&stored_table[at]);
+    if (old != NULL && old != &stored_gone && old->w == w) { /* registered again: the new form */
+      atomic_store_explicit(&stored_table[at], e, memory_order_release);
+      free(old);
+      placed = 2;
+    } else if (old == NULL || old == &stored_gone) {
+      atomic_store_explicit(&stored_table[at], e, memory_order_release);
+      placed = 1;
+    }
+  }
+  if (placed == 1)
+    atomic_fetch_add(&stored_count, 1);
+  pthread_mutex_unlock(&stored_lock);
+  if (!placed)
+    free(e);
+  return placed ? 1 : -1;
+}
+
+/* Forgets w's stored form (nothing if none): w is read as float32 again. The registrant calls
+ * it once no product of w can be in flight. */
+void specstream_stored_unregister(const float *w) {
+  pthread_mutex_lock(&stored_lock);
+  size_t h = stored_slot(w);
+  for (int i = 0; i < STORED_SLOTS; i++) {
+    size_t at = (h + i) % STORED_SLOTS;
+    struct stored_weight *e = atomic_load(&stored_table[at]);
+    if (e == NULL)
+      break;
+    if (e != &stored_gone && e->w == w) {
+      atomic_store_explicit(&stored_table[at], &stored_gone, memory_order_release);
+      atomic_fetch_sub(&stored_count, 1);
+      free(e);
+      break;
+    }
+  }
+  pthread_mutex_unlock(&stored_lock);
+}
+
+/* Weights registered now, and products served from stored forms so far. */
+int specstream_stored_count(void) { return atomic_load(&stored_count); }
+long long specstream_stored_served(void) { return atomic_load(&stored_served); }
+#endif /* HAVE_X86 */
+
 /* How much a waiting worker reads ahead, KB (SPECSTREAM_SKINNY_AHEAD_KB; -1: the kernel is
  * off), and the bytes it has read ahead so far. */
 long specstream_skinny_ahead_kb(void) {
@@ -815,7 +1059,10 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
     int blocks = (m + most - 1) / most;
     for (int i = 0, i0 = 0; i < blocks; i++) {
       int rows = (m - i0) / (blocks - i);
-      product_t p = {tb == TRANS, rows, n, k, lda, ldb, ldc, alpha, beta, a + (size_t)i0 * lda, b, c + (size_t)i0 * ldc};
+      product_t p = {tb == TRANS, rows, n, k, lda, ldb, ldc, alpha, beta, a + (size_t)i0 * lda, b, c + (size_t)i0 * ldc,
+                     tb == TRANS ? find_stored(b, n, k, ldb) : NULL};
+      if (p.stored)
+        atomic_fetch_add_explicit(&stored_served, 1, memory_order_relaxed);
       skinny_product(&p);
       i0 += rows;
     }

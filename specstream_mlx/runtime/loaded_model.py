@@ -26,6 +26,7 @@ from .attention_choice import choose_attention, set_attention_form
 from .autotune import AutoPolicy, auto_policy_for
 from .compiled_pass import SSPass
 from .sampling import SamplingParams
+from .stored_weights import register as register_stored
 
 
 @dataclass
@@ -147,5 +148,6 @@ def load(
         fuse_projections(lm.model, evaluate=False)
     if not lazy:
         mx.eval(lm.model.parameters())
+        register_stored(lm.model)
     set_attention_form(lm.model, choose_attention(lm.model, attention))
     return SpeculativeModel(lm.model, lm.streams, lm.path), lm.tokenizer

@@ -1,0 +1,116 @@
+"""Quantized weights read as stored by the CPU product kernel.
+
+A quantized model on the CPU backend decodes with float32 weights expanded at load
+(:func:`~specstream_mlx.io.quantization.dequantize_model`): MLX's own 4-bit product costs
+several float32 ones there. Every decoding step then streams the expanded bytes — SmolLM2's
+4-bit layers and 8-bit head are 98 MB as stored and 538 MB expanded. The product kernel that
+serves MLX's ``cblas_sgemm`` (``native/gemv_forward.c``) can read a weight's stored form
+instead, expanding each tile's values in registers; :func:`register` tells it which float32
+weight stands for which stored arrays. It accepts a weight only if every value it expands
+equals the float32 weight's, bit for bit, and multiplies exactly as with the float32 weight,
+so outputs do not change — only the bytes read. Products it does not serve (more rows than its
+tiles take: a prompt's) read the float32 weight as before.
+
+The kernel finds a weight by the data pointer MLX passes, so the registration keeps every
+registered array alive (its buffer can be neither freed nor reused while registered) and
+unregisters them when the model is collected, after the device has finished its work.
+Nothing here runs on a device whose weights stay quantized (a GPU): no float32 expansion,
+no stored form.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..models.stored import StoredForm, stored_form
+from ..platform_info import _symbol
+from ..settings import current as current_settings
+
+
+@dataclass
+class Registration:
+    """What :func:`register` did for one model.
+
+    Attributes:
+        weights: float32 weights the kernel now reads as stored.
+        refused: weights with a stored form that the kernel does not take (a width, group or
+            depth it does not serve, or values that differ from the float32 weight's).
+        stored_bytes: bytes of the registered weights' stored forms (packed, scales, biases).
+        float_bytes: bytes of the same weights in float32.
+    """
+
+    weights: int = 0
+    refused: int = 0
+    stored_bytes: int = 0
+    float_bytes: int = 0
+    # (pointer, arrays kept alive) per registered weight.
+    _held: List[Tuple[int, tuple]] = field(default_factory=list, repr=False)
+
+
+def _pointer(a: mx.array) -> int:
+    return np.asarray(memoryview(a)).ctypes.data
+
+
+def _kernel():
+    register = _symbol("specstream_stored_register")
+    if register is None:
+        return None, None
+    register.restype = ctypes.c_int
+    register.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    register.argtypes += [ctypes.c_void_p, ctypes.c_void_p]
+    unregister = _symbol("specstream_stored_unregister")
+    unregister.argtypes = [ctypes.c_void_p]
+    return register, unregister
+
+
+def _release(unregister, held: List[Tuple[int, tuple]]) -> None:
+    # Products queued before the model went may still read its weights: wait for them.
+    mx.synchronize()
+    for pointer, _ in held:
+        unregister(pointer)
+    held.clear()
+
+
+def register(model: nn.Module) -> Registration:
+    """Tell the product kernel to read ``model``'s quantized weights as stored (every float32
+    Linear or Embedding weight that keeps a :class:`~specstream_mlx.models.stored.StoredForm`).
+    Nothing where the kernel is not loaded or ``SPECSTREAM_STORED=0``."""
+    done = Registration()
+    register_fn, unregister = _kernel()
+    if register_fn is None or not current_settings().stored_weights:
+        return done
+    for _, module in model.named_modules():
+        form: StoredForm = stored_form(module)
+        if form is None or not isinstance(module, (nn.Linear, nn.Embedding)) or module.weight.dtype != mx.float32:
+            continue
+        w = module.weight
+        arrays = (w, form.weight, form.scales.astype(mx.float32), form.biases.astype(mx.float32))
+        mx.eval(arrays)
+        n, k = w.shape
+        pointers = [_pointer(a) for a in arrays]
+        if register_fn(pointers[0], n, k, pointers[1], form.bits, form.group_size, pointers[2], pointers[3]) != 1:
+            done.refused += 1
+            continue
+        done.weights += 1
+        done.stored_bytes += sum(a.nbytes for a in arrays[1:])
+        done.float_bytes += w.nbytes
+        done._held.append((pointers[0], arrays))
+    if done._held:
+        weakref.finalize(model, _release, unregister, done._held)
+    return done
+
+
+def served() -> int:
+    """Products the kernel has served from stored forms in this process (0 without it)."""
+    count = _symbol("specstream_stored_served")
+    if count is None:
+        return 0
+    count.restype = ctypes.c_longlong
+    return int(count())
