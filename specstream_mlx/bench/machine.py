@@ -69,11 +69,43 @@ def read_bandwidth(buffer_bytes: int = 512 << 20, reps: int = 7, threads: Option
 
 def weight_bytes(model) -> int:
     """Bytes of parameters one decoding step reads: every parameter of the base model
-    as it is held for execution (float32 on the CPU backend). A tied embedding is read
-    once, as the LM head (the embedding row lookup is negligible)."""
+    as it is held for execution (float32 on the CPU backend), the weights the product
+    kernel reads as stored counted as stored (:mod:`specstream_mlx.runtime.stored_weights`).
+    A tied embedding is read once, as the LM head (the embedding row lookup is negligible)."""
     from mlx.utils import tree_flatten
 
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    from ..runtime.stored_weights import registration
+
+    held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    stored = registration(model)
+    return held - stored.float_bytes + stored.stored_bytes
+
+
+def product_weights(model) -> list:
+    """The weights of one decoding step's matrix products, in the order the step runs them
+    (:func:`product_shapes`' order), as the model holds them: products of these read what a
+    step reads (the stored form, where the kernel reads one)."""
+    import mlx.nn as nn
+
+    out = []
+    for layer in model.layers:
+        for block in (layer.self_attn, layer.mlp):
+            for name in ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj", "up_proj", "down_proj"):
+                if isinstance(block.get(name), nn.Linear):
+                    out.append(block[name].weight)
+    head = getattr(model, "lm_head", None)
+    out.append(head.weight if head is not None else model.model.embed_tokens.weight)
+    return out
+
+
+def time_model_products(model, reps: int) -> float:
+    """Median ms of one step's matrix products at one row, with the model's own weights."""
+    import mlx.core as mx
+
+    ws = product_weights(model)
+    xs = {w.shape[1]: mx.random.normal((1, w.shape[1])) for w in ws}
+    mx.eval(list(xs.values()))
+    return median_ms(lambda: mx.eval([xs[w.shape[1]] @ w.T for w in ws]), reps)
 
 
 def floor_seconds(model, bandwidth: Bandwidth) -> float:
@@ -188,12 +220,15 @@ class FloorReport:
     products_ms: List[float]
     blas: str = ""
     load: List[float] = field(default_factory=list)
+    # Weights the product kernel reads as stored, and those bytes in float32.
+    stored_weights: int = 0
+    stored_float_bytes: int = 0
 
     def summary(self) -> str:
         step, prod = statistics.median(self.step_ms), statistics.median(self.products_ms)
         bw = self.bandwidth
         return (
-            f"{self.model}: {self.weight_bytes / 1e6:.0f} MB of weights per step; streaming read "
+            f"{self.model}: {self.weight_bytes / 1e6:.0f} MB of weights per step{self._stored_words()}; streaming read "
             f"{bw['one_thread'] / 1e9:.1f} GB/s (1 thread), {bw['all_threads'] / 1e9:.1f} GB/s "
             f"({bw['threads']} threads): floor {self.floor_ms:.1f} ms\n"
             f"plain step {step:.1f} ms ({1e3 / step:.1f} tok/s) = {step / self.floor_ms:.2f}x the floor; "
@@ -203,22 +238,29 @@ class FloorReport:
         )
 
 
+    def _stored_words(self) -> str:
+        if not self.stored_weights:
+            return ""
+        return f" ({self.stored_weights} weights read as stored, {self.stored_float_bytes / 1e6:.0f} MB as float32)"
+
+
 def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9) -> FloorReport:
     """Plain decoding of ``name`` against the floor, rounds interleaved with the bandwidth
     and product measurements (each figure is a median of its rounds)."""
     from ..platform_info import blas_words
     from ..runtime.loaded_model import load
+    from ..runtime.stored_weights import registration
 
     m, _ = load(name, warn=False)
     steps, prods, bws, loads = [], [], [], []
-    shapes = product_shapes(m.base)
     for _ in range(rounds):
         steps.append(statistics.median(plain_step_ms(m.base, tokens)))
-        prods.append(time_products(shapes, (1,), reps)[1])
+        prods.append(time_model_products(m.base, reps))
         bws.append(read_bandwidth())
         loads.append(os.getloadavg()[0])
     best = max(bws, key=lambda b: b.best)
     wb = weight_bytes(m.base)
+    stored = registration(m.base)
     return FloorReport(
         name,
         wb,
@@ -228,6 +270,8 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9) -
         prods,
         blas_words(),
         loads,
+        stored.weights,
+        stored.float_bytes,
     )
 
 

@@ -34,6 +34,10 @@ from ..platform_info import _symbol
 from ..settings import current as current_settings
 
 
+# The attribute a model keeps its registration under.
+ATTRIBUTE = "_stored_registration"
+
+
 @dataclass
 class Registration:
     """What :func:`register` did for one model.
@@ -104,7 +108,13 @@ def register(model: nn.Module) -> Registration:
         done._held.append((pointers[0], arrays))
     if done._held:
         weakref.finalize(model, _release, unregister, done._held)
+    object.__setattr__(model, ATTRIBUTE, done)  # a plain attribute: outside the parameter tree
     return done
+
+
+def registration(model: nn.Module) -> Registration:
+    """What :func:`register` did for ``model`` (nothing registered if it was never called)."""
+    return getattr(model, ATTRIBUTE, None) or Registration()
 
 
 def served() -> int:
