@@ -410,9 +410,9 @@ static void product_columns(const product_t *p, int j0, int j1);
  * nibble first), converted, scaled and offset by their group's scale and bias. Sixteen
  * elements at a time, from 8 bytes (four bits) split into their nibbles, interleaved in
  * order, or from 16 bytes (eight bits). */
-#define DEFINE_EXPAND(ISA, TARGET, VEC, LANES, WIDEN, CVT, SCALE, SET1, STOREU)                                    \
+#define DEFINE_EXPAND(ISA, TARGET, VEC, LANES, WIDEN, CVT, SCALE, SET1, STOREU, ZERO, LOADF, FMA, SUM)           \
   __attribute__((target(TARGET), always_inline)) static inline void expand16_##ISA(                                \
-      const uint8_t *row, const float *sc, const float *bi, int shift, int kk, float *out, const int bits) {      \
+      const uint8_t *row, const float *sc, const float *bi, int shift, int kk, VEC *out, const int bits) {        \
     __m128i bytes;                                                                                                \
     if (bits == 4) {                                                                                              \
       const __m128i low4 = _mm_set1_epi8(15);                                                                     \
@@ -423,9 +423,9 @@ static void product_columns(const product_t *p, int j0, int j1);
     }                                                                                                             \
     unsigned g = (unsigned)kk >> shift;                                                                           \
     VEC scale = SET1(sc[g]), bias = SET1(bi[g]);                                                                  \
-    STOREU(out, SCALE(CVT(WIDEN(bytes)), scale, bias));                                                           \
+    out[0] = SCALE(CVT(WIDEN(bytes)), scale, bias);                                                               \
     if (LANES < 16)                                                                                               \
-      STOREU(out + LANES, SCALE(CVT(WIDEN(_mm_srli_si128(bytes, 8))), scale, bias));                              \
+      out[LANES < 16] = SCALE(CVT(WIDEN(_mm_srli_si128(bytes, 8))), scale, bias);                                 \
   }                                                                                                               \
   __attribute__((target(TARGET))) static void expand_##ISA(const struct stored_weight *s, int j, int k0, int k1,   \
                                                             float *dst) {                                         \
@@ -433,12 +433,56 @@ static void product_columns(const product_t *p, int j0, int j1);
     const size_t first = ((size_t)j * s->k) >> s->group_shift;                                                    \
     const float *sc = s->scales + first, *bi = s->biases + first;                                                 \
     const int shift = s->group_shift;                                                                             \
-    if (s->bits == 4)                                                                                             \
-      for (int kk = k0; kk < k1; kk += 16)                                                                        \
-        expand16_##ISA(row, sc, bi, shift, kk, dst + (kk - k0), 4);                                               \
-    else                                                                                                          \
-      for (int kk = k0; kk < k1; kk += 16)                                                                        \
-        expand16_##ISA(row, sc, bi, shift, kk, dst + (kk - k0), 8);                                               \
+    VEC v[16 / LANES];                                                                                            \
+    for (int kk = k0; kk < k1; kk += 16) {                                                                        \
+      if (s->bits == 4)                                                                                           \
+        expand16_##ISA(row, sc, bi, shift, kk, v, 4);                                                             \
+      else                                                                                                        \
+        expand16_##ISA(row, sc, bi, shift, kk, v, 8);                                                             \
+      for (int h = 0; h < 16 / LANES; h++)                                                                        \
+        STOREU(dst + (kk - k0) + h * LANES, v[h]);                                                                \
+    }                                                                                                             \
+  }                                                                                                               \
+  /* One row of a: each weight vector expanded and multiplied in registers, in the float32 tile's     \
+   * order (per output, one accumulator over the depth in steps of LANES, then its sum). */                       \
+  __attribute__((target(TARGET), always_inline)) static inline void srow_##ISA(                                   \
+      const product_t *p, int j, const int nr, int k0, int k1, const int bits) {                                  \
+    const struct stored_weight *s = p->stored;                                                                    \
+    const uint8_t *row[NR];                                                                                       \
+    const float *sc[NR], *bi[NR];                                                                                 \
+    VEC acc[NR];                                                                                                  \
+    for (int r = 0; r < nr; r++) {                                                                                \
+      size_t first = ((size_t)(j + r) * s->k) >> s->group_shift;                                                  \
+      row[r] = s->q + (size_t)(j + r) * s->row_bytes;                                                             \
+      sc[r] = s->scales + first;                                                                                  \
+      bi[r] = s->biases + first;                                                                                  \
+      acc[r] = ZERO();                                                                                            \
+    }                                                                                                             \
+    for (int kk = k0; kk < k1; kk += 16) {                                                                        \
+      VEC av[16 / LANES], w[16 / LANES];                                                                          \
+      for (int h = 0; h < 16 / LANES; h++)                                                                        \
+        av[h] = LOADF(p->a + kk + h * LANES);                                                                     \
+      for (int r = 0; r < nr; r++) {                                                                              \
+        expand16_##ISA(row[r], sc[r], bi[r], s->group_shift, kk, w, bits);                                       \
+        for (int h = 0; h < 16 / LANES; h++)                                                                      \
+          acc[r] = FMA(av[h], w[h], acc[r]);                                                                      \
+      }                                                                                                           \
+    }                                                                                                             \
+    for (int r = 0; r < nr; r++)                                                                                  \
+      store(p, 0, j + r, SUM(acc[r]));                                                                            \
+  }                                                                                                               \
+  __attribute__((target(TARGET))) static void srows_##ISA(const product_t *p, int j, int j1, int k0, int k1) {     \
+    if (p->stored->bits == 4) {                                                                                   \
+      for (; j + NR <= j1; j += NR)                                                                               \
+        srow_##ISA(p, j, NR, k0, k1, 4);                                                                          \
+      for (; j < j1; j++)                                                                                         \
+        srow_##ISA(p, j, 1, k0, k1, 4);                                                                           \
+    } else {                                                                                                      \
+      for (; j + NR <= j1; j += NR)                                                                               \
+        srow_##ISA(p, j, NR, k0, k1, 8);                                                                          \
+      for (; j < j1; j++)                                                                                         \
+        srow_##ISA(p, j, 1, k0, k1, 8);                                                                           \
+    }                                                                                                             \
   }
 
 __attribute__((target("avx2,fma"))) static inline __m256 scale_avx2(__m256 w, __m256 s, __m256 b) {
@@ -449,11 +493,60 @@ __attribute__((target("avx512f"))) static inline __m512 scale_avx512(__m512 w, _
 }
 
 DEFINE_EXPAND(avx2, "avx2,fma", __m256, 8, _mm256_cvtepu8_epi32, _mm256_cvtepi32_ps, scale_avx2, _mm256_set1_ps,
-              _mm256_storeu_ps)
+              _mm256_storeu_ps, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, hsum)
 DEFINE_EXPAND(avx512, "avx512f", __m512, 16, _mm512_cvtepu8_epi32, _mm512_cvtepi32_ps, scale_avx512,
-              _mm512_set1_ps, _mm512_storeu_ps)
+              _mm512_set1_ps, _mm512_storeu_ps, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
+              _mm512_reduce_add_ps)
 
 #pragma GCC pop_options
+
+/* One row of a by four-bit weights, AVX-512: the 16 values a group's codes stand for are one
+ * register (code * scale + bias for codes 0-15, the same two roundings), and each vector of
+ * weights is a permutation of it by its codes — one instruction where the conversion, the
+ * scaling and the offset took three. The same values, multiplied in srow_avx512's order. */
+__attribute__((target("avx512f"), always_inline)) static inline void srow4_lut_avx512(const product_t *p, int j,
+                                                                                     const int nr, int k0, int k1) {
+  const struct stored_weight *s = p->stored;
+  const uint8_t *row[NR];
+  const float *sc[NR], *bi[NR];
+  __m512 acc[NR], table[NR];
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  /* Lane i takes the 32-bit word holding code i (i / 8) shifted by 4 * (i % 8): its low four
+   * bits are the code, all that the permutation reads of an index. */
+  const __m512i words = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  for (int r = 0; r < nr; r++) {
+    size_t first = ((size_t)(j + r) * s->k) >> s->group_shift;
+    row[r] = s->q + (size_t)(j + r) * s->row_bytes;
+    sc[r] = s->scales + first;
+    bi[r] = s->biases + first;
+    acc[r] = _mm512_setzero_ps();
+    table[r] = _mm512_setzero_ps();
+  }
+  unsigned group = ~0u;
+  for (int kk = k0; kk < k1; kk += 16) {
+    __m512 av = _mm512_loadu_ps(p->a + kk);
+    unsigned g = (unsigned)kk >> s->group_shift;
+    for (int r = 0; r < nr; r++) {
+      if (g != group)
+        table[r] = scale_avx512(codes, _mm512_set1_ps(sc[r][g]), _mm512_set1_ps(bi[r][g]));
+      __m512i x = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(row[r] + (unsigned)kk / 2)));
+      __m512i idx = _mm512_srlv_epi32(_mm512_permutexvar_epi32(words, x), shifts);
+      __m512 w = _mm512_permutexvar_ps(idx, table[r]);
+      acc[r] = _mm512_fmadd_ps(av, w, acc[r]);
+    }
+    group = g;
+  }
+  for (int r = 0; r < nr; r++)
+    store(p, 0, j + r, _mm512_reduce_add_ps(acc[r]));
+}
+
+__attribute__((target("avx512f"))) static void srows4_lut_avx512(const product_t *p, int j, int j1, int k0, int k1) {
+  for (; j + NR <= j1; j += NR)
+    srow4_lut_avx512(p, j, NR, k0, k1);
+  for (; j < j1; j++)
+    srow4_lut_avx512(p, j, 1, k0, k1);
+}
 
 static void expand(const struct stored_weight *s, int j, int k0, int k1, float *dst) {
   (use_avx512 ? expand_avx512 : expand_avx2)(s, j, k0, k1, dst);
@@ -486,6 +579,18 @@ static void stored_columns(const product_t *p, int j0, int j1) {
     product_t q = *p;
     q.stored = NULL;
     product_columns(&q, j0, j1);
+    return;
+  }
+  if (p->m == 1) { /* in registers, no buffer */
+    void (*row)(const product_t *, int, int, int, int) = use_avx512 ? srows_avx512 : srows_avx2;
+    if (use_avx512 && s->bits == 4)
+      row = srows4_lut_avx512;
+    for (int k0 = 0; k0 < p->k; k0 += block) {
+      product_t q = *p;
+      if (k0 > 0)
+        q.beta = 1.0f;
+      row(&q, j0, j1, k0, p->k - k0 < block ? p->k : k0 + block);
+    }
     return;
   }
   for (int k0 = 0; k0 < p->k; k0 += block) {
