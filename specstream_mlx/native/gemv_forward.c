@@ -949,7 +949,8 @@ static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
  * waiting worker to read ahead (read_ahead). */
 static void publish_next(const product_t *p) {
   size_t most = atomic_load_explicit(&ahead_bytes, memory_order_relaxed);
-  if (most == 0 || !p->trans_b || !atomic_load_explicit(&streaming, memory_order_relaxed))
+  /* A weight read as stored is not read ahead: its float32 bytes are never read. */
+  if (most == 0 || !p->trans_b || p->stored || !atomic_load_explicit(&streaming, memory_order_relaxed))
     return;
   size_t t = pointer_slot(p->b, NEXT_BITS);
   const float *next = next_of[t].next;
