@@ -60,7 +60,13 @@ class Settings:
 
 # The settings that are switches: read as "1" / "0" where they are used, so any other value
 # would be taken for the default without a word (``check`` refuses it first).
-SWITCHES = ("SPECSTREAM_COMPILE", "SPECSTREAM_FUSE", "SPECSTREAM_JIT_AVX2", "SPECSTREAM_JIT_STRIDED", "SPECSTREAM_STORED")
+SWITCHES = (
+    "SPECSTREAM_COMPILE",
+    "SPECSTREAM_FUSE",
+    "SPECSTREAM_JIT_AVX2",
+    "SPECSTREAM_JIT_STRIDED",
+    "SPECSTREAM_STORED",
+)
 
 
 def check() -> None:

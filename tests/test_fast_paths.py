@@ -689,6 +689,7 @@ def test_weights_read_as_stored_give_the_float32_products_bits(isa):
     assert res["served"] == res["expected"] and res["served"][0] >= 12, res
     assert res["refused"] == [0, 0, 0, 0], res
 
+
 FORK_CHECK = r"""
 import ctypes, os, time
 import numpy as np

@@ -81,6 +81,10 @@ def weight_bytes(model) -> int:
     return held - stored.float_bytes + stored.stored_bytes
 
 
+# A block's projections in the order a step runs them (fused or as stored).
+PROJECTIONS = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def product_weights(model) -> list:
     """The weights of one decoding step's matrix products, in the order the step runs them
     (:func:`product_shapes`' order), as the model holds them: products of these read what a
@@ -90,7 +94,7 @@ def product_weights(model) -> list:
     out = []
     for layer in model.layers:
         for block in (layer.self_attn, layer.mlp):
-            for name in ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj", "up_proj", "down_proj"):
+            for name in PROJECTIONS:
                 if isinstance(block.get(name), nn.Linear):
                     out.append(block[name].weight)
     head = getattr(model, "lm_head", None)
@@ -236,7 +240,6 @@ class FloorReport:
             f"everything else {step - prod:.1f} ms\n"
             f"BLAS {self.blas}; 1-min load {min(self.load):.2f}-{max(self.load):.2f}"
         )
-
 
     def _stored_words(self) -> str:
         if not self.stored_weights:

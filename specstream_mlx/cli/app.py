@@ -319,9 +319,17 @@ def doctor(
     from ..io.loading import dequantize_on_cpu
 
     if dequantize_on_cpu():
+        from ..platform_info import skinny_kernel
+        from ..settings import current as current_settings
+
+        reads = (
+            "; the product kernel reads 4- and 8-bit weights as stored (SPECSTREAM_STORED=0: the float32 ones)"
+            if skinny_kernel() is not None and current_settings().stored_weights
+            else ""
+        )
         typer.echo(
             "quantized models: dequantized to float32 at load on the CPU backend "
-            "(4-bit matmuls cost several float32 ones there; memory grows to 4 bytes per weight)"
+            f"(4-bit matmuls cost several float32 ones there; memory grows to 4 bytes per weight){reads}"
         )
     else:
         typer.echo("quantized models: kept quantized on this device")

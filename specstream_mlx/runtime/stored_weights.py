@@ -33,7 +33,6 @@ from ..models.stored import StoredForm, stored_form
 from ..platform_info import _symbol
 from ..settings import current as current_settings
 
-
 # The attribute a model keeps its registration under.
 ATTRIBUTE = "_stored_registration"
 
