@@ -1030,21 +1030,33 @@ int specstream_stored_register(const float *w, int n, int k, const void *q, int 
   }
   pthread_mutex_lock(&stored_lock);
   size_t h = stored_slot(w);
-  int placed = 0;
+  int placed = 0, free_at = -1;
   for (int i = 0; i < STORED_SLOTS && !placed; i++) {
     size_t at = (h + i) % STORED_SLOTS;
     struct stored_weight *old = atomic_load(&stored_table[at]);
-    if (old != NULL && old != &stored_gone && old->w == w) { /* registered again: the new form */
+    if (old == NULL)
+      break; /* the end of w's chain: w is not registered */
+    if (old == &stored_gone) {
+      if (free_at < 0)
+        free_at = (int)at;
+    } else if (old->w == w) { /* registered again: the new form replaces the old */
       atomic_store_explicit(&stored_table[at], e, memory_order_release);
       free(old);
       placed = 2;
-    } else if (old == NULL || old == &stored_gone) {
-      atomic_store_explicit(&stored_table[at], e, memory_order_release);
+    }
+  }
+  if (!placed) { /* the first removed slot of the chain, or the empty one that ends it */
+    for (int i = 0; i < STORED_SLOTS && free_at < 0; i++) {
+      size_t at = (h + i) % STORED_SLOTS;
+      if (atomic_load(&stored_table[at]) == NULL)
+        free_at = (int)at;
+    }
+    if (free_at >= 0) {
+      atomic_store_explicit(&stored_table[free_at], e, memory_order_release);
+      atomic_fetch_add(&stored_count, 1);
       placed = 1;
     }
   }
-  if (placed == 1)
-    atomic_fetch_add(&stored_count, 1);
   pthread_mutex_unlock(&stored_lock);
   if (!placed)
     free(e);
