@@ -1189,3 +1189,33 @@ int main() {
         subprocess.run([gxx, "-O2", str(path), "-o", str(tmp_path / name)], check=True)
         runs.append(subprocess.run([str(tmp_path / name)], capture_output=True, text=True, check=True).stdout)
     assert runs[0] == runs[1] and len(runs[0].split()) == 4
+
+
+def test_a_model_that_decoded_is_freed_once_dropped(tiny_model_dir, tmp_path):
+    """Decoding keeps per-model state (the compiled plain step, passes): none of it may keep
+    the model alive after the caller drops it, or a process that loads another model keeps
+    every one it loaded before (SmolLM2: ~1 GB each)."""
+    import gc
+    import weakref
+
+    from specstream_mlx.convert import ConvertOptions, convert
+    from specstream_mlx.method.tree import TreeSpec
+    from specstream_mlx.runtime.loaded_model import load
+    from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.runtime.speculative import ss_steps
+    from specstream_mlx.runtime.steps import ar_steps
+
+    with_streams = convert(str(tiny_model_dir), str(tmp_path / "ss"), ConvertOptions(num_streams=2, stream_layers=1))
+    model, _ = load(str(with_streams), warn=False)
+    prompt = mx.array([5, 9, 33, 70])
+    steps = ar_steps(model.base, prompt, SamplingParams())
+    for _ in range(4):
+        next(steps)
+    tree = TreeSpec("dynamic", budget=4, depth=2)
+    passes = ss_steps(model.base, prompt, SamplingParams(), streams=model.streams, tree=tree)
+    for _ in range(3):
+        next(passes)
+    base = weakref.ref(model.base)
+    del model, steps, passes
+    gc.collect()
+    assert base() is None, [type(r).__name__ for r in gc.get_referrers(base())]

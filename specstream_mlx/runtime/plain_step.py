@@ -19,8 +19,7 @@ op-by-op step.
 
 from __future__ import annotations
 
-import weakref
-from typing import Dict, List, Tuple
+from typing import List
 
 import mlx.core as mx
 
@@ -71,21 +70,25 @@ class PlainStep:
         return logits
 
 
-_STEPS: Dict[int, Tuple["weakref.ref", PlainStep]] = {}
+# The attribute a model keeps its compiled step under: a plain attribute (outside the
+# parameter tree). On the model, not in a table of this module: the step holds the model (its
+# compiled graph reads the model's weights), so a table would keep every model that ever
+# decoded alive; as the model's own attribute the two go together when the caller drops it.
+ATTRIBUTE = "_plain_step"
 
 
 def plain_step(model) -> PlainStep:
     """The compiled step of ``model``, made once per model object and kept while it lives
     (traced graphs are reused by every generation)."""
-    entry = _STEPS.get(id(model))
-    if entry is None or entry[0]() is not model:
-        for key in [k for k, (ref, _) in _STEPS.items() if ref() is None]:
-            del _STEPS[key]
-        entry = _STEPS[id(model)] = (weakref.ref(model), PlainStep(model))
-    return entry[1]
+    step = getattr(model, ATTRIBUTE, None)
+    if step is None:
+        step = PlainStep(model)
+        object.__setattr__(model, ATTRIBUTE, step)
+    return step
 
 
 def forget_plain_step(model) -> None:
     """Drops ``model``'s compiled step: the next one is traced anew (after its attention
     form changed)."""
-    _STEPS.pop(id(model), None)
+    if getattr(model, ATTRIBUTE, None) is not None:
+        object.__setattr__(model, ATTRIBUTE, None)
