@@ -498,7 +498,6 @@ DEFINE_EXPAND(avx512, "avx512f", __m512, 16, _mm512_cvtepu8_epi32, _mm512_cvtepi
               _mm512_set1_ps, _mm512_storeu_ps, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
               _mm512_reduce_add_ps)
 
-#pragma GCC pop_options
 
 /* One row of a by four-bit weights, AVX-512: the 16 values a group's codes stand for are one
  * register (code * scale + bias for codes 0-15, the same two roundings), and each vector of
@@ -547,6 +546,8 @@ __attribute__((target("avx512f"))) static void srows4_lut_avx512(const product_t
   for (; j < j1; j++)
     srow4_lut_avx512(p, j, 1, k0, k1);
 }
+
+#pragma GCC pop_options
 
 static void expand(const struct stored_weight *s, int j, int k0, int k1, float *dst) {
   (use_avx512 ? expand_avx512 : expand_avx2)(s, j, k0, k1, dst);
@@ -1175,11 +1176,12 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
   int blocked = most > 1 && m <= BLOCKED_MAX_ROWS && (long)n * k <= BLOCKED_MAX_WEIGHT;
   if (layout && m >= skinny_min_rows && (m <= most || blocked)) {
     int blocks = (m + most - 1) / most;
+    const struct stored_weight *stored = tb == TRANS ? find_stored(b, n, k, ldb) : NULL;
     for (int i = 0, i0 = 0; i < blocks; i++) {
       int rows = (m - i0) / (blocks - i);
       product_t p = {tb == TRANS, rows, n, k, lda, ldb, ldc, alpha, beta, a + (size_t)i0 * lda, b, c + (size_t)i0 * ldc,
-                     tb == TRANS ? find_stored(b, n, k, ldb) : NULL};
-      if (p.stored)
+                     stored};
+      if (stored)
         atomic_fetch_add_explicit(&stored_served, 1, memory_order_relaxed);
       skinny_product(&p);
       i0 += rows;

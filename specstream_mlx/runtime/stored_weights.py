@@ -94,7 +94,7 @@ def register(model: nn.Module) -> Registration:
         if form is None or not isinstance(module, (nn.Linear, nn.Embedding)) or module.weight.dtype != mx.float32:
             continue
         w = module.weight
-        arrays = (w, form.weight, form.scales.astype(mx.float32), form.biases.astype(mx.float32))
+        arrays = (w, form.weight, form.scales, form.biases)  # scales and biases are float32
         mx.eval(arrays)
         n, k = w.shape
         pointers = [_pointer(a) for a in arrays]
