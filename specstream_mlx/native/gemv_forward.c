@@ -575,13 +575,6 @@ static void stored_columns(const product_t *p, int j0, int j1) {
   int block = k_block > 0 && p->k > k_block + k_block / 2 ? k_block : p->k;
   void (*many)(const product_t *, int) = use_avx512 ? rows4_avx512 : rows4_avx2;
   void (*one)(const product_t *, int) = use_avx512 ? rows1_avx512 : rows1_avx2;
-  float *buf = strip((size_t)NR * block);
-  if (buf == NULL) { /* out of memory: the float32 weight, as stored in b */
-    product_t q = *p;
-    q.stored = NULL;
-    product_columns(&q, j0, j1);
-    return;
-  }
   if (p->m == 1) { /* in registers, no buffer */
     void (*row)(const product_t *, int, int, int, int) = use_avx512 ? srows_avx512 : srows_avx2;
     if (use_avx512 && s->bits == 4)
@@ -592,6 +585,13 @@ static void stored_columns(const product_t *p, int j0, int j1) {
         q.beta = 1.0f;
       row(&q, j0, j1, k0, p->k - k0 < block ? p->k : k0 + block);
     }
+    return;
+  }
+  float *buf = strip((size_t)NR * block);
+  if (buf == NULL) { /* out of memory: the float32 weight, as stored in b */
+    product_t q = *p;
+    q.stored = NULL;
+    product_columns(&q, j0, j1);
     return;
   }
   for (int k0 = 0; k0 < p->k; k0 += block) {
