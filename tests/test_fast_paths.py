@@ -600,13 +600,14 @@ def test_forwarded_products_compute_what_gemm_does(library, kernel):
 STORED_CHECK = r"""
 import ctypes, json
 import mlx.core as mx, numpy as np
-from specstream_mlx.platform_info import skinny_kernel
+from specstream_mlx.platform_info import _symbol, skinny_kernel
 from specstream_mlx.runtime.stored_weights import _kernel, _pointer, served
 
 register, unregister = _kernel()
 most = skinny_kernel()[1]
 rng = np.random.default_rng(0)
-out = {"cases": 0, "apart": [], "served": [], "expected": [], "refused": []}
+repacked = _symbol("specstream_stored_repacked")
+out = {"cases": 0, "apart": [], "served": [], "expected": [], "refused": [], "repacked": []}
 
 
 def expanded(k, n, bits, group, f16):
@@ -626,6 +627,8 @@ def reg(w, form, bits, group):
 # Widths, groups, depths whole (576) and in blocks (1536, with the kernel's 512-column
 # blocks), and columns not a multiple of the tile; every row count a tile takes, and more
 # (49 and 80 rows: these weights are small, so the kernel takes them in blocks of rows).
+# Scales as float16 (every code times a scale exact: one multiply-add expands) and as float32
+# (two roundings).
 for bits, group, k, n, f16 in [
     (4, 32, 576, 197, True), (8, 32, 1536, 70, True), (4, 64, 1536, 133, False), (8, 128, 640, 64, False),
     (4, 32, 160, 35, True)]:
@@ -633,6 +636,7 @@ for bits, group, k, n, f16 in [
     rows = [rng.standard_normal((m, k)).astype(np.float32) for m in (1, 2, 3, 5, 6, 7, 9, 13, 32, 48, 49, 80)]
     plain = [np.array(mx.array(a) @ w.T) for a in rows]  # not registered: the float32 kernel
     assert reg(w, form, bits, group) == 1, (bits, group, k, n)
+    out["repacked"].append(repacked())
     before = served()
     for a, want in zip(rows, plain):
         got = np.array(mx.array(a) @ w.T)
@@ -685,6 +689,9 @@ def test_weights_read_as_stored_give_the_float32_products_bits(isa):
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["cases"] == 60 and res["apart"] == [], res
+    # One row reads four-bit codes repacked where the kernel runs AVX-512.
+    avx512 = isa == "avx512" and "avx512f" in _cpu_flags()
+    assert res["repacked"] == [int(avx512), 0, int(avx512), 0, int(avx512)], res
     # Every product served (in blocks of rows beyond the tiles' most); none once unregistered.
     assert res["served"] == res["expected"] and res["served"][0] >= 12, res
     assert res["refused"] == [0, 0, 0, 0], res
