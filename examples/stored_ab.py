@@ -9,7 +9,9 @@ and 9), products of a row block by every weight in turn, medians of 7 repetition
 float32 weights as MLX passes them to the kernel; the same weights registered with their
 4-bit and their 8-bit stored forms (what ``load`` does for a quantized model); and MLX's own
 ``quantized_matmul`` on the 4-bit arrays. Every stored product is checked to be the float32
-product's bits.
+product's bits. ``SPECSTREAM_SKINNY_FUSED_ROWS=1`` in the environment expands the stored values
+of products of two rows or more into a buffer for the float32 tiles instead of in registers
+(the kernel's choice for more than 9 rows, or 5 at eight bits).
 """
 
 from __future__ import annotations

@@ -55,6 +55,8 @@ on others; ``nta`` from two rows on only),
 ``SPECSTREAM_SKINNY_YIELD=0`` (a waiting worker pauses instead of yielding its core) and
 ``SPECSTREAM_SKINNY_SPIN_US`` (how long it spins before it sleeps, default 50),
 ``SPECSTREAM_SKINNY_KBLOCK`` (the depth block of long weights, default 512; 0: none),
+``SPECSTREAM_SKINNY_FUSED_ROWS`` (up to how many rows quantized weights read as stored are
+expanded in registers rather than into a buffer, 1-9, default 9; eight-bit ones 5 at most),
 ``SPECSTREAM_SKINNY_AHEAD_KB`` (how much of the next weight a waiting worker reads ahead,
 default 1024 on Intel CPUs; 0: none);
 ``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none).
@@ -604,6 +606,7 @@ NUMBER_SETTINGS = {
     "SPECSTREAM_SKINNY_ROWS": ("rows (0 or 1: the kernel off)", 0, 1 << 20),
     "SPECSTREAM_SKINNY_THREADS": ("threads", 1, 1 << 10),
     "SPECSTREAM_SKINNY_MIN_ROWS": ("rows", 1, 2),
+    "SPECSTREAM_SKINNY_FUSED_ROWS": ("rows", 1, 9),
     "SPECSTREAM_SKINNY_PARALLEL_MIN": ("weight elements", 0, 1 << 40),
     "SPECSTREAM_SKINNY_SPIN_US": ("microseconds", 0, 1 << 30),
     "SPECSTREAM_SKINNY_YIELD": ("0 or 1", 0, 1),

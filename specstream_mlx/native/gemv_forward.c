@@ -33,6 +33,8 @@
  * SPECSTREAM_SKINNY_PREFETCH (nta, t0, t1 or off: how the next tile's weight rows are
  * prefetched; default t1 on Intel CPUs, nta on others; nta never at one row),
  * SPECSTREAM_SKINNY_KBLOCK (the depth block of long weights, default 512; 0: none),
+ * SPECSTREAM_SKINNY_FUSED_ROWS (up to how many rows weights read stored are expanded in
+ * registers rather than into a buffer, 1-9, default 9; eight-bit ones up to 5 at most),
  * SPECSTREAM_SKINNY_AHEAD_KB (how much of the next weight a waiting worker reads ahead;
  * default 1024 on Intel CPUs, 0 elsewhere).
  */
@@ -588,6 +590,111 @@ __attribute__((target("avx512f"))) static void srows4_packed_avx512(const produc
     srow4_packed_avx512(p, j, 1, k0, k1);
 }
 
+/* Two to FUSED_ROWS rows of a (a tree pass's) by weights read stored, AVX-512: each weight
+ * vector is expanded in registers once (four-bit codes repacked, through the group's table;
+ * eight-bit ones widened and scaled) and multiplied by every row, where expanding NR weight
+ * rows into a buffer for the float32 tiles (stored_columns) took a pass over the values and
+ * their stores more. Tiles of every row by 4 weight rows (up to 5 rows: 20 accumulators) or
+ * 2 (up to 9: 18); per output the float32 tile's accumulator, order and sum. On an Intel
+ * Xeon (Emerald Rapids), 3,072 x 576 products streamed from memory (examples/stored_ab.py,
+ * against SPECSTREAM_SKINNY_FUSED_ROWS=1, two runs each): four bits, 2 rows 71-75 against
+ * 183-211 us, 3 rows 90-117 against 167-202, 5 rows 117-131 against 195-206, 9 rows 242-255
+ * against 282-298; eight bits, 2 rows 113-140 against 166-216, but from 7 rows no faster
+ * (the conversion's work on every value is no longer small beside the rows'
+ * multiplications), so eight bits up to 5 rows. From 10 rows the buffer pays at four bits
+ * too (its expansion is shared by more rows: 45 rows took 1.59 ms in tiles of 10 against 1.08).
+ * SmolLM2's step products at 2 rows took 6.1-7.7 ms against 11.5-12.3, at 5 rows 9.9-11.8
+ * against 14.8-15.0, at 9 rows 18.3 against 21.6-22.1. */
+enum { FUSED_ROWS = 9, FUSED_ROWS_8 = 5 };
+static int fused_rows = FUSED_ROWS; /* SPECSTREAM_SKINNY_FUSED_ROWS: 1 multiplies through the buffer */
+__attribute__((target("avx512f"), always_inline)) static inline void stile_avx512(const product_t *p, int j,
+                                                                                 const int mr, const int nr,
+                                                                                 int k0, int k1, const int bits,
+                                                                                 const int exact) {
+  const struct stored_weight *s = p->stored;
+  const uint8_t *row[4];
+  const float *sc[4], *bi[4], *ar[FUSED_ROWS];
+  __m512 acc[FUSED_ROWS][4], table[4];
+  for (int t = 0; t < nr; t++) {
+    size_t first = ((size_t)(j + t) * s->k) >> s->group_shift;
+    row[t] = (bits == 4 ? s->packed : s->q) + (size_t)(j + t) * s->row_bytes;
+    sc[t] = s->scales + first;
+    bi[t] = s->biases + first;
+    table[t] = _mm512_setzero_ps();
+  }
+  for (int r = 0; r < mr; r++) {
+    ar[r] = p->a + (size_t)r * p->lda;
+    for (int t = 0; t < nr; t++)
+      acc[r][t] = _mm512_setzero_ps();
+  }
+  unsigned group = ~0u;
+  for (int kk = k0; kk < k1; kk += 32) { /* groups of 32 or more: one group a step */
+    unsigned g = (unsigned)kk >> s->group_shift;
+    for (int t = 0; t < nr; t++) {
+      __m512 w0, w1;
+      if (bits == 4) {
+        if (g != group)
+          table[t] = table16_avx512(sc[t][g], bi[t][g], exact);
+        __m512i lo, hi;
+        codes32_avx512(row[t] + (unsigned)kk / 2, &lo, &hi);
+        w0 = _mm512_permutexvar_ps(lo, table[t]);
+        w1 = _mm512_permutexvar_ps(hi, table[t]);
+      } else {
+        __m512 scale = _mm512_set1_ps(sc[t][g]), bias = _mm512_set1_ps(bi[t][g]);
+        __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row[t] + kk))));
+        __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row[t] + kk + 16))));
+        w0 = exact ? _mm512_fmadd_ps(q0, scale, bias) : scale_avx512(q0, scale, bias);
+        w1 = exact ? _mm512_fmadd_ps(q1, scale, bias) : scale_avx512(q1, scale, bias);
+      }
+      for (int r = 0; r < mr; r++) {
+        acc[r][t] = _mm512_fmadd_ps(_mm512_loadu_ps(ar[r] + kk), w0, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_loadu_ps(ar[r] + kk + 16), w1, acc[r][t]);
+      }
+    }
+    group = g;
+  }
+  for (int r = 0; r < mr; r++)
+    for (int t = 0; t < nr; t++)
+      store(p, r, j + t, _mm512_reduce_add_ps(acc[r][t]));
+}
+
+/* Weight rows j..j1-1 for mr rows of a, with mr, bits and exact constants. */
+__attribute__((target("avx512f"), always_inline)) static inline void stiles_rows_avx512(
+    const product_t *p, int j, int j1, int k0, int k1, const int mr, const int bits, const int exact) {
+  const int nr = mr <= 5 ? 4 : 2;
+  for (; j + nr <= j1; j += nr)
+    stile_avx512(p, j, mr, nr, k0, k1, bits, exact);
+  for (; j < j1; j++)
+    stile_avx512(p, j, mr, 1, k0, k1, bits, exact);
+}
+
+__attribute__((target("avx512f"), always_inline)) static inline void stiles_bits_avx512(
+    const product_t *p, int j, int j1, int k0, int k1, const int bits, const int exact) {
+  switch (p->m) {
+  case 2: stiles_rows_avx512(p, j, j1, k0, k1, 2, bits, exact); break;
+  case 3: stiles_rows_avx512(p, j, j1, k0, k1, 3, bits, exact); break;
+  case 4: stiles_rows_avx512(p, j, j1, k0, k1, 4, bits, exact); break;
+  case 5: stiles_rows_avx512(p, j, j1, k0, k1, 5, bits, exact); break;
+  case 6: stiles_rows_avx512(p, j, j1, k0, k1, 6, bits, exact); break;
+  case 7: stiles_rows_avx512(p, j, j1, k0, k1, 7, bits, exact); break;
+  case 8: stiles_rows_avx512(p, j, j1, k0, k1, 8, bits, exact); break;
+  default: stiles_rows_avx512(p, j, j1, k0, k1, FUSED_ROWS, bits, exact); break;
+  }
+}
+
+/* 2 to FUSED_ROWS rows: four-bit weights from repacked codes, eight-bit ones as stored. */
+__attribute__((target("avx512f"))) static void stiles_avx512(const product_t *p, int j, int j1, int k0, int k1) {
+  const struct stored_weight *s = p->stored;
+  if (s->bits == 4 && s->exact)
+    stiles_bits_avx512(p, j, j1, k0, k1, 4, 1);
+  else if (s->bits == 4)
+    stiles_bits_avx512(p, j, j1, k0, k1, 4, 0);
+  else if (s->exact)
+    stiles_bits_avx512(p, j, j1, k0, k1, 8, 1);
+  else
+    stiles_bits_avx512(p, j, j1, k0, k1, 8, 0);
+}
+
 /* Elements [0, k) of row j from its repacked codes, as srow4_packed_avx512 expands them
  * (registration compares them with the float32 weight). */
 __attribute__((target("avx512f"))) static void expand_packed_avx512(const struct stored_weight *s, int j, float *dst) {
@@ -631,9 +738,12 @@ static void stored_columns(const product_t *p, int j0, int j1) {
   int block = k_block > 0 && p->k > k_block + k_block / 2 ? k_block : p->k;
   void (*many)(const product_t *, int) = use_avx512 ? rows4_avx512 : rows4_avx2;
   void (*one)(const product_t *, int) = use_avx512 ? rows1_avx512 : rows1_avx2;
-  if (p->m == 1) { /* in registers, no buffer */
+  int fused = use_avx512 && p->m <= fused_rows && (s->packed || (s->bits == 8 && p->m <= FUSED_ROWS_8));
+  if (p->m == 1 || fused) { /* in registers, no buffer */
     void (*row)(const product_t *, int, int, int, int) = use_avx512 ? srows_avx512 : srows_avx2;
-    if (s->packed)
+    if (p->m > 1)
+      row = stiles_avx512;
+    else if (s->packed)
       row = srows4_packed_avx512;
     for (int k0 = 0; k0 < p->k; k0 += block) {
       product_t q = *p;
@@ -967,6 +1077,9 @@ static void setup(void) {
     prefetch_mode = PREFETCH_T1;
   else if (pf && strcmp(pf, "off") == 0)
     prefetch_mode = PREFETCH_OFF;
+  const char *fr = getenv("SPECSTREAM_SKINNY_FUSED_ROWS");
+  if (fr && atoi(fr) >= 1 && atoi(fr) <= FUSED_ROWS)
+    fused_rows = atoi(fr);
   const char *kb = getenv("SPECSTREAM_SKINNY_KBLOCK");
   if (kb && *kb && atoi(kb) >= 0)
     k_block = atoi(kb) >= 16 ? atoi(kb) / 16 * 16 : 0; /* whole vectors; below one: none */
