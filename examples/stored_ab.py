@@ -11,7 +11,7 @@ float32 weights as MLX passes them to the kernel; the same weights registered wi
 ``quantized_matmul`` on the 4-bit arrays. Every stored product is checked to be the float32
 product's bits. ``SPECSTREAM_SKINNY_FUSED_ROWS=1`` in the environment expands the stored values
 of products of two rows or more into a buffer for the float32 tiles instead of in registers
-(the kernel's choice for more than 9 rows, or 5 at eight bits).
+(the kernel's choice for more than 9 rows, or 7 at eight bits).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@
  * prefetched; default t1 on Intel CPUs, nta on others; nta never at one row),
  * SPECSTREAM_SKINNY_KBLOCK (the depth block of long weights, default 512; 0: none),
  * SPECSTREAM_SKINNY_FUSED_ROWS (up to how many rows weights read stored are expanded in
- * registers rather than into a buffer, 1-9, default 9; eight-bit ones up to 5 at most),
+ * registers rather than into a buffer, 1-9, default 9; eight-bit ones up to 7 at most),
  * SPECSTREAM_SKINNY_AHEAD_KB (how much of the next weight a waiting worker reads ahead;
  * default 1024 on Intel CPUs, 0 elsewhere).
  */
@@ -604,13 +604,15 @@ __attribute__((target("avx512f"))) static void srows4_packed_avx512(const produc
  * Xeon (Emerald Rapids), 3,072 x 576 products streamed from memory (examples/stored_ab.py,
  * against SPECSTREAM_SKINNY_FUSED_ROWS=1, two runs each): four bits, 2 rows 71-75 against
  * 183-211 us, 3 rows 90-117 against 167-202, 5 rows 117-131 against 195-206, 9 rows 242-255
- * against 282-298; eight bits, 2 rows 113-140 against 166-216, but from 7 rows no faster
- * (the conversion's work on every value is no longer small beside the rows'
- * multiplications), so eight bits up to 5 rows. From 10 rows the buffer pays at four bits
- * too (its expansion is shared by more rows: 45 rows took 1.59 ms in tiles of 10 against 1.08).
+ * against 282-298; eight bits, 2 rows 113-140 against 166-216. The next tile's codes are
+ * prefetched (eight bits, 5 rows: 122-126 against 213-236 us without; 2 rows 76-84 against
+ * 92-127; four bits the same to 0.9x). Eight bits up to 7 rows (234-238 against 249-255 us),
+ * not 9 (296-346 either way: the conversion's work on every value is no longer small beside
+ * the rows' multiplications). From 10 rows the buffer pays at four bits too (its expansion
+ * is shared by more rows: 45 rows took 1.59 ms in tiles of 10 against 1.08).
  * SmolLM2's step products at 2 rows took 6.1-7.7 ms against 11.5-12.3, at 5 rows 9.9-11.8
  * against 14.8-15.0, at 9 rows 18.3 against 21.6-22.1. */
-enum { FUSED_ROWS = 9, FUSED_ROWS_8 = 5 };
+enum { FUSED_ROWS = 9, FUSED_ROWS_8 = 7 };
 static int fused_rows = FUSED_ROWS; /* SPECSTREAM_SKINNY_FUSED_ROWS: 1 multiplies through the buffer */
 __attribute__((target("avx512f"), always_inline)) static inline void stile_avx512(const product_t *p, int j,
                                                                                  const int mr, const int nr,
@@ -635,6 +637,9 @@ __attribute__((target("avx512f"), always_inline)) static inline void stile_avx51
   unsigned group = ~0u;
   for (int kk = k0; kk < k1; kk += 32) { /* groups of 32 or more: one group a step */
     unsigned g = (unsigned)kk >> s->group_shift;
+    if (((unsigned)kk * bits / 8 & 63) == 0) /* the next tile's codes, a line at a time */
+      for (int t = 0; t < nr; t++)
+        _mm_prefetch((const char *)(row[t] + (unsigned)kk * bits / 8 + nr * s->row_bytes), _MM_HINT_T0);
     for (int t = 0; t < nr; t++) {
       __m512 w0, w1;
       if (bits == 4) {
