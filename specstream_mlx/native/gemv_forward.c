@@ -371,7 +371,7 @@ struct stored_weight {
   size_t row_bytes;
   const float *scales, *biases; /* row j's k / group of each at j * (k / group) */
   int group_shift;              /* log2(group): an element's group is kk >> group_shift */
-  uint8_t *packed; /* four-bit codes in the one-row loop's order (below), owned; or NULL */
+  uint8_t *packed; /* four-bit codes in the order the register loops read (pack), owned; or NULL */
   int exact;       /* every code times its scale is exact in float32 (exact_products) */
 };
 
@@ -533,10 +533,9 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 table16_a
  * holds elements 2i and 2i + 1): one widening of 16 bytes puts the first 16 codes in lane
  * order (the permutation reads only an index's low four bits), a shift the next 16. Per 32
  * elements a widening, a shift and two permutations, where gathering codes from MLX's order
- * took two shuffles, two shifts and two permutations: on an Intel Xeon (Emerald Rapids) with
- * one 512-bit FMA unit, which shares its port with the shifts, a 3,072 x 576 product of one
- * row took 53-57 us from the cache against 87 (60-71 us against 77-95 streamed from memory,
- * 42 us at its bandwidth). */
+ * took two shuffles, two shifts and two permutations: on an Intel Xeon (Emerald Rapids) one
+ * row by a 3,072 x 576 weight streamed from memory took 54-81 us against 77-95
+ * (examples/stored_ab.py; 42 us at the bus's rate). */
 __attribute__((target("avx512f"), always_inline)) static inline void codes32_avx512(const uint8_t *at, __m512i *lo,
                                                                                    __m512i *hi) {
   __m128i b = _mm_loadu_si128((const __m128i *)at);
@@ -609,9 +608,9 @@ __attribute__((target("avx512f"))) static void srows4_packed_avx512(const produc
  * 92-127; four bits the same to 0.9x). Eight bits up to 7 rows (234-238 against 249-255 us),
  * not 9 (296-346 either way: the conversion's work on every value is no longer small beside
  * the rows' multiplications). From 10 rows the buffer pays at four bits too (its expansion
- * is shared by more rows: 45 rows took 1.59 ms in tiles of 10 against 1.08).
- * SmolLM2's step products at 2 rows took 6.1-7.7 ms against 11.5-12.3, at 5 rows 9.9-11.8
- * against 14.8-15.0, at 9 rows 18.3 against 21.6-22.1. */
+ * is shared by more rows: 45 rows took 1.59 ms in tiles of 10 against 1.08). SmolLM2's
+ * step products (examples/step_products.py) at 2 rows took 6.5 ms against 13.3, at 5 rows
+ * 10.3 against 15.3, at 9 rows 19.1 against 20.0. */
 enum { FUSED_ROWS = 9, FUSED_ROWS_8 = 7 };
 static int fused_rows = FUSED_ROWS; /* SPECSTREAM_SKINNY_FUSED_ROWS: 1 multiplies through the buffer */
 __attribute__((target("avx512f"), always_inline)) static inline void stile_avx512(const product_t *p, int j,
@@ -1202,10 +1201,11 @@ static void stored_free(struct stored_weight *e) {
   free(e);
 }
 
-/* Repacks a four-bit form's codes for the one-row loop (srow4_packed_avx512) where that loop
- * runs (AVX-512; groups of 32 or more, so each run of 32 elements takes one table), if its
- * values equal the float32 weight's, compared through row (k floats of scratch). Without the
- * memory or the match, e keeps no repacked codes and one row reads MLX's order. */
+/* Repacks a four-bit form's codes for the loops that expand them in registers
+ * (srow4_packed_avx512, stile_avx512: AVX-512; groups of 32 or more, so each run of 32
+ * elements takes one table), if their values equal the float32 weight's, compared through
+ * row (k floats of scratch). Without the memory or the match, e keeps no repacked codes: one
+ * row reads MLX's order, several rows go through the buffer. */
 static void pack(struct stored_weight *e, float *row) {
   if (!use_avx512 || e->bits != 4)
     return;
@@ -1321,8 +1321,9 @@ void specstream_stored_unregister(const float *w) {
 
 /* Weights registered now, and products served from stored forms so far. */
 int specstream_stored_count(void) { return atomic_load(&stored_count); }
+long long specstream_stored_served(void) { return atomic_load(&stored_served); }
 
-/* Weights registered now whose one-row products read repacked codes. */
+/* Weights registered now whose products of up to FUSED_ROWS rows read repacked codes. */
 int specstream_stored_repacked(void) {
   int count = 0;
   pthread_mutex_lock(&stored_lock);
@@ -1333,7 +1334,6 @@ int specstream_stored_repacked(void) {
   pthread_mutex_unlock(&stored_lock);
   return count;
 }
-long long specstream_stored_served(void) { return atomic_load(&stored_served); }
 #endif /* HAVE_X86 */
 
 /* How much a waiting worker reads ahead, KB (SPECSTREAM_SKINNY_AHEAD_KB; -1: the kernel is
