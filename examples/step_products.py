@@ -14,25 +14,13 @@ tiles instead of in registers; ``SPECSTREAM_STORED=0`` reads the float32 weights
 from __future__ import annotations
 
 import collections
-import statistics
 import sys
-import time
 
 import mlx.core as mx
 
 from specstream_mlx import load
-from specstream_mlx.bench.machine import product_weights
+from specstream_mlx.bench.machine import median_ms, product_weights
 from specstream_mlx.platform_info import blas_words
-
-
-def median_ms(run, reps: int = 9) -> float:
-    run()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
 
 
 def main() -> int:
@@ -55,7 +43,7 @@ def main() -> int:
         for (n, k), ws in groups.items():
             x = mx.random.normal((m, k))
             mx.eval(x)
-            ms = median_ms(lambda x=x, ws=ws: mx.eval([x @ w.T for w in ws]))
+            ms = median_ms(lambda x=x, ws=ws: mx.eval([x @ w.T for w in ws]), 9)
             total += ms
             parts.append(f"{n}x{k} x{len(ws)} {ms:.2f}")
         print(f"{m} row(s): {total:.2f} ms ({', '.join(parts)})")

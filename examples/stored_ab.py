@@ -16,13 +16,12 @@ of products of two rows or more into a buffer for the float32 tiles instead of i
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import mlx.core as mx
 import numpy as np
 
+from specstream_mlx.bench.machine import median_ms
 from specstream_mlx.platform_info import blas_words, skinny_kernel
 from specstream_mlx.runtime.stored_weights import _kernel, _pointer
 
@@ -30,13 +29,8 @@ N, K, WEIGHTS, GROUP = 3072, 576, 40, 32
 
 
 def median_us(run, reps: int = 7) -> float:
-    run()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / WEIGHTS * 1e6
+    """Microseconds a product: the median of ``reps`` runs over every weight, per weight."""
+    return median_ms(run, reps) / WEIGHTS * 1e3
 
 
 def main() -> int:
