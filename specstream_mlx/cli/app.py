@@ -320,11 +320,10 @@ def doctor(
 
     if dequantize_on_cpu():
         from ..platform_info import skinny_kernel
-        from ..settings import current as current_settings
 
         reads = (
             "; the product kernel reads 4- and 8-bit weights as stored (SPECSTREAM_STORED=0: the float32 ones)"
-            if skinny_kernel() is not None and current_settings().stored_weights
+            if skinny_kernel() is not None and current().stored_weights
             else ""
         )
         typer.echo(
