@@ -494,15 +494,19 @@ for k, n in ((64, 96), (576, 192), (1536, 576), (7, 3)):
 # Each weight is drawn once and multiplied by every row count (drawing it anew for each
 # took most of this check's time).
 # (64, 40) and (64, 200): a short depth, as attention's scores and values have, with
-# every column-block remainder of the transposed and the stored-(k x n) tiles.
+# every column-block remainder of the transposed and the stored-(k x n) tiles; (70, 300):
+# a short depth past whole 16 x 16 transpositions, by keys enough for the pool (a thin operand).
 # (1100, 37): a depth split into blocks with a short last one (SPECSTREAM_SKINNY_KBLOCK).
-for k, n in ((576, 197), (13, 70), (1536, 576), (1100, 37), (576, 4099), (64, 40), (64, 200)):
+for k, n in ((576, 197), (13, 70), (1536, 576), (1100, 37), (576, 4099), (64, 40), (64, 200), (70, 300)):
     w = rng.standard_normal((n, k + 5)).astype(np.float32)[:, 2 : k + 2]  # ldb > k
     wt = np.ascontiguousarray(w.T)  # b stored (k x n), as attention's values are
-    w_mx, wt_mx = mx.array(w), mx.array(wt)
+    # MLX copies a strided weight before it multiplies (as stored, k x n); a contiguous one
+    # reaches the kernel transposed (n x k), as attention's keys and every weight do.
+    w_mx, wt_mx, wc_mx = mx.array(w), mx.array(wt), mx.array(np.ascontiguousarray(w))
     for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 16, 31, 32, 33, 47, 48, 49, 51, 80, 97, 192, 193):
         a = rng.standard_normal((m, k + 3)).astype(np.float32)[:, 1 : k + 1]  # lda > k
         cases.append((mx.array(a) @ w_mx.T, a @ w.T))
+        cases.append((mx.array(a) @ wc_mx.T, a @ w.T))
         cases.append((mx.array(a) @ wt_mx, a @ wt))
         c0 = rng.standard_normal((m, n)).astype(np.float32)
         got = mx.addmm(mx.array(c0), mx.array(a), w_mx.T, alpha=0.5, beta=-1.5)
