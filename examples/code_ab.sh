@@ -2,14 +2,15 @@
 # This checkout's plain step and tree pass against another commit's, on the same weights,
 # BLAS and allocator: each round starts a fresh process in each tree (alternating which goes
 # first) that times 96 pipelined greedy plain steps after a 100-token prompt and 48 9-node
-# passes with streams at two hosts on a 128-token context (the cache rolled back after
-# each; medians), then prints every round and the median of the per-round ratios (this
-# checkout ÷ REF). REF's code must offer the calls the probe makes (load, plain_step,
-# ss_forward, stream_logits).
-#   bash examples/code_ab.sh REF [MODEL] [ROUNDS]
+# passes with streams at two hosts on a 128-token context (CONTEXT=N: both after N tokens;
+# the cache rolled back after each; medians), then prints every round and the median of the
+# per-round ratios (this checkout ÷ REF). REF's code must offer the calls the probe makes
+# (load, plain_step, prefill, ss_forward, stream_logits).
+#   [CONTEXT=N] bash examples/code_ab.sh REF [MODEL] [ROUNDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ref=${1:?usage: bash examples/code_ab.sh REF [MODEL] [ROUNDS]}
+ref=${1:?usage: [CONTEXT=N] bash examples/code_ab.sh REF [MODEL] [ROUNDS]}
+context=${CONTEXT:-}
 model=${2:-smollm2}
 rounds=${3:-6}
 py=$PWD/.venv/bin/python
@@ -36,11 +37,12 @@ from specstream_mlx.runtime.steps import prefill
 sm, _ = load(sys.argv[1], warn=False)
 base, streams = sm.base, sm.streams
 step = plain_step(base)
+context = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] else None
 
 
 def steps_ms(n=100, warm=4):
     cache = make_cache(base)
-    base(mx.array([[1] * 100]), cache=cache)
+    prefill(base, mx.array([1] * (context or 100)), cache, 512)
     y, toks = mx.array([5]), []
     for i in range(n):
         if i == warm:
@@ -54,7 +56,7 @@ def steps_ms(n=100, warm=4):
 
 def pass_ms(reps=48):
     cache = make_cache(base)
-    prefill(base, mx.array(list(range(100, 228))), cache, 512)
+    prefill(base, mx.array(list(range(100, 100 + (context or 128)))), cache, 512)
     offset = cache[0].offset
     tree = Tree(tuple(range(300, 309)), (-1, 0, 0, 1, 1, 2, 3, 4, 5))
     times = []
@@ -73,13 +75,13 @@ steps_ms()
 step_t = statistics.median(steps_ms() for _ in range(5))
 print(f"{step_t:.3f} {pass_ms() if streams is not None else float('nan'):.3f}")
 PY
-echo "$model; this checkout ($(git rev-parse --short HEAD)$(git diff --quiet || echo ', modified')) against $ref; $rounds rounds"
+echo "$model; this checkout ($(git rev-parse --short HEAD)$(git diff --quiet || echo ', modified')) against $ref; $rounds rounds${context:+; $context-token context}"
 for r in $(seq "$rounds"); do
   order="$here $other"
   [ $((r % 2)) = 0 ] && order="$other $here"
   for tree in $order; do
     # Each tree's own environment: its product kernel is built from its own source.
-    if ! result=$(cd "$tree" && env $("$py" -m specstream_mlx.blas_env) PYTHONPATH="$tree" "$py" "$probe" "$model" 2>"$probe.err"); then
+    if ! result=$(cd "$tree" && env $("$py" -m specstream_mlx.blas_env) PYTHONPATH="$tree" "$py" "$probe" "$model" "$context" 2>"$probe.err"); then
       echo "code_ab: the probe failed in $tree:" >&2
       tail -3 "$probe.err" >&2
       exit 1

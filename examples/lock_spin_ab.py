@@ -1,5 +1,6 @@
 """What mutexes that spin before they sleep, a product worker that reads the next weight ahead,
-and MLX's strided element-wise kernels with vectorised loops are worth, in one process.
+MLX's strided element-wise kernels with vectorised loops, and the size from which a product by
+a thin operand (attention's) is split between the threads are worth, in one process.
 
     env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/lock_spin_ab.py [--model smollm2] [--tries 100,0] [--rounds 12]
@@ -7,20 +8,24 @@ and MLX's strided element-wise kernels with vectorised loops are worth, in one p
         .venv/bin/python examples/lock_spin_ab.py --setting ahead [--tries 0,1024,2048]
     env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/lock_spin_ab.py --setting strided [--tries 0,1]
+    env $(.venv/bin/python -m specstream_mlx.blas_env) \\
+        .venv/bin/python examples/lock_spin_ab.py --setting thin-min [--tries 1073741824,-1] [--context 1000]
 
 The forwarder's library (``native/lock_spin.c``), preloaded, makes a contended
 ``pthread_mutex_lock`` try a number of times before it sleeps; its product kernel's
 waiting worker prefetches the first KB of the weight that came next last time
 (``native/gemv_forward.c``, ``SPECSTREAM_SKINNY_AHEAD_KB``); MLX's strided kernels, as
-``specstream_mlx/jit_strided.py`` rewrites them, run a vectorised loop unless switched off.
-This script sets one of them (``--setting lock-spin``, tries; ``ahead``, KB; ``strided``,
-1 on or 0 off) to each of ``--tries`` in turn (the first is the reference) within one
-process, round by round, and times under each: plain decoding as ``ar`` runs it (ms a
-token, the engine's pipelined loop over the compiled step, 40 tokens after a 128-token
-context), and op-by-op speculative passes over a 9-node tree with streams at two hosts and
-at every node, as greedy decoding runs them (the verdict's stream logits evaluated with
-them). Prints the medians and the median ratio to the first setting, pair by pair; each
-round starts with the next setting in turn and runs the settings there and back.
+``specstream_mlx/jit_strided.py`` rewrites them, run a vectorised loop unless switched off;
+the kernel splits a product by a thin operand (one head's keys) between its threads from a
+number of its elements on. This script sets one of them (``--setting lock-spin``, tries;
+``ahead``, KB; ``strided``, 1 on or 0 off; ``thin-min``, elements, -1 the default, 1073741824 never) to each of
+``--tries`` in turn (the first is the reference) within one process, round by round, and
+times under each: plain decoding as ``ar`` runs it (ms a token, the engine's pipelined loop
+over the compiled step, 40 tokens after a ``--context``-token prompt, default 128), and
+op-by-op speculative passes over a 9-node tree with streams at two hosts and at every node
+after the same context, as greedy decoding runs them (the verdict's stream logits evaluated
+with them). Prints the medians and the median ratio to the first setting, pair by pair;
+each round starts with the next setting in turn and runs the settings there and back.
 """
 
 from __future__ import annotations
@@ -36,14 +41,15 @@ import numpy as np
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--setting", choices=("lock-spin", "ahead", "strided"), default="lock-spin")
+    ap.add_argument("--setting", choices=("lock-spin", "ahead", "strided", "thin-min"), default="lock-spin")
     ap.add_argument(
         "--tries",
         default=None,
-        help="comma-separated values (tries, or KB read ahead); the first is the reference "
-        "(default: 100,0 tries; 0,1024 KB; 0,1 strided loops off/on)",
+        help="comma-separated values (tries, KB read ahead, or elements); the first is the reference "
+        "(default: 100,0 tries; 0,1024 KB; 0,1 strided loops off/on; 1073741824,-1 elements: none split, the default)",
     )
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens before the timed steps and passes")
     args = ap.parse_args()
 
     import specstream_mlx  # noqa: F401  (first: the BLAS before mlx.core)
@@ -66,7 +72,7 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    if args.setting == "ahead" and skinny_kernel() is None:
+    if args.setting in ("ahead", "thin-min") and skinny_kernel() is None:
         print(
             "lock_spin_ab.py: the product kernel does not serve this process; start under "
             "env $(.venv/bin/python -m specstream_mlx.blas_env)",
@@ -74,18 +80,21 @@ def main() -> int:
         )
         return 2
     lib = ctypes.CDLL(None)
+    lib.specstream_skinny_set_thin_min.argtypes = [ctypes.c_long]
     setter = {
         "lock-spin": lib.specstream_lock_spin_set,
         "ahead": lib.specstream_skinny_set_ahead_kb,
         "strided": lib.specstream_jit_strided_set,
+        "thin-min": lib.specstream_skinny_set_thin_min,
     }[args.setting]
-    text = args.tries or {"lock-spin": "100,0", "ahead": "0,1024", "strided": "0,1"}[args.setting]
+    defaults = {"lock-spin": "100,0", "ahead": "0,1024", "strided": "0,1", "thin-min": "1073741824,-1"}
+    text = args.tries or defaults[args.setting]
     tries = [int(t) for t in text.split(",")]
 
     sm, _ = load(args.model, warn=False)
     base, streams = sm.base, sm.streams
     cache = make_cache(sm)
-    prefill(base, mx.array(list(range(100, 228))), cache, 512)
+    prefill(base, mx.array(list(range(100, 100 + args.context))), cache, 512)
     offset = cache[0].offset
     tree = Tree(tuple(range(300, 309)), (-1, 0, 0, 1, 1, 2, 3, 4, 5))
     hosts = np.array([0, 1])
@@ -104,7 +113,7 @@ def main() -> int:
     step = {t: [] for t in tries}
     passes = {t: [] for t in tries}
     all_hosts = {t: [] for t in tries}
-    print(f"{args.model}; {args.rounds} rounds; BLAS {blas_words()}")
+    print(f"{args.model}; {args.context}-token context; {args.rounds} rounds; BLAS {blas_words()}")
     for r in range(args.rounds):
         # Each round starts with the next setting and runs them there and back (A B B A): a
         # setting that always ran first (or second) was measured slower (or faster) by its
@@ -112,12 +121,13 @@ def main() -> int:
         order = tries[r % len(tries) :] + tries[: r % len(tries)]
         for t in order + order[::-1]:
             setter(t)
-            step[t].append(statistics.median(plain_step_ms(base, 40)))
+            step[t].append(statistics.median(plain_step_ms(base, 40, args.context)))
             passes[t].append(median_ms(two_hosts, 3))
             all_hosts[t].append(median_ms(every_node, 3))
     setter(tries[0])
     ref = tries[0]
-    what = {"lock-spin": "tries", "ahead": "KB ahead", "strided": "strided loops on"}[args.setting]
+    what = {"lock-spin": "tries", "ahead": "KB ahead", "strided": "strided loops on", "thin-min": "thin split from"}
+    what = what[args.setting]
     print(f"| {what} | plain step, ms | × ref. | 9-node pass, 2 hosts, ms | × ref. | every node hosting, ms | × ref. |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for t in tries:

@@ -28,7 +28,8 @@
  * SPECSTREAM_SKINNY_PARALLEL_MIN (weight elements from which a one-row product is split
  * between the threads; default 512K, 256K once the weights seen outgrow the last-level
  * cache; from two rows on half of it; products of 256K multiply-adds are split whatever
- * their weight), SPECSTREAM_SKINNY_YIELD (0: a waiting worker pauses in its spin instead
+ * their weight, and a thin operand's, one head's keys, from 32K elements, 16K from two rows
+ * on, whichever is less), SPECSTREAM_SKINNY_YIELD (0: a waiting worker pauses in its spin instead
  * of yielding), SPECSTREAM_SKINNY_SPIN_US (how long it spins before it sleeps; default 50),
  * SPECSTREAM_SKINNY_PREFETCH (nta, t0, t1 or off: how the next tile's weight rows are
  * prefetched; default t1 on Intel CPUs, nta on others; nta never at one row),
@@ -80,6 +81,18 @@ enum { PARALLEL_MIN_WEIGHTS = 512 * 1024, PARALLEL_MIN_STREAMING = 256 * 1024 };
  * arithmetic, and split by key blocks between two threads their scores took 1.75 against
  * 2.44 ms a pass (320 keys: 2.8 against 4.6). */
 enum { PARALLEL_MIN_WORK = 256 * 1024 };
+/* ... or, for a thin operand (a depth or a width of at most a head dimension, KN_MAX_K: one
+ * head's keys or values, or a low-rank factor), this many elements (half as many from two
+ * rows on). A plain step's attention scores, a key/value head's query rows against its keys,
+ * read the KV cache (SmolLM2's keys and values are 46 KB a token, as many bytes as its weights
+ * at 2,400 tokens), and alone on the calling thread they read it at a fraction of the bus
+ * rate; coming right after the q/k/v product, they find the worker still spinning. Split by
+ * blocks of keys from 256 keys (at two rows and more), SmolLM2's plain step at a 1,000-token
+ * context took 0.89x as long, at 512 tokens 0.95x (examples/lock_spin_ab.py --setting
+ * thin-min, in one process, settings alternating). The product by the values has one item
+ * (a head's width of outputs) and stays whole. */
+enum { THIN_PARALLEL_MIN = 32 * 1024 };
+static long thin_parallel_min = THIN_PARALLEL_MIN; /* specstream_skinny_set_thin_min */
 /* How long an idle worker spins for the next product before it sleeps, microseconds
  * (SPECSTREAM_SKINNY_SPIN_US). */
 static double spin_us = 50.0;
@@ -305,15 +318,48 @@ static int kn_columns_avx512(const product_t *p, int j, int j1) {
  * and multiplied as stored (k x n), where the outputs stay in vector lanes. Returns the
  * first column not done (the last few columns, fewer than 16, are left to the caller). */
 enum { KN_MAX_K = 128, KN_MIN_ROWS = 4 };
+
+/* dst[c * ld_dst + r] = src[r * ld_src + c] for r, c < 16: sixteen rows transposed in
+ * registers (unpacks and shuffles within 128-bit lanes, then across them), where a scalar
+ * loop moved one float at a time: at a 1,000-token context the keys of SmolLM2's tree passes
+ * are some 7 MB to transpose a pass. Only data moves: the products are the same bits. */
+__attribute__((target("avx512f"), always_inline)) static inline void transpose16_avx512(const float *src, size_t ld_src,
+                                                                                       float *dst, size_t ld_dst) {
+  __m512 a[16], t[16], u[16];
+  for (int r = 0; r < 16; r++)
+    a[r] = _mm512_loadu_ps(src + (size_t)r * ld_src);
+  for (int i = 0; i < 8; i++) { /* in each lane: rows 2i and 2i + 1, interleaved */
+    t[2 * i] = _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; g++) { /* u[4g + j], lane L: rows 4g..4g+3 of column 4L + j */
+    u[4 * g] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+    u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+    u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+    u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; j++) { /* column 4L + j: lane L of u[j], u[4 + j], u[8 + j], u[12 + j] */
+    __m512 even = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), even2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+    __m512 odd = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD), odd2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
+    _mm512_storeu_ps(dst + (size_t)j * ld_dst, _mm512_shuffle_f32x4(even, even2, 0x88));
+    _mm512_storeu_ps(dst + (size_t)(4 + j) * ld_dst, _mm512_shuffle_f32x4(odd, odd2, 0x88));
+    _mm512_storeu_ps(dst + (size_t)(8 + j) * ld_dst, _mm512_shuffle_f32x4(even, even2, 0xDD));
+    _mm512_storeu_ps(dst + (size_t)(12 + j) * ld_dst, _mm512_shuffle_f32x4(odd, odd2, 0xDD));
+  }
+}
+
 __attribute__((target("avx512f"))) static int transposed_columns(const product_t *p, int j0, int j1) {
   static __thread float buf[KN_MAX_K * 64];
-  int j = j0;
+  int j = j0, k16 = p->k & ~15;
   while (j + 16 <= j1) {
     int cols = j1 - j >= 64 ? 64 : (j1 - j) / 16 * 16;
-    for (int c = 0; c < cols; c++) {
-      const float *row = p->b + (size_t)(j + c) * p->ldb;
-      for (int kk = 0; kk < p->k; kk++)
-        buf[kk * 64 + c] = row[kk];
+    for (int c = 0; c < cols; c += 16) {
+      const float *rows = p->b + (size_t)(j + c) * p->ldb;
+      for (int kk = 0; kk < k16; kk += 16)
+        transpose16_avx512(rows + kk, p->ldb, buf + kk * 64 + c, 64);
+      for (int r = 0; r < 16; r++) /* a depth that is not a multiple of 16: its last few */
+        for (int kk = k16; kk < p->k; kk++)
+          buf[kk * 64 + c + r] = rows[(size_t)r * p->ldb + kk];
     }
     product_t q = *p;
     q.trans_b = 0;
@@ -1145,6 +1191,8 @@ static void skinny_product(const product_t *p) {
   int items = (p->n + ITEM_ROWS - 1) / ITEM_ROWS;
   note_weight(p);
   long least = atomic_load_explicit(&streaming, memory_order_relaxed) ? parallel_min_streaming : parallel_min;
+  if (p->trans_b ? p->k <= KN_MAX_K : p->n <= KN_MAX_K)
+    least = thin_parallel_min < least ? thin_parallel_min : least;
   int small = (long)p->n * p->k * (p->m > 1 ? 2 : 1) < least && (long)p->m * p->n * p->k < PARALLEL_MIN_WORK;
   if (pool.threads == 1 || items < 2 || small || pthread_mutex_trylock(&pool.lock) != 0) {
     product_columns(p, 0, p->n);
@@ -1362,6 +1410,18 @@ void specstream_skinny_set_ahead_kb(long kb) {
   atomic_store(&ahead_bytes, kb > 0 ? (size_t)kb << 10 : 0);
 #else
   (void)kb;
+#endif
+}
+
+/* Sets the elements from which a product by a thin operand is split between the threads
+ * (THIN_PARALLEL_MIN; negative: that default) within a process: for measuring it against
+ * other thresholds, or none, setting by setting (examples/lock_spin_ab.py --setting thin-min). */
+void specstream_skinny_set_thin_min(long elements) {
+#if HAVE_X86
+  kernel_rows();
+  thin_parallel_min = elements < 0 ? THIN_PARALLEL_MIN : elements;
+#else
+  (void)elements;
 #endif
 }
 
