@@ -568,6 +568,7 @@ def test_bench_and_generate_refuse_counts_no_run_could_use_before_loading(tiny_m
         (["serve", "--stdio", *model, "--max-context", "1"], "--max-context must be at least 2"),
         (["serve", "--http", *model, "--timeout", "0"], "--timeout"),
         (["serve", "--http", *model, "--max-connections", "0"], "--max-connections must be at least 1"),
+        (["floor", *model, "--context", "0"], "--context must be between 1 and 32768"),
     ):
         err = _one_line_error(run(*args, input="hi\n"))
         assert words in err, (args, err)

@@ -31,6 +31,22 @@ def _model(seed=0, **kw):
     return m
 
 
+def test_floor_counts_the_keys_and_values_a_step_reads():
+    """``floor --context``'s bytes: every layer's key and value rows in the compute dtype, a
+    sliding-window layer's at most its window; and the timed prompt's ids stay within a tiny
+    vocabulary at any length."""
+    from specstream_mlx.bench.machine import kv_bytes, plain_step_ms
+
+    m = _model()
+    per_row = 2 * m.args.num_key_value_heads * m.args.head_dim * 4  # float32
+    assert kv_bytes(m, 100) == 3 * 100 * per_row
+    m.layers[1].self_attn.window = 32  # one sliding-window layer
+    assert kv_bytes(m, 100) == (2 * 100 + 32) * per_row and kv_bytes(m, 20) == 3 * 20 * per_row
+    m.layers[1].self_attn.window = None
+    times = plain_step_ms(m, tokens=3, context=300)  # 300 > the 97-token vocabulary
+    assert len(times) == 3 and all(t > 0 for t in times)
+
+
 @pytest.mark.parametrize("factor", [1.0, 0.5])
 def test_rope_from_angles_equals_mx_fast_rope(factor):
     args = ModelArgs.from_dict({**CFG, "partial_rotary_factor": factor})

@@ -112,6 +112,16 @@ def time_model_products(model, reps: int) -> float:
     return median_ms(lambda: mx.eval([xs[w.shape[1]] @ w.T for w in ws]), reps)
 
 
+def kv_bytes(model, rows: float) -> float:
+    """Bytes of keys and values one plain step reads with ``rows`` rows in the cache (its
+    own included): every layer's rows, a sliding-window layer's at most its window, in the
+    dtype the model computes in (its final norm's)."""
+    args = model.args
+    per_row = 2 * args.num_key_value_heads * args.head_dim * model.model.norm.weight.dtype.size
+    windows = [getattr(layer.self_attn, "window", None) for layer in model.layers]
+    return per_row * sum(rows if w is None else min(rows, w) for w in windows)
+
+
 def floor_seconds(model, bandwidth: Bandwidth) -> float:
     """The fastest a plain step of ``model`` can be on this machine."""
     return weight_bytes(model) / bandwidth.best
@@ -191,7 +201,9 @@ def plain_step_ms(model, tokens: int = 48, context: int = CONTEXT) -> List[float
     from ..runtime.sampling import SamplingParams
     from ..runtime.steps import ar_steps
 
-    prompt = mx.array([1] + list(range(100, 100 + context - 1)))
+    vocab = model.args.vocab_size
+    first = 100 if vocab > 200 else 2  # ids from 100 (a tiny vocabulary's from 2), wrapped within it
+    prompt = mx.array([1] + [first + i % (vocab - first) for i in range(context - 1)])
     t, times = None, []
     for i, _step in enumerate(ar_steps(model, prompt, SamplingParams())):
         now = time.perf_counter()
@@ -214,6 +226,9 @@ class FloorReport:
         step_ms: median ms per generated token of plain decoding (the engine's own
             pipelined loop, greedy, after the first token), per round.
         products_ms: median ms of the step's matrix products alone at one row, per round.
+        context: prompt tokens before the timed steps.
+        kv_bytes: bytes of keys and values a timed step reads, on average (:func:`kv_bytes`).
+        kv_floor_ms: kv_bytes ÷ the best bandwidth: what the context adds to the floor.
     """
 
     model: str
@@ -227,15 +242,22 @@ class FloorReport:
     # Weights the product kernel reads as stored, and those bytes in float32.
     stored_weights: int = 0
     stored_float_bytes: int = 0
+    context: int = CONTEXT
+    kv_bytes: int = 0
+    kv_floor_ms: float = 0.0
 
     def summary(self) -> str:
         step, prod = statistics.median(self.step_ms), statistics.median(self.products_ms)
         bw = self.bandwidth
+        both = self.floor_ms + self.kv_floor_ms
         return (
             f"{self.model}: {self.weight_bytes / 1e6:.0f} MB of weights per step{self._stored_words()}; streaming read "
             f"{bw['one_thread'] / 1e9:.1f} GB/s (1 thread), {bw['all_threads'] / 1e9:.1f} GB/s "
             f"({bw['threads']} threads): floor {self.floor_ms:.1f} ms\n"
-            f"plain step {step:.1f} ms ({1e3 / step:.1f} tok/s) = {step / self.floor_ms:.2f}x the floor; "
+            f"after a {self.context}-token context a step also reads {self.kv_bytes / 1e6:.1f} MB of keys and values "
+            f"(+{self.kv_floor_ms:.2f} ms): {both:.1f} ms in all\n"
+            f"plain step {step:.1f} ms ({1e3 / step:.1f} tok/s) = {step / self.floor_ms:.2f}x the floor "
+            f"({step / both:.2f}x with the keys and values); "
             f"its matrix products alone {prod:.1f} ms ({prod / self.floor_ms:.2f}x), "
             f"everything else {step - prod:.1f} ms\n"
             f"BLAS {self.blas}; 1-min load {min(self.load):.2f}-{max(self.load):.2f}"
@@ -247,9 +269,10 @@ class FloorReport:
         return f" ({self.stored_weights} weights read as stored, {self.stored_float_bytes / 1e6:.0f} MB as float32)"
 
 
-def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9) -> FloorReport:
-    """Plain decoding of ``name`` against the floor, rounds interleaved with the bandwidth
-    and product measurements (each figure is a median of its rounds)."""
+def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9, context: int = CONTEXT) -> FloorReport:
+    """Plain decoding of ``name`` after ``context`` prompt tokens against the floor, rounds
+    interleaved with the bandwidth and product measurements (each figure is a median of its
+    rounds)."""
     from ..platform_info import blas_words
     from ..runtime.loaded_model import load
     from ..runtime.stored_weights import registration
@@ -257,13 +280,15 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9) -
     m, _ = load(name, warn=False)
     steps, prods, bws, loads = [], [], [], []
     for _ in range(rounds):
-        steps.append(statistics.median(plain_step_ms(m.base, tokens)))
+        steps.append(statistics.median(plain_step_ms(m.base, tokens, context)))
         prods.append(time_model_products(m.base, reps))
         bws.append(read_bandwidth())
         loads.append(os.getloadavg()[0])
     best = max(bws, key=lambda b: b.best)
     wb = weight_bytes(m.base)
     stored = registration(m.base)
+    # The timed steps' rows: the prompt, the first (untimed) tokens, half the timed ones.
+    kv = kv_bytes(m.base, context + 2 + tokens / 2)
     return FloorReport(
         name,
         wb,
@@ -275,6 +300,9 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9) -
         loads,
         stored.weights,
         stored.float_bytes,
+        context,
+        int(kv),
+        kv / best.best * 1e3,
     )
 
 

@@ -1008,9 +1008,11 @@ def floor(
     model: str = typer.Option("smollm2", "--model", help="Model directory or bundled name."),
     tokens: int = typer.Option(64, "--tokens", help="Plain tokens decoded per round."),
     rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds."),
+    context: int = typer.Option(128, "--context", help="Prompt tokens before the timed steps."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Also write the figures here."),
 ):
-    """A plain decoding step against the machine's floor (weight bytes ÷ measured read bandwidth)."""
+    """A plain decoding step against the machine's floor (weight bytes ÷ measured read bandwidth;
+    also with the keys and values the context adds)."""
     from dataclasses import asdict
 
     from ..bench.machine import measure_floor
@@ -1019,9 +1021,11 @@ def floor(
 
     if tokens < 2 or rounds < 1:
         _err("--tokens must be at least 2 and --rounds at least 1")
+    if not 1 <= context <= 32768:
+        _err(f"--context must be between 1 and 32768 tokens, got {context}")
     out = _report_path(json_out) if json_out else None
     try:
-        rep = measure_floor(model, tokens, rounds)
+        rep = measure_floor(model, tokens, rounds, context=context)
     except (ModelLoadError, UnsupportedModelError, ValueError, OSError) as e:
         _err(str(e))
     typer.echo(rep.summary())
