@@ -85,7 +85,7 @@ enum { PARALLEL_MIN_WORK = 256 * 1024 };
  * head's keys or values, or a low-rank factor), this many elements (half as many from two
  * rows on). A plain step's attention scores, a key/value head's query rows against its keys,
  * read the KV cache (SmolLM2's keys and values are 46 KB a token, as many bytes as its weights
- * at 2,400 tokens), and alone on the calling thread they read it at a fraction of the bus
+ * at 2,500 tokens), and alone on the calling thread they read it at a fraction of the bus
  * rate; coming right after the q/k/v product, they find the worker still spinning. Split by
  * blocks of keys from 256 keys (at two rows and more), SmolLM2's plain step at a 1,000-token
  * context took 0.89x as long, at 512 tokens 0.95x (examples/lock_spin_ab.py --setting
