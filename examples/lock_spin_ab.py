@@ -58,7 +58,7 @@ def main() -> int:
     import mlx.core as mx
 
     from specstream_mlx import load
-    from specstream_mlx.bench.machine import median_ms, plain_step_ms
+    from specstream_mlx.bench.machine import median_ms, plain_step_ms, timing_prompt
     from specstream_mlx.method.msa import ss_forward, stream_logits
     from specstream_mlx.method.tree import Tree
     from specstream_mlx.platform_info import blas_words, lock_spins, skinny_kernel
@@ -94,7 +94,7 @@ def main() -> int:
     sm, _ = load(args.model, warn=False)
     base, streams = sm.base, sm.streams
     cache = make_cache(sm)
-    prefill(base, mx.array(list(range(100, 100 + args.context))), cache, 512)
+    prefill(base, timing_prompt(base, args.context), cache, 512)
     offset = cache[0].offset
     tree = Tree(tuple(range(300, 309)), (-1, 0, 0, 1, 1, 2, 3, 4, 5))
     hosts = np.array([0, 1])

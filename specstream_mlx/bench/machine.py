@@ -193,17 +193,23 @@ def time_passes(model, rows: Sequence[int], reps: int, context: int = CONTEXT) -
     return out
 
 
+def timing_prompt(model, context: int):
+    """The prompt timings decode after: ``context`` token ids, 1 then ids from 100 (a tiny
+    vocabulary's from 2), wrapped within the model's vocabulary at any length."""
+    import mlx.core as mx
+
+    vocab = model.args.vocab_size
+    first = 100 if vocab > 200 else 2
+    return mx.array([1] + [first + i % (vocab - first) for i in range(context - 1)])
+
+
 def plain_step_ms(model, tokens: int = 48, context: int = CONTEXT) -> List[float]:
     """Ms per token of plain greedy decoding as ``ar`` runs it (the engine's pipelined
     loop over the compiled step), after ``context`` prompt tokens and one warm-up token."""
-    import mlx.core as mx
-
     from ..runtime.sampling import SamplingParams
     from ..runtime.steps import ar_steps
 
-    vocab = model.args.vocab_size
-    first = 100 if vocab > 200 else 2  # ids from 100 (a tiny vocabulary's from 2), wrapped within it
-    prompt = mx.array([1] + [first + i % (vocab - first) for i in range(context - 1)])
+    prompt = timing_prompt(model, context)
     t, times = None, []
     for i, _step in enumerate(ar_steps(model, prompt, SamplingParams())):
         now = time.perf_counter()

@@ -92,7 +92,7 @@ enum { PARALLEL_MIN_WORK = 256 * 1024 };
  * thin-min, in one process, settings alternating). The product by the values has one item
  * (a head's width of outputs) and stays whole. */
 enum { THIN_PARALLEL_MIN = 32 * 1024 };
-static long thin_parallel_min = THIN_PARALLEL_MIN; /* specstream_skinny_set_thin_min */
+static atomic_long thin_parallel_min = THIN_PARALLEL_MIN; /* specstream_skinny_set_thin_min */
 /* How long an idle worker spins for the next product before it sleeps, microseconds
  * (SPECSTREAM_SKINNY_SPIN_US). */
 static double spin_us = 50.0;
@@ -280,8 +280,9 @@ enum { KN_AHEAD = 32, KN_MAX_K = 128 };
       for (int s = 0; s < nv; s++)                                                                          \
         acc[r][s] = ZERO();                                                                                 \
     }                                                                                                       \
-    /* A head's values (ldb = the head dimension): rows ahead, from memory (see KN_AHEAD). */           \
-    const size_t ahead = p->ldb <= KN_MAX_K ? (size_t)KN_AHEAD * p->ldb : 0;                                \
+    /* A head's values (ldb = the head dimension), more rows than a transposed block (which is in  \
+     * L1 already): rows ahead, from memory (see KN_AHEAD). */                                              \
+    const size_t ahead = p->ldb <= KN_MAX_K && p->k > KN_MAX_K ? (size_t)KN_AHEAD * p->ldb : 0;             \
     for (int kk = 0; kk < p->k; kk++) {                                                                     \
       const float *brow = p->b + (size_t)kk * p->ldb + j0;                                                  \
       VEC bv[4];                                                                                            \
@@ -1205,8 +1206,10 @@ static void skinny_product(const product_t *p) {
   int items = (p->n + ITEM_ROWS - 1) / ITEM_ROWS;
   note_weight(p);
   long least = atomic_load_explicit(&streaming, memory_order_relaxed) ? parallel_min_streaming : parallel_min;
-  if (p->trans_b ? p->k <= KN_MAX_K : p->n <= KN_MAX_K)
-    least = thin_parallel_min < least ? thin_parallel_min : least;
+  if (p->trans_b ? p->k <= KN_MAX_K : p->n <= KN_MAX_K) {
+    long thin_min = atomic_load_explicit(&thin_parallel_min, memory_order_relaxed);
+    least = thin_min < least ? thin_min : least;
+  }
   int small = (long)p->n * p->k * (p->m > 1 ? 2 : 1) < least && (long)p->m * p->n * p->k < PARALLEL_MIN_WORK;
   if (pool.threads == 1 || items < 2 || small || pthread_mutex_trylock(&pool.lock) != 0) {
     product_columns(p, 0, p->n);
@@ -1433,7 +1436,7 @@ void specstream_skinny_set_ahead_kb(long kb) {
 void specstream_skinny_set_thin_min(long elements) {
 #if HAVE_X86
   kernel_rows();
-  thin_parallel_min = elements < 0 ? THIN_PARALLEL_MIN : elements;
+  atomic_store(&thin_parallel_min, elements < 0 ? THIN_PARALLEL_MIN : elements);
 #else
   (void)elements;
 #endif
