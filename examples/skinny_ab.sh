@@ -7,8 +7,7 @@
 # round. SETTINGS picks some of them (default among them), in that order in every round.
 #   [SETTINGS="default no-yield"] bash examples/skinny_ab.sh [MODEL] [ROUNDS]
 #   default:      products from 256K weights split once the weights outgrow the last-level
-#                 cache (512K while they fit); T1 prefetches on Intel CPUs, else NTA from
-#                 two rows on; 50 µs spin
+#                 cache (512K while they fit); T1 prefetches at every row count; 50 µs spin
 #   split-512K:   SPECSTREAM_SKINNY_PARALLEL_MIN=524288 (512K whatever the weights)
 #   no-yield:     SPECSTREAM_SKINNY_YIELD=0 (a waiting worker pauses instead of yielding its core)
 #   prefetch-t0:  SPECSTREAM_SKINNY_PREFETCH=t0 (every tile prefetches the next one's weight

@@ -50,8 +50,8 @@ library without the forwarder. The forwarder's kernel reads ``SPECSTREAM_SKINNY_
 ``SPECSTREAM_SKINNY_THREADS``, ``SPECSTREAM_SKINNY_ISA=avx2``,
 ``SPECSTREAM_SKINNY_PARALLEL_MIN`` (the weight elements from which one row's product is
 split between its threads), ``SPECSTREAM_SKINNY_PREFETCH`` = ``nta`` | ``t0`` | ``t1`` |
-``off`` (how a tile prefetches the next weight rows; default ``t1`` on Intel CPUs, ``nta``
-on others; ``nta`` from two rows on only),
+``off`` (how a tile prefetches the next weight rows; default ``t1``; ``nta`` from two rows
+on only),
 ``SPECSTREAM_SKINNY_YIELD=0`` (a waiting worker pauses instead of yielding its core) and
 ``SPECSTREAM_SKINNY_SPIN_US`` (how long it spins before it sleeps, default 50),
 ``SPECSTREAM_SKINNY_KBLOCK`` (the depth block of long weights, default 512; 0: none),

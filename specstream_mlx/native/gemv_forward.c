@@ -32,7 +32,7 @@
  * on, whichever is less), SPECSTREAM_SKINNY_YIELD (0: a waiting worker pauses in its spin instead
  * of yielding), SPECSTREAM_SKINNY_SPIN_US (how long it spins before it sleeps; default 50),
  * SPECSTREAM_SKINNY_PREFETCH (nta, t0, t1 or off: how the next tile's weight rows are
- * prefetched; default t1 on Intel CPUs, nta on others; nta never at one row),
+ * prefetched; default t1; nta never at one row),
  * SPECSTREAM_SKINNY_KBLOCK (the depth block of long weights, default 512; 0: none),
  * SPECSTREAM_SKINNY_FUSED_ROWS (up to how many rows weights read stored are expanded in
  * registers rather than into a buffer, 1-9, default 9; eight-bit ones up to 7 at most),
@@ -157,20 +157,18 @@ static inline void store(const product_t *p, int i, int j, float v) {
 /* Weight rows ahead to prefetch: the next tile's. Without it, 4-8 rows took 1.5-1.8x
  * as long (the reads of one tile and the arithmetic of the last did not overlap). */
 enum { PREFETCH = 4 };
-/* How the next tile's rows are prefetched (SPECSTREAM_SKINNY_PREFETCH): from two rows of a
- * on, non-temporally (`nta`: the weight is read once, and a T0 prefetch into L1 evicted
- * what the tile was still reading), and a one-row product not at all: its arithmetic is
- * too short to hide anything behind, and the hardware prefetcher alone streamed the
- * weights faster (SmolLM2's step products 12.8-12.9 ms against 13.6-14.4 with T0, the
- * LM head 49-59 GB/s against 40; 9-13 rows 5-6% faster with NTA than T0, bench/README.md),
- * measured on an AMD EPYC (Zen 4). On an Intel Xeon (Emerald Rapids) the same NTA prefetches
- * made 9-13 rows twice as slow as T0 (58 against 30 ms for SmolLM2's products at 9 rows) and
- * T1, into L2, was faster still (26 ms), and one row took 0.92x as long with T1 or T0 as
- * without: so the default is `t1` at every row count on Intel CPUs and `nta` from two rows
- * on elsewhere. `t0` and `t1` prefetch at every row count, `nta` from two rows on, `off`
- * never. */
+/* How the next tile's rows are prefetched (SPECSTREAM_SKINNY_PREFETCH): into L2 (`t1`) at
+ * every row count. On an Intel Xeon (Emerald Rapids) NTA prefetches made 9-13 rows twice as
+ * slow as T1 (58 against 30 ms for SmolLM2's products at 9 rows; T0 1.15x) and one row took
+ * 0.92x as long with T1 as without; on an AMD EPYC (Zen 4, family 25 model 17) every
+ * product of a SmolLM2 step took 0.67-0.82x as long with T1 as with NTA from two rows on
+ * and none at one (1 row 20.0 against 27.8 ms, 9 rows 22.6 against 32.8), T0 and NTA
+ * within 7% of the latter (bench/skinny-prefetch-amd.md). An earlier EPYC host had streamed
+ * one row fastest with no prefetch and 2-13 rows 4-6% faster with NTA than T0, which is why
+ * `nta` stays a setting. `t0` and `t1` prefetch at every row count, `nta` from two rows on,
+ * `off` never. */
 enum { PREFETCH_OFF = 0, PREFETCH_NTA = 1, PREFETCH_T0 = 2, PREFETCH_T1 = 3 };
-static int prefetch_mode = PREFETCH_NTA;
+static int prefetch_mode = PREFETCH_T1;
 /* Weight rows per tile. */
 enum { NR = 4 };
 
@@ -1138,7 +1136,6 @@ static void setup(void) {
     parallel_min = parallel_min_streaming = atol(pm);
   cache_bytes = last_level_cache();
   const char *pf = getenv("SPECSTREAM_SKINNY_PREFETCH");
-  prefetch_mode = __builtin_cpu_is("intel") ? PREFETCH_T1 : PREFETCH_NTA;
   if (pf && strcmp(pf, "nta") == 0)
     prefetch_mode = PREFETCH_NTA;
   else if (pf && strcmp(pf, "t0") == 0)
