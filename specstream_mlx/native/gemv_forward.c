@@ -513,7 +513,9 @@ static void product_columns(const product_t *p, int j0, int j1);
   /* One row of a: each weight vector expanded and multiplied in registers, in the float32 tile's     \
    * order (per output, one accumulator over the depth in steps of LANES, then its sum). The next     \
    * tile's codes are prefetched: an eight-bit 3,072 x 576 product took 61-78 us against 157-195      \
-   * (the fastest of 40 rounds over 40 weights, three runs each). */                                             \
+   * (the fastest of 40 rounds over 40 weights, three runs each); into L2 rather than L1: on an AMD    \
+   * EPYC (Zen 4) SmolLM2's eight-bit head at one row took 1.53-1.76 against 1.81-2.04 ms            \
+   * (examples/step_products.py, four rounds alternating). */                                             \
   __attribute__((target(TARGET), always_inline)) static inline void srow_##ISA(                                   \
       const product_t *p, int j, const int nr, int k0, int k1, const int bits, const int exact) {                 \
     const struct stored_weight *s = p->stored;                                                                    \
@@ -533,7 +535,7 @@ static void product_columns(const product_t *p, int j0, int j1);
         av[h] = LOADF(p->a + kk + h * LANES);                                                                     \
       if (((unsigned)kk * bits / 8 & 63) == 0) /* the next NR rows' codes, a line at a time */                    \
         for (int r = 0; r < nr; r++)                                                                              \
-          _mm_prefetch((const char *)(row[r] + (unsigned)kk * bits / 8 + NR * s->row_bytes), _MM_HINT_T0);        \
+          _mm_prefetch((const char *)(row[r] + (unsigned)kk * bits / 8 + NR * s->row_bytes), _MM_HINT_T1);        \
       for (int r = 0; r < nr; r++) {                                                                              \
         expand16_##ISA(row[r], sc[r], bi[r], s->group_shift, kk, w, bits, exact);                                \
         for (int h = 0; h < 16 / LANES; h++)                                                                      \
@@ -695,9 +697,17 @@ __attribute__((target("avx512f"), always_inline)) static inline void stile_avx51
   unsigned group = ~0u;
   for (int kk = k0; kk < k1; kk += 32) { /* groups of 32 or more: one group a step */
     unsigned g = (unsigned)kk >> s->group_shift;
-    if (((unsigned)kk * bits / 8 & 63) == 0) /* the next tile's codes, a line at a time */
-      for (int t = 0; t < nr; t++)
-        _mm_prefetch((const char *)(row[t] + (unsigned)kk * bits / 8 + nr * s->row_bytes), _MM_HINT_T0);
+    /* The next tile's codes, a line at a time: eight-bit ones into L2 (on an AMD EPYC, Zen 4,
+     * 2 rows by a 3,072 x 576 weight 106-115 against 128-153 us into L1, examples/stored_ab.py,
+     * three rounds alternating), four-bit ones into L1 (into L2 no faster there). */
+    if (((unsigned)kk * bits / 8 & 63) == 0) {
+      for (int t = 0; t < nr; t++) {
+        if (bits == 8)
+          _mm_prefetch((const char *)(row[t] + (unsigned)kk + nr * s->row_bytes), _MM_HINT_T1);
+        else
+          _mm_prefetch((const char *)(row[t] + (unsigned)kk / 2 + nr * s->row_bytes), _MM_HINT_T0);
+      }
+    }
     for (int t = 0; t < nr; t++) {
       __m512 w0, w1;
       if (bits == 4) {

@@ -45,7 +45,9 @@ TIME_EMA = 0.1
 TIME_MIN = 3
 # Bump when a pass changes what it computes or how its costs are measured: stored costs
 # are then ignored.
-COST_VERSION = 22  # 22: T1 prefetches on every CPU; 21: attention's scores split between threads, keys transposed, values prefetched
+# 22: T1 prefetches on every CPU (eight-bit codes too); 21: attention's scores split between
+# threads, keys transposed, values prefetched.
+COST_VERSION = 22
 
 
 def cost_cache_file() -> Path:
