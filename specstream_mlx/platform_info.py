@@ -736,13 +736,33 @@ def runtime_info() -> dict:
     }
 
 
+def cpu_name_from(cpuinfo: str) -> Optional[str]:
+    """The CPU's name in ``/proc/cpuinfo`` text, with its x86 family and model numbers: a
+    VM often shows a bare "AMD EPYC" for hosts of different generations and memory."""
+    fields: Dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:
+                break  # the first processor's block is enough
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name")
+    if not name:
+        return None
+    family, model = fields.get("cpu family"), fields.get("model")
+    if family and model and family.isdigit() and model.isdigit():
+        return f"{name}, family {family} model {model}"
+    return name
+
+
 def _cpu_name() -> str:
     if sys.platform.startswith("linux"):
         try:
             with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("model name"):
-                        return line.split(":", 1)[1].strip()
+                name = cpu_name_from(f.read())
+            if name:
+                return name
         except OSError:
             pass
     return platform.processor() or platform.machine()

@@ -914,6 +914,18 @@ def test_openblas_threads_sleep_after_their_products_unless_set_by_hand():
         assert out.returncode == 0 and out.stdout.split() == [want], out.stderr
 
 
+def test_benchmark_headers_name_the_cpus_family_and_model():
+    """A VM shows a bare "AMD EPYC" for hosts whose memory differs twofold: the name carries
+    the first processor's x86 family and model, and only what /proc/cpuinfo gives."""
+    from specstream_mlx.platform_info import cpu_name_from
+
+    two = "processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n\n"
+    two += "processor\t: 1\nmodel name\t: Other\n"
+    assert cpu_name_from(two) == "AMD EPYC, family 25 model 17"
+    assert cpu_name_from("model name : Apple M2\n") == "Apple M2"
+    assert cpu_name_from("processor : 0\ncpu family : 25\n") is None
+
+
 def test_openblas_is_told_its_best_kernels_only_where_it_took_the_cpu_for_an_unknown_one():
     """Debian's OpenBLAS 0.3.21 did not know an Intel Xeon of model 207 and ran its generic
     SSE3 kernels ("Prescott") on an AVX-512 CPU: prompts took 2.6x as long. Only that
