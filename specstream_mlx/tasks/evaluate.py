@@ -58,7 +58,10 @@ class EvalReport:
     tree: Optional[str]
     items: List[ItemResult] = field(default_factory=list)
     totals: Dict[str, ModeTotals] = field(default_factory=dict)
-    mismatches: int = 0  # items where greedy ss and ar replies differ (must be 0)
+    mismatches: int = 0  # items where greedy ss and ar replies differ
+    # ... of which part at a tie of the two best logits within float32 rounding (runtime.ties):
+    # the rounding's choice, not the chain's; any other mismatch is a defect.
+    mismatch_ties: int = 0
     cut: int = 0  # replies stopped at a first character that no call starts with
     seconds: float = 0.0
     extra_parameters: int = 0  # the streams' parameters (the fine-tune itself is fused)
@@ -91,6 +94,7 @@ class EvalReport:
             "totals": {k: v.to_json() for k, v in self.totals.items()},
             "speedup": self.speedup(),
             "ss_ar_mismatches": self.mismatches,
+            "ss_ar_mismatches_at_ties": self.mismatch_ties,
             "cut_replies": self.cut,
             "extra_parameters": self.extra_parameters,
             "seconds": self.seconds,
@@ -172,6 +176,7 @@ def evaluate(
         report.cut += cut
         if "ar" in tokens and "ss" in tokens and tokens["ar"] != tokens["ss"]:
             report.mismatches += 1
+            report.mismatch_ties += _parts_at_a_tie(model, tokenizer, row["messages"], tokens["ar"], tokens["ss"])
         reply = texts[modes[0]]
         calls = parse_tool_calls(reply, [t["name"] for t in row["tools"]])
         verdict = check_calls(calls, row["ground_truth"], row["tools"], row["category"])
@@ -181,6 +186,21 @@ def evaluate(
             progress(i + 1, len(rows), report)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _parts_at_a_tie(model, tokenizer, messages, ar: Sequence[int], ss: Sequence[int]) -> bool:
+    """Whether greedy replies ``ar`` and ``ss`` part where ``ar``'s and ``ss``'s tokens are
+    tied within float32 rounding (:func:`~specstream_mlx.runtime.ties.divergence`)."""
+    from ..runtime.generation import encode_prompt
+    from ..runtime.loaded_model import base_model
+    from ..runtime.ties import divergence
+
+    where = divergence(base_model(model), encode_prompt(tokenizer, messages), ar, ss)
+    return bool(where and where.tie)
+
+
+def _mismatch_cell(r: "EvalReport") -> str:
+    return f"{r.mismatches} ({r.mismatch_ties} at ties)" if r.mismatch_ties else str(r.mismatches)
 
 
 def spread(rows: Sequence[dict], n: Optional[int]) -> List[dict]:
@@ -204,7 +224,7 @@ def format_table(reports: Sequence[EvalReport]) -> str:
             f"{ss.tokens_per_second:.1f}" if ss else "–",
             f"{r.speedup():.2f}x" if r.speedup() else "–",
             f"{r.extra_parameters:,}",
-            str(r.mismatches) if ss and ar else "–",
+            _mismatch_cell(r) if ss and ar else "–",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -224,6 +244,11 @@ def format_report(r: EvalReport) -> str:
         lines.append(f"  ss / ar decoding speed: {r.speedup():.2f}x" + (f" (tree {r.tree})" if r.tree else ""))
     if "ss" in r.totals and "ar" in r.totals:
         lines.append(f"  greedy ss replies that differ from ar: {r.mismatches}")
+        if r.mismatch_ties:
+            lines.append(
+                f"    {r.mismatch_ties} of them part where the two best logits are tied within float32 rounding"
+                " (which is larger depends on the order of the additions: a pass's rows or a step's row)"
+            )
     if r.cut:
         lines.append(f"  replies stopped at a first character no call starts with: {r.cut}")
     return "\n".join(lines)
