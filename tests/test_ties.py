@@ -86,3 +86,34 @@ class _Stats:
     generation_seconds = 0.1
     prompt_tokens = 2
     prompt_seconds = 0.01
+
+
+def test_bench_says_which_greedy_replies_part_from_ar_at_a_tie():
+    """`bench`'s "equals ar" column: a reply that parts from ar's at a tie is reported as
+    such, any other difference as NO (the tie checked in a forward of the model)."""
+    from specstream_mlx.bench.report import _equals_ar
+    from specstream_mlx.bench.runner import BenchSetup, Run, _summarize
+
+    prompt = [1, 7, 9, 4]
+    m = _random_model()
+    greedy = []
+    for _ in range(6):
+        greedy.append(int(mx.argmax(m(mx.array([prompt + greedy]))[0, -1]).item()))
+    best, twin = greedy[3], next(t for t in range(10, 100) if t not in prompt + greedy)
+    emb = m.model.embed_tokens.weight
+    m.model.embed_tokens.weight = mx.concatenate([emb[:twin], emb[best : best + 1], emb[twin + 1 :]])
+    worst = int(np.argmin(np.array(m(mx.array([prompt + greedy[:3]]))[0, -1])))
+
+    def run(tokens):
+        return Run(tokens=tokens, text="", ttft=0.01, tps=10.0, passes=len(tokens), peak_gb=0.1)
+
+    setup = BenchSetup([{"prompt": "x"}], [prompt], 6, 0.7, 0)
+    tied, other = greedy[:3] + [twin] + greedy[4:], greedy[:3] + [worst] + greedy[4:]
+    for ss, lookup, want_ss, want_lookup in [
+        ([tied, greedy], [greedy, greedy], "at ties only (1)", "yes"),
+        ([tied, other], [other, greedy], "NO (1 of 2 at ties)", "NO"),
+    ]:
+        runs = {"ar": [run(greedy)] * 2, "ar@0.7": [run(greedy)] * 2, "ss": [run(t) for t in ss]}
+        runs["lookup"] = [run(t) for t in lookup]
+        res = {r.method: r for r in _summarize(runs, setup, [2], m)}
+        assert _equals_ar(vars(res["ss"])) == want_ss and _equals_ar(vars(res["lookup"])) == want_lookup

@@ -28,7 +28,7 @@ def markdown_table(res: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in res["results"]:
-        eq = "—" if r["matches_ar"] is None else ("yes" if r["matches_ar"] else "NO")
+        eq = _equals_ar(r)
         em = "—" if r["exact_match"] is None else f"{r['exact_match']:.2f}"
         sp = "—" if r["speedup_vs_ar"] is None else f"{r['speedup_vs_ar']:.2f}×"
         lines.append(
@@ -37,6 +37,18 @@ def markdown_table(res: dict) -> str:
             f"{r['tokens_per_pass']:.2f} | {r['ttft_ms']:.0f} | {r['peak_memory_gb']:.2f} | {eq} | {em} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _equals_ar(r: dict) -> str:
+    """yes, NO, or how many replies part from ar's at a tie within rounding (and none elsewhere)."""
+    if r["matches_ar"] is None:
+        return "—"
+    if r["matches_ar"]:
+        return "yes"
+    ties, differs = r.get("ties_with_ar", 0), r.get("differs_from_ar", 0)
+    if ties and ties == differs:
+        return f"at ties only ({ties})"
+    return f"NO ({ties} of {differs} at ties)" if ties else "NO"
 
 
 def _reference(method: str) -> str:

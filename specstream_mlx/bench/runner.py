@@ -63,6 +63,10 @@ class MethodResult:
     peak_memory_gb: float
     matches_ar: Optional[bool]
     exact_match: Optional[float] = None
+    # Greedy runs whose reply parts from ar's at a tie of the two best logits within float32
+    # rounding (runtime.ties): the rounding's choice, where any other difference is a defect.
+    ties_with_ar: int = 0
+    differs_from_ar: int = 0  # greedy runs whose reply differs from ar's, ties included
     generated_tokens: int = 0
     note: str = ""
 
@@ -345,7 +349,23 @@ def _rounds(methods: Dict[str, Callable[[int], Run]], n_prompts: int, rounds: in
     return runs  # per method in (round, prompt) order: the summary pairs runs across methods
 
 
-def _summarize(runs: Dict[str, List[Run]], setup: BenchSetup, eos_ids) -> List[MethodResult]:
+def _ties(model, setup: BenchSetup, rs: List[Run], ar: List[Run], strip) -> int:
+    """How many of the runs ``rs`` whose replies differ from ``ar``'s part at a tie."""
+    from ..runtime.loaded_model import base_model
+    from ..runtime.ties import divergence
+
+    n = len(setup.ids)
+    ties = 0
+    for k, (a, b) in enumerate(zip(ar, rs)):
+        if strip(a.tokens) != strip(b.tokens):
+            where = divergence(base_model(model), setup.ids[k % n], strip(a.tokens), strip(b.tokens))
+            ties += bool(where and where.tie)
+    return ties
+
+
+def _summarize(runs: Dict[str, List[Run]], setup: BenchSetup, eos_ids, model=None) -> List[MethodResult]:
+    """Each method's figures; with ``model``, greedy replies that differ from ``ar``'s are
+    checked for a tie where they part."""
     eos = set(eos_ids)
 
     def strip(toks):
@@ -365,9 +385,12 @@ def _summarize(runs: Dict[str, List[Run]], setup: BenchSetup, eos_ids) -> List[M
         tps = [r.tps for r in rs]
         med = statistics.median(tps)
         ref = hot_tps if temp else ar_tps
-        matches = None
+        matches, ties, differs = None, 0, 0
         if temp == 0 and name != "baseline-ar":
-            matches = all(strip(a.tokens) == strip(b.tokens) for a, b in zip(rs, runs["ar"]))
+            differs = sum(strip(a.tokens) != strip(b.tokens) for a, b in zip(rs, runs["ar"]))
+            matches = differs == 0
+            if differs and model is not None and name in ("ss", "lookup"):
+                ties = _ties(model, setup, rs, runs["ar"], strip)
         exact = None
         # Runs are ordered round by round: run k decoded prompt k mod len(prompts).
         refs = [(r, prompts[k % len(prompts)].get("completion")) for k, r in enumerate(rs)]
@@ -392,6 +415,8 @@ def _summarize(runs: Dict[str, List[Run]], setup: BenchSetup, eos_ids) -> List[M
                 peak_memory_gb=max(r.peak_gb for r in rs),
                 matches_ar=matches,
                 exact_match=exact,
+                ties_with_ar=ties,
+                differs_from_ar=differs,
                 generated_tokens=total,
                 note=("baseline model (next-token only)" if name == "baseline-ar" else ""),
             )
@@ -434,7 +459,7 @@ def run_bench(
     runs = _run_all(methods, len(prompts), rounds, progress)
     # What --tree auto measured and chose per decoding kind (recorded with the machine).
     ss_passes = {kind: "compiled" if t.compiled else "op by op" for kind, t in ours.tuners.items()}
-    results = _summarize(runs, setup, tok.eos_token_ids)
+    results = _summarize(runs, setup, tok.eos_token_ids, ours)
     info = runtime_info()
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
