@@ -3,9 +3,9 @@
 Greedy ``ss`` takes each token as the argmax of a verification pass's logits, ``ar`` as the
 argmax of a plain step's. Both compute the same sums, but a pass multiplies several rows at
 once (attention composed over a tree, the cache rows it reads written by earlier passes),
-so a logit can differ from the step's in its last bits (SmolLM2: by one or two float32
-spacings at a logit of 32). Where the two best logits are that close, which one is larger is
-the rounding's choice, and the replies part there; anywhere else they are the same tokens.
+so a logit can differ from the step's in its last bits. Where the two best logits are that
+close, which one is larger is the rounding's choice, and the replies part there; anywhere
+else they are the same tokens.
 :func:`divergence` tells the two cases apart for a reply pair that differs.
 """
 
@@ -19,8 +19,8 @@ import numpy as np
 
 from .cache import make_cache
 
-# Float32 spacings (at the best logit) within which two logits count as tied: the passes and
-# steps measured differ by one or two.
+# Float32 spacings (at the best logit) within which two logits count as tied: room for a few
+# roundings, far below any preference a model expresses (at a logit of 32 a spacing is 3.8e-6).
 TIE_SPACINGS = 4
 
 
