@@ -163,9 +163,9 @@ enum { PREFETCH = 4 };
  * 0.92x as long with T1 as without; on an AMD EPYC (Zen 4, family 25 model 17) every
  * product of a SmolLM2 step took 0.67-0.82x as long with T1 as with NTA from two rows on
  * and none at one (1 row 20.0 against 27.8 ms, 9 rows 22.6 against 32.8), T0 and NTA
- * within 7% of the latter (bench/skinny-prefetch-amd.md). An earlier EPYC host had streamed
- * one row fastest with no prefetch and 2-13 rows 4-6% faster with NTA than T0, which is why
- * `nta` stays a setting. `t0` and `t1` prefetch at every row count, `nta` from two rows on,
+ * within 7% of the latter (bench/skinny-prefetch-amd.md). Another EPYC host streamed one
+ * row fastest with no prefetch and 2-13 rows 4-6% faster with NTA than T0: `nta` is its
+ * choice. `t0` and `t1` prefetch at every row count, `nta` from two rows on,
  * `off` never. */
 enum { PREFETCH_OFF = 0, PREFETCH_NTA = 1, PREFETCH_T0 = 2, PREFETCH_T1 = 3 };
 static int prefetch_mode = PREFETCH_T1;
