@@ -351,16 +351,11 @@ def _rounds(methods: Dict[str, Callable[[int], Run]], n_prompts: int, rounds: in
 
 def _ties(model, setup: BenchSetup, rs: List[Run], ar: List[Run], strip) -> int:
     """How many of the runs ``rs`` whose replies differ from ``ar``'s part at a tie."""
-    from ..runtime.loaded_model import base_model
-    from ..runtime.ties import divergence
+    from ..runtime import ties
 
     n = len(setup.ids)
-    ties = 0
-    for k, (a, b) in enumerate(zip(ar, rs)):
-        if strip(a.tokens) != strip(b.tokens):
-            where = divergence(base_model(model), setup.ids[k % n], strip(a.tokens), strip(b.tokens))
-            ties += bool(where and where.tie)
-    return ties
+    pairs = [(k, strip(a.tokens), strip(b.tokens)) for k, (a, b) in enumerate(zip(ar, rs))]
+    return sum(ties.parts_at_a_tie(model, setup.ids[k % n], a, b) for k, a, b in pairs if a != b)
 
 
 def _summarize(runs: Dict[str, List[Run]], setup: BenchSetup, eos_ids, model=None) -> List[MethodResult]:

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import make_cache
+from .loaded_model import base_model
 
 # Float32 spacings (at the best logit) within which two logits count as tied: room for a few
 # roundings, far below any preference a model expresses (at a logit of 32 a spacing is 3.8e-6).
@@ -72,3 +73,10 @@ def divergence(model, prompt: Sequence[int], first: Sequence[int], second: Seque
     logits = np.array(out[0, -1].astype(mx.float32))
     gap = float(logits[first[k]] - logits[second[k]])
     return Divergence(k, is_rounding_tie(logits, first[k], second[k]), gap)
+
+
+def parts_at_a_tie(model, prompt: Sequence[int], first: Sequence[int], second: Sequence[int]) -> bool:
+    """Whether the greedy replies ``first`` and ``second`` to ``prompt`` part at a tie
+    (:func:`divergence`); ``model`` a loaded model or a bare base model."""
+    where = divergence(base_model(model), prompt, first, second)
+    return bool(where and where.tie)

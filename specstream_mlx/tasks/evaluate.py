@@ -189,14 +189,12 @@ def evaluate(
 
 
 def _parts_at_a_tie(model, tokenizer, messages, ar: Sequence[int], ss: Sequence[int]) -> bool:
-    """Whether greedy replies ``ar`` and ``ss`` part where ``ar``'s and ``ss``'s tokens are
-    tied within float32 rounding (:func:`~specstream_mlx.runtime.ties.divergence`)."""
+    """Whether greedy replies ``ar`` and ``ss`` to ``messages`` part at a tie within float32
+    rounding (:func:`~specstream_mlx.runtime.ties.parts_at_a_tie`)."""
+    from ..runtime import ties
     from ..runtime.generation import encode_prompt
-    from ..runtime.loaded_model import base_model
-    from ..runtime.ties import divergence
 
-    where = divergence(base_model(model), encode_prompt(tokenizer, messages), ar, ss)
-    return bool(where and where.tie)
+    return ties.parts_at_a_tie(model, encode_prompt(tokenizer, messages), ar, ss)
 
 
 def _mismatch_cell(r: "EvalReport") -> str:
