@@ -1,6 +1,7 @@
 """What mutexes that spin before they sleep, a product worker that reads the next weight ahead,
 MLX's strided element-wise kernels with vectorised loops, and the size from which a product by
-a thin operand (attention's) is split between the threads are worth, in one process.
+a thin operand (attention's) is split between the threads are worth, in one process; and up to
+how many rows a quantized weight is read as stored.
 
     env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/lock_spin_ab.py [--model smollm2] [--tries 100,0] [--rounds 12]
@@ -10,6 +11,8 @@ a thin operand (attention's) is split between the threads are worth, in one proc
         .venv/bin/python examples/lock_spin_ab.py --setting strided [--tries 0,1]
     env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/lock_spin_ab.py --setting thin-min [--tries 1073741824,-1] [--context 1000]
+    env $(.venv/bin/python -m specstream_mlx.blas_env) \\
+        .venv/bin/python examples/lock_spin_ab.py --setting stored-rows [--tries 48,-1]
 
 The forwarder's library (``native/lock_spin.c``), preloaded, makes a contended
 ``pthread_mutex_lock`` try a number of times before it sleeps; its product kernel's
@@ -17,8 +20,10 @@ waiting worker prefetches the first KB of the weight that came next last time
 (``native/gemv_forward.c``, ``SPECSTREAM_SKINNY_AHEAD_KB``); MLX's strided kernels, as
 ``specstream_mlx/jit_strided.py`` rewrites them, run a vectorised loop unless switched off;
 the kernel splits a product by a thin operand (one head's keys) between its threads from a
-number of its elements on. This script sets one of them (``--setting lock-spin``, tries;
-``ahead``, KB; ``strided``, 1 on or 0 off; ``thin-min``, elements, -1 the default, 1073741824 never) to each of
+number of its elements on; a registered quantized weight is read as stored up to a number of
+rows (``runtime/stored_rows.py``). This script sets one of them (``--setting lock-spin``, tries;
+``ahead``, KB; ``strided``, 1 on or 0 off; ``thin-min``, elements, -1 the default, 1073741824 never;
+``stored-rows``, rows, -1 the limits measured at load) to each of
 ``--tries`` in turn (the first is the reference) within one process, round by round, and
 times under each: plain decoding as ``ar`` runs it (ms a token, the engine's pipelined loop
 over the compiled step, 40 tokens after a ``--context``-token prompt, default 128), and
@@ -41,7 +46,9 @@ import numpy as np
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--setting", choices=("lock-spin", "ahead", "strided", "thin-min"), default="lock-spin")
+    ap.add_argument(
+        "--setting", choices=("lock-spin", "ahead", "strided", "thin-min", "stored-rows"), default="lock-spin"
+    )
     ap.add_argument(
         "--tries",
         default=None,
@@ -72,7 +79,7 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    if args.setting in ("ahead", "thin-min") and skinny_kernel() is None:
+    if args.setting in ("ahead", "thin-min", "stored-rows") and skinny_kernel() is None:
         print(
             "lock_spin_ab.py: the product kernel does not serve this process; start under "
             "env $(.venv/bin/python -m specstream_mlx.blas_env)",
@@ -86,13 +93,26 @@ def main() -> int:
         "ahead": lib.specstream_skinny_set_ahead_kb,
         "strided": lib.specstream_jit_strided_set,
         "thin-min": lib.specstream_skinny_set_thin_min,
-    }[args.setting]
+    }.get(args.setting)
     defaults = {"lock-spin": "100,0", "ahead": "0,1024", "strided": "0,1", "thin-min": "1073741824,-1"}
+    defaults["stored-rows"] = "48,-1"
     text = args.tries or defaults[args.setting]
     tries = [int(t) for t in text.split(",")]
 
     sm, _ = load(args.model, warn=False)
     base, streams = sm.base, sm.streams
+    if args.setting == "stored-rows":
+        from specstream_mlx.runtime.stored_rows import apply, row_limits
+        from specstream_mlx.runtime.stored_weights import registration
+
+        measured = row_limits(base).by_bits
+        if not measured:
+            print(f"lock_spin_ab.py: {args.model} has no weights read as stored here", file=sys.stderr)
+            return 2
+
+        def setter(rows):
+            apply(registration(base), measured if rows < 0 else {bits: rows for bits in measured})
+
     cache = make_cache(sm)
     prefill(base, timing_prompt(base, args.context), cache, 512)
     offset = cache[0].offset
@@ -127,6 +147,7 @@ def main() -> int:
     setter(tries[0])
     ref = tries[0]
     what = {"lock-spin": "tries", "ahead": "KB ahead", "strided": "strided loops on", "thin-min": "thin split from"}
+    what["stored-rows"] = "stored up to rows (-1: measured)"
     what = what[args.setting]
     print(f"| {what} | plain step, ms | × ref. | 9-node pass, 2 hosts, ms | × ref. | every node hosting, ms | × ref. |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

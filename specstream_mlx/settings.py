@@ -1,24 +1,28 @@
 """The settings the environment can give, read in one place.
 
-========================  ====================================================================
-``SPECSTREAM_MLX_CACHE``  the user cache: converted bundled models, ``--tree auto``'s learned
-                          step costs (``step_costs.json``), the attention form measured
-                          here (``attention.json``), base-model fingerprints, the
-                          compiled one-row GEMV forwarder and MLX's compiled CPU kernels
-                          (``jit-tmp-*``, with the ``g++`` that builds them and the
-                          header it precompiles, under ``native/``). Default
-                          ``$XDG_CACHE_HOME/specstream-mlx``, else ``~/.cache/specstream-mlx``.
-``SPECSTREAM_COMPILE``    ``1``: speculative passes run as compiled graphs (one per tree
-                          shape); default op by op (docs/DESIGN.md, decision 18).
-``SPECSTREAM_FUSE``       ``0``: decoding keeps each layer's q/k/v and gate/up products apart
-                          as stored; default fused at load (docs/DESIGN.md, decision 35).
-``SPECSTREAM_STORED``     ``0``: the CPU product kernel reads a quantized model's weights as
-                          expanded to float32; default it reads their stored 4/8-bit form
-                          where it can (docs/DESIGN.md, decision 43).
-``SPECSTREAM_ATTENTION``  how queries attend: ``fused``, ``composed`` or ``auto`` (default:
-                          the form measured faster here, for several query rows and for one;
-                          docs/DESIGN.md, decision 37).
-========================  ====================================================================
+==========================  ====================================================================
+``SPECSTREAM_MLX_CACHE``    the user cache: converted bundled models, ``--tree auto``'s learned
+                            step costs (``step_costs.json``), the attention form and the
+                            stored-row limits measured here (``attention.json``,
+                            ``stored_rows.json``), base-model fingerprints, the
+                            compiled one-row GEMV forwarder and MLX's compiled CPU kernels
+                            (``jit-tmp-*``, with the ``g++`` that builds them and the
+                            header it precompiles, under ``native/``). Default
+                            ``$XDG_CACHE_HOME/specstream-mlx``, else ``~/.cache/specstream-mlx``.
+``SPECSTREAM_COMPILE``      ``1``: speculative passes run as compiled graphs (one per tree
+                            shape); default op by op (docs/DESIGN.md, decision 18).
+``SPECSTREAM_FUSE``         ``0``: decoding keeps each layer's q/k/v and gate/up products apart
+                            as stored; default fused at load (docs/DESIGN.md, decision 35).
+``SPECSTREAM_STORED``       ``0``: the CPU product kernel reads a quantized model's weights as
+                            expanded to float32; default it reads their stored 4/8-bit form
+                            where it can (docs/DESIGN.md, decision 43).
+``SPECSTREAM_STORED_ROWS``  up to how many rows a product reads a weight as stored (more rows
+                            read the float32 weight: the same bits); default ``auto``, measured
+                            here once per model shape (docs/DESIGN.md, decision 45).
+``SPECSTREAM_ATTENTION``    how queries attend: ``fused``, ``composed`` or ``auto`` (default:
+                            the form measured faster here, for several query rows and for one;
+                            docs/DESIGN.md, decision 37).
+==========================  ====================================================================
 
 The BLAS settings (``SPECSTREAM_BLAS``, ``SPECSTREAM_NO_OPENBLAS``, thread counts) act before
 MLX is imported and are read by :mod:`specstream_mlx.blas_env` (docs/USAGE.md);
@@ -47,6 +51,8 @@ class Settings:
         compile_passes: run speculative passes as compiled graphs.
         fuse_projections: fuse q/k/v and gate/up at load for decoding.
         stored_weights: let the CPU product kernel read quantized weights as stored.
+        stored_rows: up to how many rows it reads them so, as given (``auto``: measured;
+            checked where it is used, :func:`specstream_mlx.runtime.stored_rows.configured_rows`).
         attention: the attention form, as given (checked where it is used,
             :func:`specstream_mlx.runtime.attention_choice.configured_form`).
     """
@@ -56,6 +62,7 @@ class Settings:
     fuse_projections: bool = True
     attention: str = "auto"
     stored_weights: bool = True
+    stored_rows: str = "auto"
 
 
 # The settings that are switches: read as "1" / "0" where they are used, so any other value
@@ -78,6 +85,9 @@ def check() -> None:
         value = os.environ.get(name, "").strip()
         if value not in ("", "0", "1"):
             raise ValueError(f"{name}={value!r}: expected 0 or 1")
+    rows = os.environ.get("SPECSTREAM_STORED_ROWS", "").strip()
+    if rows not in ("", "auto") and not rows.isdigit():
+        raise ValueError(f"SPECSTREAM_STORED_ROWS={rows!r}: expected auto or a row count (0 or more)")
     cache = current().cache_dir
     what = (
         f"SPECSTREAM_MLX_CACHE={os.environ['SPECSTREAM_MLX_CACHE']}"
@@ -109,4 +119,5 @@ def current() -> Settings:
         fuse_projections=os.environ.get("SPECSTREAM_FUSE", "").strip() != "0",
         attention=os.environ.get("SPECSTREAM_ATTENTION", "").strip() or "auto",
         stored_weights=os.environ.get("SPECSTREAM_STORED", "").strip() != "0",
+        stored_rows=os.environ.get("SPECSTREAM_STORED_ROWS", "").strip() or "auto",
     )

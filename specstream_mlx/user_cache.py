@@ -1,9 +1,9 @@
 """What the user cache holds, and which of its builds nothing here uses any more.
 
 The user cache (``~/.cache/specstream-mlx`` or ``SPECSTREAM_MLX_CACHE``) keeps converted
-models, learned measurements (pass costs, attention choices, weight fingerprints) and, on
-Linux's CPU wheel, native builds: the product kernel (one library per version of its
-sources), the ``g++`` wrapper with MLX's precompiled kernel header (~50 MB per MLX
+models, learned measurements (pass costs, attention choices, stored-row limits, weight
+fingerprints) and, on Linux's CPU wheel, native builds: the product kernel (one library per
+version of its sources), the ``g++`` wrapper with MLX's precompiled kernel header (~50 MB per MLX
 installation, named by its include folder, version and flags: :mod:`.cpu_jit`) and the
 folder MLX compiles its kernels into. An upgrade, a new virtual environment or another MLX
 makes new builds and leaves the old ones where they were; :func:`prune` removes the builds

@@ -616,6 +616,12 @@ def test_a_switch_set_to_neither_0_nor_1_is_refused():
         r = run("doctor", env={**os.environ, name: "yes"})
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert r.stderr.strip() == f"specstream-mlx: error: {name}='yes': expected 0 or 1", r.stderr
+    for value in ("many", "-3", "7.5"):
+        r = run("doctor", env={**os.environ, "SPECSTREAM_STORED_ROWS": value})
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip() == (
+            f"specstream-mlx: error: SPECSTREAM_STORED_ROWS={value!r}: expected auto or a row count (0 or more)"
+        ), r.stderr
 
 
 def test_a_cache_folder_that_cannot_be_made_or_written_is_refused(tmp_path, monkeypatch):

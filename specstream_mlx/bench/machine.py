@@ -248,6 +248,7 @@ class FloorReport:
     # Weights the product kernel reads as stored, and those bytes in float32.
     stored_weights: int = 0
     stored_float_bytes: int = 0
+    stored_rows: str = ""  # up to how many rows they are read so (runtime/stored_rows.py)
     context: int = CONTEXT
     kv_bytes: int = 0
     kv_floor_ms: float = 0.0
@@ -272,7 +273,9 @@ class FloorReport:
     def _stored_words(self) -> str:
         if not self.stored_weights:
             return ""
-        return f" ({self.stored_weights} weights read as stored, {self.stored_float_bytes / 1e6:.0f} MB as float32)"
+        limits = f", {self.stored_rows}" if self.stored_rows else ""
+        mb = self.stored_float_bytes / 1e6
+        return f" ({self.stored_weights} weights read as stored{limits}, {mb:.0f} MB as float32)"
 
 
 def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9, context: int = CONTEXT) -> FloorReport:
@@ -281,6 +284,7 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9, c
     rounds)."""
     from ..platform_info import blas_words
     from ..runtime.loaded_model import load
+    from ..runtime.stored_rows import row_limits
     from ..runtime.stored_weights import registration
 
     m, _ = load(name, warn=False)
@@ -306,6 +310,7 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9, c
         loads,
         stored.weights,
         stored.float_bytes,
+        row_limits(m.base).label() if stored.weights else "",
         context,
         int(kv),
         kv / best.best * 1e3,

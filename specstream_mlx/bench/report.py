@@ -18,6 +18,7 @@ def markdown_table(res: dict) -> str:
         + (f"; allocator {m['malloc']}" if m.get("malloc") else "")
         + (f"; ss passes {res['settings']['ss_passes'].get('greedy')}" if res["settings"].get("ss_passes") else "")
         + (f"; attention of several rows {res['settings']['attention']}" if res["settings"].get("attention") else "")
+        + (f"; weights read as stored: {res['settings']['stored_rows']}" if res["settings"].get("stored_rows") else "")
         + f"; {res['settings']['prompts']} "
         + (f"{res['settings']['prompt_set']} " if res["settings"].get("prompt_set") else "")
         + "prompts × "

@@ -322,7 +322,8 @@ def doctor(
         from ..platform_info import skinny_kernel
 
         reads = (
-            "; the product kernel reads 4- and 8-bit weights as stored (SPECSTREAM_STORED=0: the float32 ones)"
+            "; the product kernel reads 4- and 8-bit weights as stored (SPECSTREAM_STORED=0: the float32 ones) "
+            "up to a row count measured here per model (SPECSTREAM_STORED_ROWS)"
             if skinny_kernel() is not None and current().stored_weights
             else ""
         )

@@ -41,6 +41,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
@@ -432,6 +433,11 @@ struct stored_weight {
   int group_shift;              /* log2(group): an element's group is kk >> group_shift */
   uint8_t *packed; /* four-bit codes in the order the register loops read (pack), owned; or NULL */
   int exact;       /* every code times its scale is exact in float32 (exact_products) */
+  /* Products of more rows read the float32 weight (specstream_stored_set_rows): where the
+   * stored form's expansion, paid once per weight vector whatever the rows, costs more than
+   * streaming the float32 bytes, which the rows' multiply-adds hide once there are enough of
+   * them. Measured per machine by the registrant (runtime/stored_rows.py). */
+  atomic_int max_rows;
 };
 
 enum { STORED_SLOTS = 4096, STORED_BITS = 12 };
@@ -1321,7 +1327,7 @@ int specstream_stored_register(const float *w, int n, int k, const void *q, int 
   if (e == NULL)
     return -1;
   *e = (struct stored_weight){w, n, k, bits, group, q, (size_t)k * bits / 8, scales, biases, __builtin_ctz(group), NULL,
-                              exact_products(scales, (size_t)n * (k / group), bits)};
+                              exact_products(scales, (size_t)n * (k / group), bits), INT_MAX};
   /* Every row expanded as the kernel expands it must give w's row, bit for bit. */
   float *row = malloc((size_t)k * sizeof(float));
   int same = row != NULL;
@@ -1389,6 +1395,26 @@ void specstream_stored_unregister(const float *w) {
     }
   }
   pthread_mutex_unlock(&stored_lock);
+}
+
+/* Products of up to `rows` rows by the registered weight w read its stored form, more rows its
+ * float32 weight (the same bits either way). Returns 1, or 0 when w is not registered. */
+int specstream_stored_set_rows(const float *w, int rows) {
+  int found = 0;
+  pthread_mutex_lock(&stored_lock);
+  size_t h = stored_slot(w);
+  for (int i = 0; i < STORED_SLOTS; i++) {
+    struct stored_weight *e = atomic_load(&stored_table[(h + i) % STORED_SLOTS]);
+    if (e == NULL)
+      break;
+    if (e != &stored_gone && e->w == w) {
+      atomic_store(&e->max_rows, rows < 0 ? 0 : rows);
+      found = 1;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&stored_lock);
+  return found;
 }
 
 /* Weights registered now, and products served from stored forms so far. */
@@ -1508,6 +1534,8 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
   if (layout && m >= skinny_min_rows && (m <= most || blocked)) {
     int blocks = (m + most - 1) / most;
     const struct stored_weight *stored = tb == TRANS ? find_stored(b, n, k, ldb) : NULL;
+    if (stored && m > atomic_load_explicit(&stored->max_rows, memory_order_relaxed))
+      stored = NULL; /* the float32 weight: the same bits, faster at this many rows here */
     for (int i = 0, i0 = 0; i < blocks; i++) {
       int rows = (m - i0) / (blocks - i);
       product_t p = {tb == TRANS, rows, n, k, lda, ldb, ldc, alpha, beta, a + (size_t)i0 * lda, b, c + (size_t)i0 * ldc,

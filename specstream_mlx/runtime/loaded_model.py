@@ -9,6 +9,7 @@ client's own policy over these: :mod:`specstream_mlx.serve.client_policies`.)
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -26,6 +27,7 @@ from .attention_choice import choose_attention, set_attention_form
 from .autotune import AutoPolicy, auto_policy_for
 from .compiled_pass import SSPass
 from .sampling import SamplingParams
+from .stored_rows import limit_stored_rows
 from .stored_weights import register as register_stored
 
 
@@ -149,5 +151,6 @@ def load(
     if not lazy:
         mx.eval(lm.model.parameters())
         register_stored(lm.model)
+        limit_stored_rows(lm.model, log=lambda msg: print(f"specstream-mlx: {lm.path.name}: {msg}", file=sys.stderr))
     set_attention_form(lm.model, choose_attention(lm.model, attention))
     return SpeculativeModel(lm.model, lm.streams, lm.path), lm.tokenizer

@@ -24,6 +24,7 @@ from ..io.files import cache_root, read_cache_table, write_cache_table
 from ..models.attention import FORMS_VERSION
 from ..platform_info import blas_in_use, forwarder_words, malloc_in_use
 from .attention_choice import attention_form
+from .stored_rows import row_limits
 
 if TYPE_CHECKING:
     from .offline_costs import ArmCosts
@@ -250,6 +251,7 @@ def model_key(model, streams, kind: str, compiled: bool) -> str:
         "compiled" if compiled else "eager",
         attention_form(model),  # MLX's fused attention or the composed one, for several rows and for one
         FORMS_VERSION,  # and the forms' arithmetic (what a pass costs changes with it)
+        row_limits(model).label(),  # up to how many rows quantized weights are read as stored
     ]
     return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,12 +47,17 @@ class Registration:
             depth it does not serve, or values that differ from the float32 weight's).
         stored_bytes: bytes of the registered weights' stored forms (packed, scales, biases).
         float_bytes: bytes of the same weights in float32.
+        bits: each registered weight's width (4 or 8), by its pointer.
+        row_limits: the most rows a product reads a weight of each width as stored
+            (:mod:`.stored_rows`; empty until set: every row count the kernel takes).
     """
 
     weights: int = 0
     refused: int = 0
     stored_bytes: int = 0
     float_bytes: int = 0
+    bits: Dict[int, int] = field(default_factory=dict)
+    row_limits: Dict[int, int] = field(default_factory=dict)
     # (pointer, arrays kept alive) per registered weight.
     _held: List[Tuple[int, tuple]] = field(default_factory=list, repr=False)
 
@@ -105,6 +110,7 @@ def register(model: nn.Module) -> Registration:
         done.stored_bytes += sum(a.nbytes for a in arrays[1:])
         done.float_bytes += w.nbytes
         done._held.append((pointers[0], arrays))
+        done.bits[pointers[0]] = form.bits
     if done._held:
         weakref.finalize(model, _release, unregister, done._held)
     object.__setattr__(model, ATTRIBUTE, done)  # a plain attribute: outside the parameter tree
