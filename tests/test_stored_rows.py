@@ -1,6 +1,7 @@
 """Up to how many rows quantized weights are read as stored (runtime/stored_rows.py)."""
 
 import gc
+import json
 
 import mlx.core as mx
 import numpy as np
@@ -110,7 +111,14 @@ def test_measured_limits_are_kept_per_machine_and_model(quantized_dir, monkeypat
     assert stored_rows.measured_limits(reg, measure, log=said.append) == {4: 3}
     assert stored_rows.measured_limits(reg, measure, log=said.append) == {4: 3}
     assert len(calls) == 1 and len(said) == 1 and "once" in said[0]
-    assert (tmp_path / "cache" / "stored_rows.json").exists()
+    store = tmp_path / "cache" / "stored_rows.json"
+    table = json.loads(store.read_text())
+    for damaged in ({"4": "many"}, {"4": 0}, {"8": 3}):  # not a count, no rows, another width
+        for entry in table.values():
+            entry["limits"] = damaged
+        store.write_text(json.dumps(table))
+        assert stored_rows.measured_limits(reg, measure) == {4: 3}  # measured again
+    assert len(calls) == 4
     times = stored_rows.time_forms(reg, reps=1)
     counts = sorted(times[4])
     assert counts == list(stored_rows.LADDER[: len(counts)]) and all(t["stored"] > 0 for t in times[4].values())

@@ -123,7 +123,9 @@ def time_forms(reg: Registration, reps: int = REPS) -> Dict[int, Dict[int, Dict[
     out: Dict[int, Dict[int, Dict[str, float]]] = {b: {} for b in widths}
     done = {b: 0 for b in widths}  # row counts running at which float32 won
     for rows in LADDER:
-        xs = {k: mx.random.normal((rows, k)) for k in {w.shape[1] for ws in groups.values() for w in ws}}
+        # Keyed: a measurement at load must not move the caller's random state.
+        depths = {w.shape[1] for ws in groups.values() for w in ws}
+        xs = {k: mx.random.normal((rows, k), key=mx.random.key(k)) for k in depths}
         mx.eval(list(xs.values()))
         runs: Dict[int, Dict[str, list]] = {b: {"stored": [], "float32": []} for b in widths}
         for rep in range(reps + 1):  # the first a warm-up
@@ -161,9 +163,8 @@ def limits_from(times: Dict[int, Dict[int, Dict[str, float]]]) -> Dict[int, int]
 
 
 def _key(reg: Registration) -> str:
-    shapes = sorted({(bits, *arrays[0].shape) for (pointer, arrays) in reg._held for bits in [reg.bits[pointer]]})
-    counts = sorted(reg.bits.values())
-    ident = [METHOD_VERSION, mx.__version__, str(mx.default_device()), _cpu_name(), forwarder_words(), shapes, counts]
+    weights = sorted((reg.bits[pointer], *arrays[0].shape) for pointer, arrays in reg._held)
+    ident = [METHOD_VERSION, mx.__version__, str(mx.default_device()), _cpu_name(), forwarder_words(), weights]
     return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
 
 
@@ -178,9 +179,11 @@ def measured_limits(
     entry = table.get(key)
     if isinstance(entry, dict) and isinstance(entry.get("limits"), dict):
         try:
-            return {int(b): int(r) for b, r in entry["limits"].items()}
+            stored = {int(b): int(r) for b, r in entry["limits"].items()}
+            if stored.keys() == set(reg.bits.values()) and min(stored.values()) >= 1:
+                return stored
         except (TypeError, ValueError):
-            pass
+            pass  # a damaged entry: measured again
     if log:
         log("timing products of stored and float32 weights on this machine (once; stored in the user cache)")
     times = measure(reg)
