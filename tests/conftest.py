@@ -48,3 +48,16 @@ def tiny_model_dir(tmp_path_factory):
     from tests.helpers.tiny_models import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def quantized_dir(tmp_path_factory):
+    """A tiny model converted to 4-bit in groups of 32, a tied head the same way, with 2 streams:
+    depths past 128 (the product kernel's stored tiles serve those)."""
+    from specstream_mlx.convert import ConvertOptions, convert
+    from specstream_mlx.demo.tiny import make_tiny_model_dir
+
+    dims = dict(hidden_size=160, intermediate_size=320, num_attention_heads=5, num_key_value_heads=1)
+    src = make_tiny_model_dir(tmp_path_factory.mktemp("src"), **dims)
+    opts = ConvertOptions(dtype="float32", quantize=True, q_bits=4, q_group_size=32, num_streams=2, stream_layers=1)
+    return convert(str(src), str(tmp_path_factory.mktemp("q4") / "m"), opts)

@@ -7,16 +7,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from specstream_mlx.convert import ConvertOptions, convert
-from specstream_mlx.demo.tiny import make_tiny_model_dir
 from specstream_mlx.platform_info import skinny_kernel
 from specstream_mlx.runtime import stored_rows, stored_weights
 from specstream_mlx.runtime.loaded_model import load
 from specstream_mlx.runtime.step_costs import model_key
-
-NOT_LOADED = (
-    "the product kernel is not loaded: run the tests as `make test` does (env $(python -m specstream_mlx.blas_env))"
-)
+from tests.helpers import KERNEL_NOT_LOADED
 
 
 def _times(pairs):
@@ -49,22 +44,13 @@ def test_the_setting_is_auto_or_a_row_count(monkeypatch):
         stored_rows.configured_rows()
 
 
-@pytest.fixture(scope="module")
-def quantized_dir(tmp_path_factory):
-    # Depths past 128 in groups of 32 (the kernel's stored tiles serve those): 4-bit layers and head.
-    dims = dict(hidden_size=160, intermediate_size=320, num_attention_heads=5, num_key_value_heads=1)
-    src = make_tiny_model_dir(tmp_path_factory.mktemp("src"), **dims)
-    opts = ConvertOptions(dtype="float32", quantize=True, q_bits=4, q_group_size=32, num_streams=2, stream_layers=1)
-    return convert(str(src), str(tmp_path_factory.mktemp("q4") / "m"), opts)
-
-
 def test_products_past_the_limit_read_the_float32_weight_with_the_same_bits(quantized_dir, monkeypatch):
     """With a limit of 3 rows, a 3-row product reads the stored form and a 4-row one the float32
     weight (the kernel serves nothing from the stored form), each the same bits as with the
     float32 weights throughout (SPECSTREAM_STORED=0); the limit is kept on the registration and
     named in the pass costs' key."""
     if skinny_kernel() is None:
-        pytest.fail(NOT_LOADED)
+        pytest.fail(KERNEL_NOT_LOADED)
     monkeypatch.setenv("SPECSTREAM_STORED", "0")
     plain, _ = load(str(quantized_dir), warn=False)
     prompts = {n: mx.array([list(range(5, 5 + n))]) for n in (3, 4)}
@@ -95,7 +81,7 @@ def test_measured_limits_are_kept_per_machine_and_model(quantized_dir, monkeypat
     the next load without measuring; a real measurement times every row count up to two float32
     wins running and leaves every weight read as stored."""
     if skinny_kernel() is None:
-        pytest.fail(NOT_LOADED)
+        pytest.fail(KERNEL_NOT_LOADED)
     monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SPECSTREAM_STORED_ROWS", "5")  # a row count is not measured, nor kept
     model, _ = load(str(quantized_dir), warn=False)

@@ -6,8 +6,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from specstream_mlx.convert import ConvertOptions, convert
-from specstream_mlx.demo.tiny import make_tiny_model_dir
 from specstream_mlx.method.tree import TreeSpec
 from specstream_mlx.platform_info import _symbol, skinny_kernel
 from specstream_mlx.runtime import stored_weights
@@ -15,25 +13,12 @@ from specstream_mlx.runtime.loaded_model import load
 from specstream_mlx.runtime.sampling import SamplingParams
 from specstream_mlx.runtime.speculative import ss_steps
 from specstream_mlx.runtime.steps import ar_steps
-
-NOT_LOADED = (
-    "the product kernel is not loaded: run the tests as `make test` does (env $(python -m specstream_mlx.blas_env))"
-)
+from tests.helpers import KERNEL_NOT_LOADED
 
 
 def _registered() -> int:
     count = _symbol("specstream_stored_count")
     return int(count()) if count is not None else 0
-
-
-@pytest.fixture(scope="module")
-def quantized_dir(tmp_path_factory):
-    # Depths past 128 (the kernel's stored tiles serve those) in groups of 32; 4-bit layers, and
-    # a tied head the same way.
-    dims = dict(hidden_size=160, intermediate_size=320, num_attention_heads=5, num_key_value_heads=1)
-    src = make_tiny_model_dir(tmp_path_factory.mktemp("src"), **dims)
-    opts = ConvertOptions(dtype="float32", quantize=True, q_bits=4, q_group_size=32, num_streams=2, stream_layers=1)
-    return convert(str(src), str(tmp_path_factory.mktemp("q4") / "m"), opts)
 
 
 def _take(steps, n):
@@ -56,7 +41,7 @@ def test_a_quantized_model_decodes_from_its_stored_weights_with_the_same_bits(qu
     and speculative greedy decoding give the same tokens, and the registrations go with the
     model."""
     if skinny_kernel() is None:
-        pytest.fail(NOT_LOADED)
+        pytest.fail(KERNEL_NOT_LOADED)
     prompt = mx.array([5, 9, 33, 70, 12, 8, 41])
     gc.collect()
     before_count = _registered()
@@ -86,7 +71,7 @@ def test_the_registrations_go_with_the_model(quantized_dir):
     """A model dropped after decoding is collected and its weights unregistered (the kernel
     never reads a freed buffer)."""
     if skinny_kernel() is None:
-        pytest.fail(NOT_LOADED)
+        pytest.fail(KERNEL_NOT_LOADED)
     gc.collect()
     before = _registered()
     model, _ = load(str(quantized_dir), warn=False)
