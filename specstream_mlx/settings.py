@@ -40,6 +40,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -85,9 +86,7 @@ def check() -> None:
         value = os.environ.get(name, "").strip()
         if value not in ("", "0", "1"):
             raise ValueError(f"{name}={value!r}: expected 0 or 1")
-    rows = os.environ.get("SPECSTREAM_STORED_ROWS", "").strip()
-    if rows not in ("", "auto") and not rows.isdigit():
-        raise ValueError(f"SPECSTREAM_STORED_ROWS={rows!r}: expected auto or a row count (0 or more)")
+    stored_rows_count(current().stored_rows)
     cache = current().cache_dir
     what = (
         f"SPECSTREAM_MLX_CACHE={os.environ['SPECSTREAM_MLX_CACHE']}"
@@ -103,6 +102,16 @@ def check() -> None:
         above = next((p for p in [cache, *cache.parents] if p.exists()), None)
         why = f"{above} is not a folder" if above is not None and not above.is_dir() else e.strerror or str(e)
         raise ValueError(f"{what}: the cache folder cannot be made or written ({why})") from None
+
+
+def stored_rows_count(value: str) -> Optional[int]:
+    """``SPECSTREAM_STORED_ROWS`` as given (``Settings.stored_rows``): None for ``auto``, else
+    its row count; ValueError naming the setting for anything else."""
+    if value == "auto":
+        return None
+    if not value.isdigit():
+        raise ValueError(f"SPECSTREAM_STORED_ROWS={value!r}: expected auto or a row count (0 or more)")
+    return int(value)
 
 
 def current() -> Settings:

@@ -34,9 +34,9 @@ import mlx.core as mx
 from ..io.files import cache_root, read_cache_table, write_cache_table
 from ..platform_info import _cpu_name, _symbol, forwarder_words
 from ..settings import current as current_settings
+from ..settings import stored_rows_count
 from .stored_weights import Registration, registration
 
-SETTING = "SPECSTREAM_STORED_ROWS"
 # The float32 weight is taken from the first of two row counts running where it takes at most
 # this share of the stored form's time. Not below 1: both forms give the same bits, so nothing
 # flaps with the verdict, and inside a tree pass the float32 form gains on the stored one (the
@@ -75,17 +75,9 @@ class RowLimits:
 
 
 def configured_rows() -> Optional[int]:
-    """``SPECSTREAM_STORED_ROWS``, checked: a row count, or None for ``auto``."""
-    value = current_settings().stored_rows
-    if value == "auto":
-        return None
-    try:
-        rows = int(value)
-    except ValueError:
-        rows = -1
-    if rows < 0:
-        raise ValueError(f"{SETTING}={value!r}: expected auto or a row count (0 or more)")
-    return min(rows, ALL_ROWS)
+    """``SPECSTREAM_STORED_ROWS``, checked: a row count (at most ``ALL_ROWS``), or None for ``auto``."""
+    rows = stored_rows_count(current_settings().stored_rows)
+    return None if rows is None else min(rows, ALL_ROWS)
 
 
 def _set_rows():
