@@ -79,7 +79,7 @@ def test_products_past_the_limit_read_the_float32_weight_with_the_same_bits(quan
 def test_measured_limits_are_kept_per_machine_and_model(quantized_dir, monkeypatch, tmp_path):
     """`auto` measures once (announced), keeps the verdict in the user cache and reads it back in
     the next load without measuring; a real measurement times every row count up to two float32
-    wins running and leaves every weight read as stored."""
+    wins running, leaves every weight read as stored and the caller's random state as it was."""
     if skinny_kernel() is None:
         pytest.fail(KERNEL_NOT_LOADED)
     monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path / "cache"))
@@ -105,7 +105,12 @@ def test_measured_limits_are_kept_per_machine_and_model(quantized_dir, monkeypat
         store.write_text(json.dumps(table))
         assert stored_rows.measured_limits(reg, measure) == {4: 3}  # measured again
     assert len(calls) == 4
+    mx.random.seed(7)
+    want = np.array(mx.random.normal((4,)))
+    mx.random.seed(7)
     times = stored_rows.time_forms(reg, reps=1)
+    # The measurement draws its rows from keys of its own: a caller's seeded draws go on as before.
+    assert np.array_equal(np.array(mx.random.normal((4,))), want)
     counts = sorted(times[4])
     assert counts == list(stored_rows.LADDER[: len(counts)]) and all(t["stored"] > 0 for t in times[4].values())
     served = stored_weights.served()
