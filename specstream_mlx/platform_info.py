@@ -267,15 +267,22 @@ def choose_malloc(setting: Optional[str] = None) -> Optional[str]:
     raise BlasSettingError(f"{MALLOC_ENV}={setting!r}: unknown allocator; use {known} or a path")
 
 
+@functools.lru_cache(maxsize=None)
+def gemv_source_tag() -> str:
+    """The forwarder's version: its sources' hash (what names its library, and what keys the
+    measurements its kernel's speed decides)."""
+    src = b"".join(p.read_bytes() for p in (GEMV_SOURCE, LOCK_SOURCE) if p.exists())
+    return hashlib.sha256(src).hexdigest()[:12]
+
+
 def gemv_library_path(cache_dir: Optional[Path] = None) -> Path:
     """Where :func:`gemv_forwarder` keeps this version of the library (named by its sources'
     hash, so that an upgrade builds its own), built or not."""
-    src = b"".join(p.read_bytes() for p in (GEMV_SOURCE, LOCK_SOURCE))
     if cache_dir is None:  # the user cache of converted models
         from .settings import current
 
         cache_dir = current().cache_dir
-    return Path(cache_dir).expanduser() / "native" / f"libspecstream-gemv-{hashlib.sha256(src).hexdigest()[:12]}.so"
+    return Path(cache_dir).expanduser() / "native" / f"libspecstream-gemv-{gemv_source_tag()}.so"
 
 
 def gemv_forwarder(cache_dir: Optional[Path] = None) -> Optional[str]:
@@ -577,6 +584,12 @@ def blas_core() -> Optional[str]:
 def gemv_forwarding() -> bool:
     """Whether the one-row forwarder serves this process's ``cblas_sgemm``."""
     return _symbol("specstream_gemv_forward") is not None
+
+
+def kernel_version() -> str:
+    """The version of the forwarder serving this process's products ('' where none does): a
+    measurement of their speed holds for that version only."""
+    return gemv_source_tag() if gemv_forwarding() else ""
 
 
 def skinny_kernel() -> Optional[Tuple[int, int, int, int]]:

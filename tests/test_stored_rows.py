@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from specstream_mlx.platform_info import skinny_kernel
-from specstream_mlx.runtime import stored_rows, stored_weights
+from specstream_mlx.runtime import step_costs, stored_rows, stored_weights
 from specstream_mlx.runtime.loaded_model import load
 from specstream_mlx.runtime.step_costs import model_key
 from tests.helpers import KERNEL_NOT_LOADED
@@ -74,12 +74,16 @@ def test_products_past_the_limit_read_the_float32_weight_with_the_same_bits(quan
     assert stored_weights.served() > served
     assert stored_rows.row_limits(model.base).label() == "4-bit at every row count"
     assert model_key(model.base, model.streams, "greedy", False) != key  # passes cost otherwise
+    key = model_key(model.base, model.streams, "greedy", False)
+    monkeypatch.setattr(step_costs, "kernel_version", lambda: "another")
+    assert model_key(model.base, model.streams, "greedy", False) != key  # and under another kernel
 
 
 def test_measured_limits_are_kept_per_machine_and_model(quantized_dir, monkeypatch, tmp_path):
     """`auto` measures once (announced), keeps the verdict in the user cache and reads it back in
-    the next load without measuring; a real measurement times every row count up to two float32
-    wins running, leaves every weight read as stored and the caller's random state as it was."""
+    the next load without measuring (a kernel of another version measures again); a real
+    measurement times every row count up to two float32 wins running, leaves every weight read
+    as stored and the caller's random state as it was."""
     if skinny_kernel() is None:
         pytest.fail(KERNEL_NOT_LOADED)
     monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path / "cache"))
@@ -105,6 +109,10 @@ def test_measured_limits_are_kept_per_machine_and_model(quantized_dir, monkeypat
         store.write_text(json.dumps(table))
         assert stored_rows.measured_limits(reg, measure) == {4: 3}  # measured again
     assert len(calls) == 4
+    # The verdict holds for the kernel that was timed: another version of it measures afresh.
+    monkeypatch.setattr(stored_rows, "kernel_version", lambda: "another")
+    assert stored_rows.measured_limits(reg, measure) == {4: 3}
+    assert len(calls) == 5
     mx.random.seed(7)
     want = np.array(mx.random.normal((4,)))
     mx.random.seed(7)

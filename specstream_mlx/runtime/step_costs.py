@@ -22,7 +22,7 @@ import mlx.core as mx
 from ..cpu_jit import jit_words
 from ..io.files import cache_root, read_cache_table, write_cache_table
 from ..models.attention import FORMS_VERSION
-from ..platform_info import blas_in_use, forwarder_words, malloc_in_use
+from ..platform_info import blas_in_use, forwarder_words, kernel_version, malloc_in_use
 from .attention_choice import attention_form
 from .stored_rows import row_limits
 
@@ -243,6 +243,7 @@ def model_key(model, streams, kind: str, compiled: bool) -> str:
         str(mx.default_device()),
         blas_in_use(),
         forwarder_words(),  # the forwarder and its kernel set the plain step's and the passes' speed
+        kernel_version(),  # a changed kernel times its passes afresh
         jit_words(),  # how MLX's compiled CPU kernels are built (SiLU: 12% of a 9-node pass, or 8%)
         malloc_in_use(),  # the allocator: a demo-sql step 0.59 ms under glibc's, 0.36 under jemalloc
         str(model.model.norm.weight.dtype),

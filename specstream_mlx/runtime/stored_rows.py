@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional
 import mlx.core as mx
 
 from ..io.files import cache_root, read_cache_table, write_cache_table
-from ..platform_info import _cpu_name, _symbol, forwarder_words
+from ..platform_info import _cpu_name, _symbol, forwarder_words, kernel_version
 from ..settings import current as current_settings
 from ..settings import stored_rows_count
 from .stored_weights import Registration, registration
@@ -156,7 +156,8 @@ def limits_from(times: Dict[int, Dict[int, Dict[str, float]]]) -> Dict[int, int]
 
 def _key(reg: Registration) -> str:
     weights = sorted((reg.bits[pointer], *arrays[0].shape) for pointer, arrays in reg._held)
-    ident = [METHOD_VERSION, mx.__version__, str(mx.default_device()), _cpu_name(), forwarder_words(), weights]
+    ident = [METHOD_VERSION, mx.__version__, str(mx.default_device()), _cpu_name(), forwarder_words(), kernel_version()]
+    ident.append(weights)
     return hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:16]
 
 
