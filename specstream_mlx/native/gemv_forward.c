@@ -35,7 +35,7 @@
  * prefetched; default t1; nta never at one row),
  * SPECSTREAM_SKINNY_KBLOCK (the depth block of long weights, default 512; 0: none),
  * SPECSTREAM_SKINNY_FUSED_ROWS (up to how many rows weights read stored are expanded in
- * registers rather than into a buffer, 1-9, default 9; eight-bit ones up to 7 at most),
+ * registers rather than into a buffer, 1-9, default 9),
  * SPECSTREAM_SKINNY_AHEAD_KB (how much of the next weight a waiting worker reads ahead;
  * default 1024 on Intel CPUs, 0 elsewhere).
  */
@@ -665,20 +665,21 @@ __attribute__((target("avx512f"))) static void srows4_packed_avx512(const produc
  * vector is expanded in registers once (four-bit codes repacked, through the group's table;
  * eight-bit ones widened and scaled) and multiplied by every row, where expanding NR weight
  * rows into a buffer for the float32 tiles (stored_columns) took a pass over the values and
- * their stores more. Tiles of every row by 4 weight rows (up to 5 rows: 20 accumulators) or
- * 2 (up to 9: 18); per output the float32 tile's accumulator, order and sum. On an Intel
+ * their stores more. Tiles of every row by 4 weight rows (up to 5 rows: 20 accumulators), 3
+ * (up to 7: 21) or 2 (up to 9: 18); per output the float32 tile's accumulator, order and sum. On an Intel
  * Xeon (Emerald Rapids), 3,072 x 576 products streamed from memory (examples/stored_ab.py,
  * against SPECSTREAM_SKINNY_FUSED_ROWS=1, two runs each): four bits, 2 rows 71-75 against
  * 183-211 us, 3 rows 90-117 against 167-202, 5 rows 117-131 against 195-206, 9 rows 242-255
  * against 282-298; eight bits, 2 rows 113-140 against 166-216. The next tile's codes are
  * prefetched (eight bits, 5 rows: 122-126 against 213-236 us without; 2 rows 76-84 against
- * 92-127; four bits the same to 0.9x). Eight bits up to 7 rows (234-238 against 249-255 us),
- * not 9 (296-346 either way: the conversion's work on every value is no longer small beside
- * the rows' multiplications). From 10 rows the buffer pays at four bits too (its expansion
+ * 92-127; four bits the same to 0.9x). Eight bits at 7 rows 234-238 against 249-255 us, at 9
+ * 296-346 either way there; with the rows of a in registers (stile_avx512) on an AMD EPYC
+ * (Zen 4), 8 rows 207-226 against 330-340 us, 9 rows 245-257 against 340-356 (two runs each,
+ * against the buffer from 8 rows). From 10 rows the buffer pays at four bits too (its expansion
  * is shared by more rows: 45 rows took 1.59 ms in tiles of 10 against 1.08). SmolLM2's
  * step products (examples/step_products.py) at 2 rows took 6.5 ms against 13.3, at 5 rows
  * 10.3 against 15.3, at 9 rows 19.1 against 20.0. */
-enum { FUSED_ROWS = 9, FUSED_ROWS_8 = 7 };
+enum { FUSED_ROWS = 9 };
 static int fused_rows = FUSED_ROWS; /* SPECSTREAM_SKINNY_FUSED_ROWS: 1 multiplies through the buffer */
 __attribute__((target("avx512f"), always_inline)) static inline void stile_avx512(const product_t *p, int j,
                                                                                  const int mr, const int nr,
@@ -833,7 +834,7 @@ static void stored_columns(const product_t *p, int j0, int j1) {
   int block = k_block > 0 && p->k > k_block + k_block / 2 ? k_block : p->k;
   void (*many)(const product_t *, int) = use_avx512 ? rows4_avx512 : rows4_avx2;
   void (*one)(const product_t *, int) = use_avx512 ? rows1_avx512 : rows1_avx2;
-  int fused = use_avx512 && p->m <= fused_rows && (s->packed || (s->bits == 8 && p->m <= FUSED_ROWS_8));
+  int fused = use_avx512 && p->m <= fused_rows && (s->packed || s->bits == 8);
   if (p->m == 1 || fused) { /* in registers, no buffer */
     void (*row)(const product_t *, int, int, int, int) = use_avx512 ? srows_avx512 : srows_avx2;
     if (p->m > 1)
