@@ -666,8 +666,8 @@ __attribute__((target("avx512f"))) static void srows4_packed_avx512(const produc
  * eight-bit ones widened and scaled) and multiplied by every row, where expanding NR weight
  * rows into a buffer for the float32 tiles (stored_columns) took a pass over the values and
  * their stores more. Tiles of every row by 4 weight rows (up to 5 rows: 20 accumulators), 3
- * (up to 7: 21) or 2 (up to 9: 18); per output the float32 tile's accumulator, order and sum. On an Intel
- * Xeon (Emerald Rapids), 3,072 x 576 products streamed from memory (examples/stored_ab.py,
+ * (up to 7: 21) or 2 (up to 9: 18); per output the float32 tile's accumulator, order and sum.
+ * On an Intel Xeon (Emerald Rapids), 3,072 x 576 products streamed from memory (examples/stored_ab.py,
  * against SPECSTREAM_SKINNY_FUSED_ROWS=1, two runs each): four bits, 2 rows 71-75 against
  * 183-211 us, 3 rows 90-117 against 167-202, 5 rows 117-131 against 195-206, 9 rows 242-255
  * against 282-298; eight bits, 2 rows 113-140 against 166-216. The next tile's codes are
