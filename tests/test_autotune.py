@@ -343,6 +343,32 @@ def _auto_model(tiny_model_dir):
     return model, tok
 
 
+def test_auto_is_readied_before_the_first_request(tiny_model_dir, tmp_path, monkeypatch):
+    """Where a command or a server starts, ``prepare_auto`` times the passes ``--tree auto``
+    needs (announced) for ss with ``auto`` only, of the kind asked; the first request then
+    times nothing (its time to the first token is its own)."""
+    from specstream_mlx.runtime.generation import stream_generate
+    from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.runtime.speculative import prepare_auto
+
+    monkeypatch.setenv("SPECSTREAM_MLX_CACHE", str(tmp_path))
+    model, tok = _auto_model(tiny_model_dir)
+    said = []
+    greedy = SamplingParams()
+    prepare_auto(model, "ar", "auto", greedy, said.append)
+    prepare_auto(model, "ss", "dynamic:4", greedy, said.append)
+    prepare_auto(model.base, "ss", "auto", greedy, said.append)  # a bare model: no streams to ready
+    assert model.tuners == {} and said == []
+    prepare_auto(model, "ss", None, greedy, said.append)  # None: the default tree, auto
+    assert set(model.tuners) == {"greedy"} and len(said) == 1 and "timing tree passes" in said[0]
+    during = []
+    for _ in stream_generate(model, tok, "the cat sat", max_tokens=6, mode="ss", tree="auto", log=during.append):
+        pass
+    assert during == [] and set(model.tuners) == {"greedy"}
+    prepare_auto(model, "ss", "auto", SamplingParams(temperature=0.7), said.append)
+    assert set(model.tuners) == {"greedy", "sampled"}
+
+
 def test_pass_costs_are_timed_once_per_machine_and_model_before_the_first_pass(tiny_model_dir, tmp_path, monkeypatch):
     """With nothing stored, the first --tree auto policy times bare passes of each hosting
     mode against plain steps (the cost prior), stores them, and a later process reads them

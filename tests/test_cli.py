@@ -222,6 +222,20 @@ def test_generate_system_prompt_and_tiny_temperatures(tiny_model_dir):
     assert "temperature" in _one_line_error(run(*base, "--temp", "nan"))
 
 
+def test_chat_and_generate_time_auto_trees_before_the_first_prompt(streams_model_dir, tmp_path):
+    """On a machine without stored pass costs, `--tree auto`'s one-off timing runs as the
+    command starts: a chat that is left before its first message has done it (and said so),
+    and the generation after it in the same cache times nothing."""
+    env = dict(os.environ, SPECSTREAM_MLX_CACHE=str(tmp_path))
+    r = run("chat", "--model", str(streams_model_dir), "-m", "4", input="/quit\n", env=env, timeout=180)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("timing tree passes") == 1 and "tok/s" not in r.stderr
+    r = run("generate", "--model", str(streams_model_dir), "-p", "the cat", "-m", "4", env=env)
+    assert r.returncode == 0 and "timing tree passes" not in r.stderr, r.stderr
+    r = run("generate", "--model", str(streams_model_dir), "-p", "the cat", "-m", "4", "--mode", "ar", env=env)
+    assert r.returncode == 0 and "timing" not in r.stderr, r.stderr
+
+
 def test_chat_survives_bad_commands_and_outgrows_its_context(tiny_model_dir):
     # /temp -1 keeps the old temperature; the next message is answered (no traceback).
     r = run("chat", "--model", str(tiny_model_dir), "-m", "4", input="/temp -1\nhello\n", timeout=180)

@@ -7,6 +7,7 @@ system OpenBLAS preloaded (see :mod:`specstream_mlx.platform_info`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -509,6 +510,7 @@ def generate(
         _err(f"--prune-threshold: {e}")
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
     ss_log = lambda s: typer.echo(f"specstream-mlx: {s}", err=True)  # noqa: E731
+    _prepare_auto(m, mode, tree_spec, sampling)
     tools = _read_tools(tools_file, m)
     prompt = _compose_prompt(prompt, system_prompt, tools, ignore_chat_template)
     max_tokens = _fit_context(m, tok, prompt, max_tokens, max_kv_size, not ignore_chat_template)
@@ -556,6 +558,13 @@ def generate(
         for c in _reply_calls("".join(text), tools, last) or []:
             typer.echo(f"[tool call] {c.name} {json.dumps(c.arguments, ensure_ascii=False)}", err=True)
         _summary(last.stats)
+
+
+def _prepare_auto(m, mode: str, tree, sampling) -> None:
+    """`--tree auto`'s one-off timing of this machine's passes, said on stderr, before any prompt."""
+    from ..runtime.speculative import prepare_auto
+
+    prepare_auto(m, mode, tree, sampling, lambda s: typer.echo(f"specstream-mlx: {s}", err=True))
 
 
 def _compose_prompt(prompt: str, system_prompt: Optional[str], tools: Optional[list], raw: bool):
@@ -642,9 +651,10 @@ def chat(
     """Chat with a model: streaming replies, multi-turn KV reuse, /commands (/help)."""
     from .chat import ChatOptions, run_chat
 
-    _check_sampling_flags(temp, top_p, max_tokens, max_kv_size, tree=tree, seed=seed)
+    sampling, tree_spec = _check_sampling_flags(temp, top_p, max_tokens, max_kv_size, tree=tree, seed=seed)
     _check_text(system, "--system-prompt")
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
+    _prepare_auto(m, mode, tree_spec, sampling)
     tools = _read_tools(tools_file, m)
     if tools:
         from ..tasks.tool_calls import tools_system_message
@@ -704,7 +714,7 @@ def serve(
         _err("choose exactly one of --stdio or --http")
     if http and not 0 <= port <= 65535:
         _err(f"--port must be in 0..65535, got {port}")
-    _check_sampling_flags(temp, top_p, max_tokens, max_context, "--max-context")
+    sampling, _ = _check_sampling_flags(temp, top_p, max_tokens, max_context, "--max-context")
     for flag, seconds in (("--timeout", timeout), ("--header-timeout", header_timeout)):
         if not 0 < seconds < math.inf:
             _err(f"{flag} must be a number of seconds above 0, got {seconds}")
@@ -717,6 +727,8 @@ def serve(
         from ..serve.stdio import emit_load_error as report
     m, tok, mode, modes = _load_for_decoding(model, mode, report, adapter_path)
     ctx = context_limit(m, max_context)
+    # Requests decode with the default temperature's kind unless they give their own (stdio: greedy).
+    _prepare_auto(m, mode, "auto", sampling if http else dataclasses.replace(sampling, temperature=0.0))
     if stdio:
         from ..serve.stdio import serve_stdio
 

@@ -117,6 +117,17 @@ def make_policy(
     return FixedPolicy(spec, threshold)
 
 
+def prepare_auto(model, mode: str, tree: Union[None, str, TreeSpec], sampling: SamplingParams, log=None) -> None:
+    """Ready ``--tree auto`` for requests of this decoding kind before the first one comes:
+    on a machine and model without stored pass costs their one-off timing (seconds for
+    SmolLM2) runs now, where a command or a server starts, instead of inside the first
+    request's time to its first token. Nothing for other modes or trees, or without streams."""
+    if mode != "ss" or tree not in (None, "auto"):
+        return
+    if isinstance(model, SpeculativeModel) and model.streams is not None:
+        model.tuner(sampling, log)
+
+
 def _usable(cand: Candidates, slot: int, shift: int) -> Candidates:
     """The candidate rows that can draft the next tree from a node whose streams
     come from host ``slot``, ``shift`` levels above it (none when no ancestor hosted)."""
