@@ -1,6 +1,10 @@
 """Where a plain step's or a tree pass's CPU time goes, thread by thread (Linux ``perf``).
 
-    .venv/bin/python examples/profile_threads.py [--model smollm2] [--what ar|plain|9|9@1] [--seconds 6]
+    env $(.venv/bin/python -m specstream_mlx.blas_env) \
+        .venv/bin/python examples/profile_threads.py [--model smollm2] [--what ar|plain|9|9@1] [--seconds 6]
+
+(under the product environment, as the CLI runs: the allocator it preloads cannot be loaded later,
+and without it the host thread's profile is glibc's malloc's).
 
 Starts a process that loads the model, prefills a 128-token context and repeats one
 workload (``ar``: plain decoding as the engine runs it, 20 tokens at a time, each step
