@@ -284,7 +284,7 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9, c
     rounds)."""
     from ..platform_info import blas_words
     from ..runtime.loaded_model import load
-    from ..runtime.stored_rows import row_limits
+    from ..runtime.stored_rows import limits_words
     from ..runtime.stored_weights import registration
 
     m, _ = load(name, warn=False)
@@ -310,7 +310,7 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9, c
         loads,
         stored.weights,
         stored.float_bytes,
-        row_limits(m.base).label() if stored.weights else "",
+        limits_words(m.base),
         context,
         int(kv),
         kv / best.best * 1e3,

@@ -36,8 +36,7 @@ from ..runtime.attention_choice import attention_form
 from ..runtime.generation import encode_prompt, stream_generate
 from ..runtime.loaded_model import load
 from ..runtime.sampling import SamplingParams
-from ..runtime.stored_rows import row_limits
-from ..runtime.stored_weights import registration
+from ..runtime.stored_rows import limits_words
 
 
 @dataclass
@@ -449,7 +448,7 @@ def run_bench(
     draft_path = _draft_path(path, draft)
     sm, tok = load(str(path), warn=False)
     attention = attention_form(sm.base)  # what every method's model attends with (one process)
-    stored_rows = row_limits(sm.base).label() if registration(sm.base).weights else None
+    stored_rows = limits_words(sm.base) or None
     del sm
     ids = [encode_prompt(tok, p["prompt"], use_chat_template=True) for p in prompts]
     setup = BenchSetup(prompts, ids, max_tokens, temperature, seed)

@@ -509,7 +509,6 @@ def generate(
     except ValueError as e:
         _err(f"--prune-threshold: {e}")
     m, tok, mode, _ = _load_for_decoding(model, mode, adapter_path=adapter_path)
-    ss_log = lambda s: typer.echo(f"specstream-mlx: {s}", err=True)  # noqa: E731
     _prepare_auto(m, mode, tree_spec, sampling)
     tools = _read_tools(tools_file, m)
     prompt = _compose_prompt(prompt, system_prompt, tools, ignore_chat_template)
@@ -526,7 +525,7 @@ def generate(
             use_chat_template=not ignore_chat_template,
             tree=tree_spec,
             pruning_threshold=prune_threshold,
-            log=ss_log,
+            log=_say,
         ):
             text.append(r.text)
             tokens.extend(r.tokens)
@@ -560,11 +559,16 @@ def generate(
         _summary(last.stats)
 
 
+def _say(message: str) -> None:
+    """A decoding notice on stderr (`--tree auto` timing this machine's passes)."""
+    typer.echo(f"specstream-mlx: {message}", err=True)
+
+
 def _prepare_auto(m, mode: str, tree, sampling) -> None:
     """`--tree auto`'s one-off timing of this machine's passes, said on stderr, before any prompt."""
     from ..runtime.speculative import prepare_auto
 
-    prepare_auto(m, mode, tree, sampling, lambda s: typer.echo(f"specstream-mlx: {s}", err=True))
+    prepare_auto(m, mode, tree, sampling, _say)
 
 
 def _compose_prompt(prompt: str, system_prompt: Optional[str], tools: Optional[list], raw: bool):

@@ -5,9 +5,9 @@ expansion (:mod:`.stored_weights`), the same bits either way. One row's product 
 quarter to an eighth of the bytes, but expands every weight vector in registers: arithmetic
 that a product of several rows shares, while their multiply-adds grow with the rows. With
 enough rows the float32 weight's multiply-adds hide its bytes' streaming, and reading it is
-faster than expanding the stored one: on a 2-core AMD EPYC (Zen 4), SmolLM2's 4-bit layers
-from 8-10 rows and its 8-bit head from 6-7 (a tree pass's lower layers carry 9 rows at a
-budget of 8, its stream layers more); on other CPUs where their cores and memory put it. So the
+faster than expanding the stored one: on a 2-core AMD EPYC (Zen 4), SmolLM2's weights of both
+widths from 10 rows (a tree pass's lower layers carry 9 rows at a budget of 8, its stream
+layers more); on other CPUs where their cores and memory put it. So the
 row count from which a weight is read as float32 is measured, not assumed: every registered
 weight of each width multiplied by rows of 2, 3, ... in both forms, interleaved, in the order
 a pass reads them (the layers' weights, then the head), until the float32 form has been the
@@ -41,10 +41,10 @@ from .stored_weights import Registration, registration
 # this share of the stored form's time. Not below 1: both forms give the same bits, so nothing
 # flaps with the verdict, and inside a tree pass the float32 form gains on the stored one (the
 # product kernel's worker shares its core with the thread that builds the pass, which slows the
-# stored form's arithmetic more than the float32 form's streaming): on the Zen 4 host a 9-node
-# pass took 0.90x as long with SmolLM2's weights read as stored up to 8 rows as at every row
-# count, 0.94x up to 9 (4-bit) and 6 (8-bit), where the products alone were 1.03x at 9 rows
-# (examples/lock_spin_ab.py --setting stored-rows).
+# stored form's arithmetic more than the float32 form's streaming): on the Zen 4 host, with the
+# kernel's earlier tiles, a 9-node pass took 0.90x as long with SmolLM2's weights read as
+# stored up to 8 rows as at every row count, 0.94x up to 9 (4-bit) and 6 (8-bit), where the
+# products alone were 1.03x at 9 rows (examples/lock_spin_ab.py --setting stored-rows).
 MARGIN = 1.0
 # Row counts timed, in order (a tree pass's lower layers carry its nodes, its stream layers
 # and head more); past the last, the last verdict holds.
@@ -114,9 +114,9 @@ def time_forms(reg: Registration, reps: int = REPS) -> Dict[int, Dict[int, Dict[
     widths = sorted(groups, key=lambda b: -len(groups[b]))  # the layers' width first, the head's last
     out: Dict[int, Dict[int, Dict[str, float]]] = {b: {} for b in widths}
     done = {b: 0 for b in widths}  # row counts running at which float32 won
+    depths = {w.shape[1] for ws in groups.values() for w in ws}
     for rows in LADDER:
         # Keyed: a measurement at load must not move the caller's random state.
-        depths = {w.shape[1] for ws in groups.values() for w in ws}
         xs = {k: mx.random.normal((rows, k), key=mx.random.key(k)) for k in depths}
         mx.eval(list(xs.values()))
         runs: Dict[int, Dict[str, list]] = {b: {"stored": [], "float32": []} for b in widths}
@@ -205,6 +205,11 @@ def limit_stored_rows(model, setting: Optional[int] = None, log: Optional[Callab
     apply(reg, limits)
     reg.row_limits = dict(limits)
     return RowLimits(dict(limits))
+
+
+def limits_words(model) -> str:
+    """The limits in words for a report's header; '' where no weight is read as stored."""
+    return row_limits(model).label() if registration(model).weights else ""
 
 
 def row_limits(model) -> RowLimits:
