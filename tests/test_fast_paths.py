@@ -682,14 +682,15 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "avx512-buffer"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "avx512-buffer", "avx512-blocks"])
 def test_weights_read_as_stored_give_the_float32_products_bits(isa):
     """The kernel reading a quantized weight's stored form (4 and 8 bits, groups of 32 to
     128, depths whole and in blocks, every row count its tiles take, more rows in blocks;
     2-9 rows expanded in registers, and through the buffer with
-    ``SPECSTREAM_SKINNY_FUSED_ROWS=1``) gives the bits the float32 weight gives, an unregistered
-    weight is read as float32 again, and a form whose values are not the weight's (or a
-    shape the kernel does not take) is refused."""
+    ``SPECSTREAM_SKINNY_FUSED_ROWS=1``; depth blocks that are not whole steps of the
+    register loops, ``SPECSTREAM_SKINNY_KBLOCK=400``) gives the bits the float32 weight
+    gives, an unregistered weight is read as float32 again, and a form whose values are not
+    the weight's (or a shape the kernel does not take) is refused."""
     import json
     import os
     import subprocess
@@ -707,6 +708,8 @@ def test_weights_read_as_stored_give_the_float32_products_bits(isa):
         env["SPECSTREAM_SKINNY_ISA"] = "avx2"
     if isa == "avx512-buffer":  # 2-9 rows through the buffer, as from 10 rows on
         env["SPECSTREAM_SKINNY_FUSED_ROWS"] = "1"
+    if isa == "avx512-blocks":  # 1536 deep in blocks of 400: not whole steps of 32
+        env["SPECSTREAM_SKINNY_KBLOCK"] = "400"
     out = subprocess.run([sys.executable, "-c", STORED_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])

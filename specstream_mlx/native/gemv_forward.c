@@ -834,12 +834,16 @@ static void stored_columns(const product_t *p, int j0, int j1) {
   int block = k_block > 0 && p->k > k_block + k_block / 2 ? k_block : p->k;
   void (*many)(const product_t *, int) = use_avx512 ? rows4_avx512 : rows4_avx2;
   void (*one)(const product_t *, int) = use_avx512 ? rows1_avx512 : rows1_avx2;
-  int fused = use_avx512 && p->m <= fused_rows && (s->packed || s->bits == 8);
+  /* The register loops take 32 columns a step: depth blocks (SPECSTREAM_SKINNY_KBLOCK, whole
+   * vectors of 16) of whole steps, else the buffer, which takes 16 at a time. */
+  int steps = block == p->k || block % 32 == 0;
+  int packed = s->packed != NULL && steps;
+  int fused = use_avx512 && p->m <= fused_rows && (packed || (s->bits == 8 && steps));
   if (p->m == 1 || fused) { /* in registers, no buffer */
     void (*row)(const product_t *, int, int, int, int) = use_avx512 ? srows_avx512 : srows_avx2;
     if (p->m > 1)
       row = stiles_avx512;
-    else if (s->packed)
+    else if (packed)
       row = srows4_packed_avx512;
     for (int k0 = 0; k0 < p->k; k0 += block) {
       product_t q = *p;
