@@ -834,11 +834,12 @@ static void stored_columns(const product_t *p, int j0, int j1) {
   int block = k_block > 0 && p->k > k_block + k_block / 2 ? k_block : p->k;
   void (*many)(const product_t *, int) = use_avx512 ? rows4_avx512 : rows4_avx2;
   void (*one)(const product_t *, int) = use_avx512 ? rows1_avx512 : rows1_avx2;
-  /* The register loops take 32 columns a step: depth blocks (SPECSTREAM_SKINNY_KBLOCK, whole
-   * vectors of 16) of whole steps, else the buffer, which takes 16 at a time. */
-  int steps = block == p->k || block % 32 == 0;
-  int packed = s->packed != NULL && steps;
-  int fused = use_avx512 && p->m <= fused_rows && (packed || (s->bits == 8 && steps));
+  /* The register loops below take 32 columns a step, so they serve depth blocks
+   * (SPECSTREAM_SKINNY_KBLOCK: whole vectors of 16) of whole steps only; otherwise one row reads
+   * the codes in MLX's order and several rows go through the buffer, both 16 columns at a time. */
+  int whole_steps = block == p->k || block % 32 == 0;
+  int packed = whole_steps && s->packed != NULL;
+  int fused = use_avx512 && whole_steps && p->m <= fused_rows && (s->packed != NULL || s->bits == 8);
   if (p->m == 1 || fused) { /* in registers, no buffer */
     void (*row)(const product_t *, int, int, int, int) = use_avx512 ? srows_avx512 : srows_avx2;
     if (p->m > 1)
