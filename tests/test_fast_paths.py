@@ -47,6 +47,46 @@ def test_floor_counts_the_keys_and_values_a_step_reads():
     assert len(times) == 3 and all(t > 0 for t in times)
 
 
+def test_floor_times_each_weights_products_from_the_caches(monkeypatch):
+    """``floor``'s cached products: per product weight one timed run of ``repeat`` products of
+    that weight (a (1, k) row by its transpose) in one evaluation, the median divided by
+    ``repeat``, summed over the weights; the report words it beside the products read from
+    memory, and a report written before it was measured still reads."""
+    from dataclasses import asdict
+
+    from specstream_mlx.bench import machine
+
+    m = _model()
+    weights = machine.product_weights(m)
+    evaluated = []
+    real_eval = mx.eval
+
+    def recording_eval(*args):
+        evaluated.append([tuple(a.shape) for a in (args[0] if isinstance(args[0], list) else args)])
+        return real_eval(*args)
+
+    def one_run(run, reps):
+        run()
+        return 6.0  # ms, whatever the weight
+
+    monkeypatch.setattr(machine, "median_ms", one_run)
+    monkeypatch.setattr(mx, "eval", recording_eval)
+    total = machine.time_cached_products(m, reps=5, repeat=3)
+    monkeypatch.undo()
+    assert total == pytest.approx(len(weights) * 6.0 / 3)
+    runs = [shapes for shapes in evaluated if len(shapes) == 3]  # the timed runs, not the row setup
+    assert len(runs) == len(weights)
+    assert [shapes[0] for shapes in runs] == [(1, w.shape[0]) for w in weights]
+    assert all(len(set(shapes)) == 1 for shapes in runs)
+
+    bandwidth = {"one_thread": 1e10, "all_threads": 2e10, "threads": 2}
+    rep = machine.FloorReport("tiny", 1000, bandwidth, 2.5, [10.0], [6.0], load=[0.1], cached_products_ms=[4, 5, 9])
+    assert "alone 6.0 ms (2.40x), 5.0 ms with each weight read from the caches (2.00x), everything" in rep.summary()
+    old = asdict(rep)
+    del old["cached_products_ms"]
+    assert "alone 6.0 ms (2.40x), everything else 4.0 ms" in machine.FloorReport(**old).summary()
+
+
 @pytest.mark.parametrize("factor", [1.0, 0.5])
 def test_rope_from_angles_equals_mx_fast_rope(factor):
     args = ModelArgs.from_dict({**CFG, "partial_rotary_factor": factor})
