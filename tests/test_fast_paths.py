@@ -71,10 +71,10 @@ def test_floor_times_each_weights_products_from_the_caches(monkeypatch):
 
     monkeypatch.setattr(machine, "median_ms", one_run)
     monkeypatch.setattr(mx, "eval", recording_eval)
-    total = machine.time_cached_products(m, reps=5, repeat=3)
+    total = machine.time_cached_products(m, reps=5, repeat=7)
     monkeypatch.undo()
-    assert total == pytest.approx(len(weights) * 6.0 / 3)
-    runs = [shapes for shapes in evaluated if len(shapes) == 3]  # the timed runs, not the row setup
+    assert total == pytest.approx(len(weights) * 6.0 / 7)
+    runs = [shapes for shapes in evaluated if len(shapes) == 7]  # the timed runs, not the rows made first
     assert len(runs) == len(weights)
     assert [shapes[0] for shapes in runs] == [(1, w.shape[0]) for w in weights]
     assert all(len(set(shapes)) == 1 for shapes in runs)

@@ -306,6 +306,64 @@ def test_torch_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir, monk
         assert np.abs(np.array(whole[k]) - np.array(resumed[k])).max() < 1e-5, k
 
 
+class _RankZeroOfTwo:
+    """An accelerator of two processes as rank 0 sees it, in one process: each collective
+    returns what this rank holds (the other rank agrees), every call recorded."""
+
+    process_index, num_processes, is_main_process = 0, 2, True
+
+    def __init__(self):
+        import torch
+
+        self.device = torch.device("cpu")
+        self.calls = []
+
+    def reduce(self, tensor, reduction):
+        self.calls.append("reduce")
+        return tensor
+
+    def gather(self, tensor):
+        import torch
+
+        self.calls.append("gather")
+        return torch.cat([tensor, tensor])
+
+    def wait_for_everyone(self):
+        self.calls.append("wait")
+
+    def end_training(self):
+        self.calls.append("end")
+
+
+def test_every_rank_ends_the_process_group_after_its_last_collective(tmp_path, tiny_model_dir, monkeypatch):
+    """A multi-process run ends the group on every rank right after the agreement's barrier,
+    before the main process evaluates and writes (no collective after it): a rank that exited
+    with gloo's group alive aborted in the interpreter's teardown now and then, failing the
+    launch after a finished run. A rank whose run fails ends the group too."""
+    from specstream_mlx.train import TrainError, trainer
+
+    data = _data_dir(tmp_path)
+    kw = dict(mode="lossless", num_streams=2, stream_layers=1, lora_rank=4, iters=3, batch_size=4)
+    quiet = dict(progress=False, log=lambda *_: None)
+    acc = _RankZeroOfTwo()
+    monkeypatch.setattr(trainer, "_torch_accelerator", lambda: acc)
+    real_finish = trainer._finish
+    monkeypatch.setattr(trainer, "_finish", lambda *a: acc.calls.append("write") or real_finish(*a))
+    res = train(str(tiny_model_dir), str(data), str(tmp_path / "out"), TrainConfig(backend="torch", **kw), **quiet)
+    assert res.written and res.steps == 3
+    assert acc.calls == ["reduce"] * 3 + ["gather", "wait", "end", "write"]
+
+    acc.calls.clear()
+
+    def failing(run, step):
+        raise TrainError("a failing rank")
+
+    monkeypatch.setattr(torch_backend, "run_epochs", failing)
+    with pytest.raises(TrainError, match="a failing rank"):
+        train(str(tiny_model_dir), str(data), str(tmp_path / "again"), TrainConfig(backend="torch", **kw), **quiet)
+    assert acc.calls == ["end"]
+
+
 @pytest.mark.skipif(
     shutil.which("accelerate", path=str(Path(sys.executable).parent)) is None, reason="needs accelerate"
 )

@@ -327,10 +327,20 @@ class TorchRun:
             save_checkpoint(self.ckpt, self.trainable, self.optimizer_arrays(), step, self.cfg)
 
     def loop(self, step: int) -> None:
-        run_epochs(self, step)
-        self.sync_to_mlx()
-        if self.world > 1:
-            self._check_agreement()
+        try:
+            run_epochs(self, step)
+            self.sync_to_mlx()
+            if self.world > 1:
+                self._check_agreement()
+        finally:
+            # Every rank ends the processes' group after its last collective (the agreement's
+            # barrier; the main process's evaluation and writing need none). A rank that exits
+            # with gloo's group alive can abort in the interpreter's teardown ("terminate called
+            # without an active exception"), failing the launch after a finished run; a rank
+            # that fails ends it too, so the others stop at their next collective instead of
+            # waiting out its timeout.
+            if self.world > 1:
+                self.acc.end_training()
 
     def _check_agreement(self) -> None:
         """Every process must end with the same weights (the gradients were averaged)."""
