@@ -1029,7 +1029,8 @@ def floor(
     json_out: Optional[str] = typer.Option(None, "--json", help="Also write the figures here."),
 ):
     """A plain decoding step against the machine's floor (weight bytes ÷ measured read bandwidth;
-    also with the keys and values the context adds)."""
+    also with the keys and values the context adds), and its matrix products alone: read from
+    memory, and with each weight read from the caches (their arithmetic)."""
     from dataclasses import asdict
 
     from ..bench.machine import measure_floor
