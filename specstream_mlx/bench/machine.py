@@ -102,13 +102,21 @@ def product_weights(model) -> list:
     return out
 
 
+def _one_row_per_depth(ws: list) -> dict:
+    """A random row (1, k) for each depth k of the weights ``ws``, evaluated."""
+    import mlx.core as mx
+
+    xs = {w.shape[1]: mx.random.normal((1, w.shape[1])) for w in ws}
+    mx.eval(list(xs.values()))
+    return xs
+
+
 def time_model_products(model, reps: int) -> float:
     """Median ms of one step's matrix products at one row, with the model's own weights."""
     import mlx.core as mx
 
     ws = product_weights(model)
-    xs = {w.shape[1]: mx.random.normal((1, w.shape[1])) for w in ws}
-    mx.eval(list(xs.values()))
+    xs = _one_row_per_depth(ws)
     return median_ms(lambda: mx.eval([xs[w.shape[1]] @ w.T for w in ws]), reps)
 
 
@@ -128,8 +136,7 @@ def time_cached_products(model, reps: int, repeat: int = CACHED_REPEAT) -> float
     import mlx.core as mx
 
     ws = product_weights(model)
-    xs = {w.shape[1]: mx.random.normal((1, w.shape[1])) for w in ws}
-    mx.eval(list(xs.values()))
+    xs = _one_row_per_depth(ws)
     return sum(
         median_ms(lambda x=xs[w.shape[1]], w=w: mx.eval([x @ w.T for _ in range(repeat)]), reps) / repeat for w in ws
     )
