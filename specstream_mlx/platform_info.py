@@ -58,7 +58,7 @@ on only),
 ``SPECSTREAM_SKINNY_FUSED_ROWS`` (up to how many rows quantized weights read as stored are
 expanded in registers rather than into a buffer, 1-9, default 9),
 ``SPECSTREAM_SKINNY_AHEAD_KB`` (how much of the next weight a waiting worker reads ahead,
-default 1024 on Intel CPUs; 0: none);
+default 1024; 0: none);
 ``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none).
 ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` | ``mimalloc`` | ``glibc`` (none
 preloaded) | a library path. jemalloc comes with ``MALLOC_CONF=thp:always`` (its memory in

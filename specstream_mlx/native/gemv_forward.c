@@ -37,7 +37,7 @@
  * SPECSTREAM_SKINNY_FUSED_ROWS (up to how many rows weights read stored are expanded in
  * registers rather than into a buffer, 1-9, default 9),
  * SPECSTREAM_SKINNY_AHEAD_KB (how much of the next weight a waiting worker reads ahead;
- * default 1024 on Intel CPUs, 0 elsewhere).
+ * default 1024).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -465,6 +465,13 @@ static const struct stored_weight *find_stored(const float *b, int n, int k, int
       return e->n == n && e->k == k && ldb == k ? e : NULL;
   }
   return NULL;
+}
+
+/* The stored form a product of m rows by b (n x k) reads, or NULL: the float32 weight where
+ * none is registered or, from more rows on than it is read stored, the same bits faster. */
+static const struct stored_weight *stored_for(const float *b, int m, int n, int k, int ldb) {
+  const struct stored_weight *s = find_stored(b, n, k, ldb);
+  return s && m <= atomic_load_explicit(&s->max_rows, memory_order_relaxed) ? s : NULL;
 }
 
 static void product_columns(const product_t *p, int j0, int j1);
@@ -936,9 +943,10 @@ static struct {
   atomic_int finished;   /* joined workers that are done with it */
   atomic_int sleepers;   /* workers in (or about to enter) a futex wait */
   int items;
-  /* The weight a worker reads ahead between products (see ahead_bytes). */
-  _Atomic(const char *) ahead_ptr;
-  atomic_size_t ahead_len;
+  /* The weight a worker reads ahead between products (see ahead_bytes): up to AHEAD_RANGES
+   * ranges of bytes (a weight read stored: its codes, scales and biases). */
+  _Atomic(const char *) ahead_ptr[3];
+  atomic_size_t ahead_len[3];
   atomic_int ahead_gen;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
@@ -983,10 +991,13 @@ static void run_items(const product_t *p, int from_back) {
  * Publishing the next weight when a product starts (the worker reads ahead as soon as its share
  * is done) was slower (1.036x), and spinning anew after a read-ahead no better (0.987x and
  * 1.014x in two runs). The caller taking the read-ahead rows too (from the front) was slower
- * (1.04x): another core's L2 served them slower than memory. SPECSTREAM_SKINNY_AHEAD_KB: how
- * much (default 1024 on Intel CPUs, 0 elsewhere: not measured there); only while the weights
- * stream from memory (a cached model's are at hand anyway), at most half of the next weight
- * (the workers' share). */
+ * (1.04x): another core's L2 served them slower than memory. A weight read as stored is read
+ * ahead as stored (its codes, scales and biases, which are what stream): on an AMD EPYC (Zen 4,
+ * 2 cores) SmolLM2's plain step with its 4-bit weights read stored 0.966-0.971x as long with
+ * 1024 KB as with none, a 9-node pass 0.973-0.990x (two runs of 8-12 rounds); its float32
+ * reading there 0.979x, the pass 1.01x. SPECSTREAM_SKINNY_AHEAD_KB: how much (default 1024);
+ * only while the weights stream from memory (a cached model's are at hand anyway), at most
+ * half of the next weight (the workers' share). */
 static atomic_size_t ahead_bytes; /* set by setup() and specstream_skinny_set_ahead_kb */
 static atomic_llong ahead_done; /* bytes read ahead, all told (specstream_skinny_ahead_read) */
 enum { NEXT_SLOTS = 1024, NEXT_BITS = 10 };
@@ -994,7 +1005,7 @@ enum { NEXT_SLOTS = 1024, NEXT_BITS = 10 };
  * torn or stale entry only prefetches the wrong bytes, and a prefetch never faults. */
 static struct {
   const float *key, *next;
-  size_t next_bytes;
+  int next_n, next_k, next_ldb; /* the next weight's shape: what its stored form is found by */
 } next_of[NEXT_SLOTS];
 static const float *last_weight;
 
@@ -1002,21 +1013,25 @@ static const float *last_weight;
  * Fibonacci-hashed. */
 static size_t pointer_slot(const float *b, int bits) { return ((size_t)b >> 6) * 0x9E3779B97F4A7C15ull >> (64 - bits); }
 
-/* Prefetches the published weight's first bytes into L2, a page at a time, until done or
- * a product starts (generation moves from seen). */
+/* Prefetches the published ranges into L2, a page at a time, until done or a product starts
+ * (generation moves from seen). */
 static void read_ahead(int *seen_ahead, int seen) {
   int ag = atomic_load(&pool.ahead_gen);
   if (ag == *seen_ahead)
     return;
   *seen_ahead = ag;
-  const char *ptr = atomic_load(&pool.ahead_ptr);
-  size_t len = atomic_load(&pool.ahead_len), off = 0;
-  for (; off < len && atomic_load_explicit(&pool.generation, memory_order_relaxed) == seen; off += 4096) {
-    size_t end = off + 4096 < len ? off + 4096 : len;
-    for (size_t o = off; o < end; o += 64)
-      _mm_prefetch(ptr + o, _MM_HINT_T1);
+  for (int r = 0; r < 3; r++) {
+    const char *ptr = atomic_load(&pool.ahead_ptr[r]);
+    size_t len = atomic_load(&pool.ahead_len[r]), off = 0;
+    for (; off < len && atomic_load_explicit(&pool.generation, memory_order_relaxed) == seen; off += 4096) {
+      size_t end = off + 4096 < len ? off + 4096 : len;
+      for (size_t o = off; o < end; o += 64)
+        _mm_prefetch(ptr + o, _MM_HINT_T1);
+    }
+    atomic_fetch_add_explicit(&ahead_done, (long long)(off < len ? off : len), memory_order_relaxed);
+    if (off < len)
+      return;
   }
-  atomic_fetch_add_explicit(&ahead_done, (long long)(off < len ? off : len), memory_order_relaxed);
 }
 
 /* Whether a waiting worker yields its core at every turn of its spin
@@ -1090,7 +1105,9 @@ static void note_weight(const product_t *p) {
     size_t t = pointer_slot(last_weight, NEXT_BITS);
     next_of[t].key = last_weight;
     next_of[t].next = p->b;
-    next_of[t].next_bytes = (size_t)p->n * p->ldb * sizeof(float);
+    next_of[t].next_n = p->n;
+    next_of[t].next_k = p->k;
+    next_of[t].next_ldb = p->ldb;
     last_weight = p->b;
   }
   size_t s = pointer_slot(p->b, 12); /* SEEN_SLOTS */
@@ -1183,7 +1200,7 @@ static void setup(void) {
   const char *kb = getenv("SPECSTREAM_SKINNY_KBLOCK");
   if (kb && *kb && atoi(kb) >= 0)
     k_block = atoi(kb) >= 16 ? atoi(kb) / 16 * 16 : 0; /* whole vectors; below one: none */
-  atomic_store(&ahead_bytes, __builtin_cpu_is("intel") ? 1024 << 10 : 0);
+  atomic_store(&ahead_bytes, 1024 << 10);
   const char *ah = getenv("SPECSTREAM_SKINNY_AHEAD_KB");
   if (ah && *ah && atol(ah) >= 0)
     atomic_store(&ahead_bytes, (size_t)atol(ah) << 10);
@@ -1216,19 +1233,37 @@ static void setup(void) {
 static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 
 /* After a product of a weight: publishes the weight that followed it last time for a
- * waiting worker to read ahead (read_ahead). */
+ * waiting worker to read ahead (read_ahead): the bytes of its first rows (the workers'), at
+ * most half of them, in float32 or, where a product of as many rows reads it stored, its
+ * codes, scales and biases of those rows. */
 static void publish_next(const product_t *p) {
   size_t most = atomic_load_explicit(&ahead_bytes, memory_order_relaxed);
-  /* A weight read as stored is not read ahead: its float32 bytes are never read. */
-  if (most == 0 || !p->trans_b || p->stored || !atomic_load_explicit(&streaming, memory_order_relaxed))
+  if (most == 0 || !p->trans_b || !atomic_load_explicit(&streaming, memory_order_relaxed))
     return;
   size_t t = pointer_slot(p->b, NEXT_BITS);
   const float *next = next_of[t].next;
-  size_t bytes = next_of[t].next_bytes / 2;
   if (next_of[t].key != p->b || !next)
     return;
-  atomic_store(&pool.ahead_ptr, (const char *)next);
-  atomic_store(&pool.ahead_len, bytes < most ? bytes : most);
+  int n = next_of[t].next_n, k = next_of[t].next_k;
+  const struct stored_weight *s = stored_for(next, p->m, n, k, next_of[t].next_ldb);
+  const char *ptr[3] = {(const char *)next, NULL, NULL};
+  size_t row[3] = {(size_t)next_of[t].next_ldb * sizeof(float), 0, 0};
+  if (s) {
+    size_t groups = (size_t)k >> s->group_shift;
+    int in_registers = p->m == 1 || (use_avx512 && p->m <= fused_rows); /* stored_columns */
+    ptr[0] = (const char *)(s->packed && in_registers ? s->packed : s->q);
+    row[0] = s->row_bytes;
+    ptr[1] = (const char *)s->scales;
+    ptr[2] = (const char *)s->biases;
+    row[1] = row[2] = groups * sizeof(float);
+  }
+  size_t per_row = row[0] + row[1] + row[2], rows = (size_t)n / 2;
+  if (rows * per_row > most)
+    rows = most / per_row;
+  for (int r = 0; r < 3; r++) {
+    atomic_store(&pool.ahead_ptr[r], ptr[r]);
+    atomic_store(&pool.ahead_len[r], rows * row[r]);
+  }
   atomic_fetch_add(&pool.ahead_gen, 1);
 }
 
@@ -1550,9 +1585,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
   int blocked = most > 1 && m <= BLOCKED_MAX_ROWS && (long)n * k <= BLOCKED_MAX_WEIGHT;
   if (layout && m >= skinny_min_rows && (m <= most || blocked)) {
     int blocks = (m + most - 1) / most;
-    const struct stored_weight *stored = tb == TRANS ? find_stored(b, n, k, ldb) : NULL;
-    if (stored && m > atomic_load_explicit(&stored->max_rows, memory_order_relaxed))
-      stored = NULL; /* the float32 weight: the same bits, faster at this many rows here */
+    const struct stored_weight *stored = tb == TRANS ? stored_for(b, m, n, k, ldb) : NULL;
     for (int i = 0, i0 = 0; i < blocks; i++) {
       int rows = (m - i0) / (blocks - i);
       product_t p = {tb == TRANS, rows, n, k, lda, ldb, ldc, alpha, beta, a + (size_t)i0 * lda, b, c + (size_t)i0 * ldc,
