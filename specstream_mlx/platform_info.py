@@ -38,9 +38,12 @@ it comes with ``LD_PRELOAD`` alone: the CLI re-executes itself once to add it, a
 MLX's graph-building and stream threads also take the same few mutexes for every
 operation (the allocator's buffer cache, the task queue), and the C library's mutex sleeps
 at the first contention. ``native/lock_spin.c``, built into the forwarder's library, defines
-a ``pthread_mutex_lock`` that tries first (:func:`lock_spins`); it serves a process only
-from ``LD_PRELOAD``, so the CLI's re-execution preloads the BLAS and the forwarder it would
-otherwise load on import.
+a ``pthread_mutex_lock`` that tries first (:func:`lock_spins`), and a ``pthread_cond_wait``
+that polls for a while before it sleeps (:func:`cond_spin_us`): the graph-building thread,
+up to ten scheduler tasks ahead of the stream thread, waits on a condition variable that the
+stream thread would otherwise wake with a system call at every task it finishes. They serve
+a process only from ``LD_PRELOAD``, so the CLI's re-execution preloads the BLAS and the
+forwarder it would otherwise load on import.
 
 Settings: ``SPECSTREAM_BLAS`` = ``openblas`` | ``blis`` |
 ``none`` | a library path, optionally ``:THREADS`` (``openblas:2``); the older
@@ -59,7 +62,8 @@ on only),
 expanded in registers rather than into a buffer, 1-9, default 9),
 ``SPECSTREAM_SKINNY_AHEAD_KB`` (how much of the next weight a waiting worker reads ahead,
 default 1024; 0: none);
-``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none).
+``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none),
+``SPECSTREAM_COND_SPIN_US`` (how long a condition wait polls before it sleeps, default 200; 0: none).
 ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` | ``mimalloc`` | ``glibc`` (none
 preloaded) | a library path. jemalloc comes with ``MALLOC_CONF=thp:always`` (its memory in
 transparent huge pages); set ``MALLOC_CONF`` by hand (``thp:default``) to replace it.
@@ -75,9 +79,10 @@ import platform
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 from .cpu_jit import jit_words
 from .cpu_jit import uses_mlx_cpu_wheel as _uses_mlx_cpu_wheel
@@ -91,6 +96,7 @@ GEMV_SOURCE = Path(__file__).parent / "native" / "gemv_forward.c"
 # Built into the same library as the forwarder: mutexes that spin before they sleep.
 LOCK_SOURCE = Path(__file__).parent / "native" / "lock_spin.c"
 LOCK_SPIN_ENV = "SPECSTREAM_LOCK_SPIN"
+COND_SPIN_ENV = "SPECSTREAM_COND_SPIN_US"
 
 
 @dataclass(frozen=True)
@@ -614,6 +620,7 @@ ISA_ENV = "SPECSTREAM_SKINNY_ISA"
 # mechanism off or run the kernel on one thread without a word (configured_choice checks).
 NUMBER_SETTINGS = {
     LOCK_SPIN_ENV: ("a number of tries (0: none)", 0, 1 << 20),
+    COND_SPIN_ENV: ("microseconds (0: none)", 0, 1 << 20),
     KBLOCK_ENV: ("depth columns (0: none)", 0, 1 << 20),
     AHEAD_ENV: ("KB (0: none)", 0, 1 << 20),
     "SPECSTREAM_SKINNY_ROWS": ("rows (0 or 1: the kernel off)", 0, 1 << 20),
@@ -648,12 +655,39 @@ def lock_spins() -> int:
     return int(spins()) if spins is not None else 0
 
 
+def cond_spin_us() -> int:
+    """How long this process's condition waits poll before they sleep, microseconds
+    (``native/lock_spin.c``); 0 where it is not preloaded or is turned off."""
+    spin = _symbol("specstream_cond_spin_us")
+    if spin is None:
+        return 0
+    spin.restype = ctypes.c_long
+    return int(spin())
+
+
+@contextmanager
+def cond_spin_paused() -> Iterator[None]:
+    """Condition waits sleep at once within the block (as the C library's do), then poll as
+    before: ``bench`` runs its peers so, as they run without this library."""
+    setter = _symbol("specstream_cond_spin_set")
+    if setter is None:
+        yield
+        return
+    setter.argtypes, setter.restype = [ctypes.c_long], ctypes.c_long
+    before = setter(0)
+    try:
+        yield
+    finally:
+        setter(before)
+
+
 def forwarder_words() -> str:
     """What the forwarder's library adds to the BLAS, as a phrase for a report ('' without it)."""
     if not gemv_forwarding():
         return ""
-    spins = lock_spins()
+    spins, waits = lock_spins(), cond_spin_us()
     locks = f", mutexes spin {spins} tries" if spins else ""
+    locks += f", condition waits poll {waits} us" if waits else ""
     skinny = skinny_kernel()
     if skinny is None:
         return ", one-row products as GEMV" + locks
@@ -744,6 +778,7 @@ def runtime_info() -> dict:
         "blas_gemv_forwarding": gemv_forwarding(),
         "blas_forwarder": forwarder_words().lstrip(", "),
         "lock_spin": lock_spins(),
+        "cond_spin_us": cond_spin_us(),
         "cpu_kernels": jit_words(),
         "malloc": malloc_in_use(),
     }

@@ -446,6 +446,121 @@ def test_mutexes_spin_then_lock_and_still_exclude(tmp_path):
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and P.LOCK_SPIN_ENV in done.stderr
 
 
+COND_CHECK = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <unistd.h>
+
+enum { ITEMS = 100000, SLOTS = 4 };
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t not_full = PTHREAD_COND_INITIALIZER, not_empty = PTHREAD_COND_INITIALIZER;
+static long queue[SLOTS], sum;
+static int head, count, flag;
+
+static void *produce(void *arg) {
+  for (long i = 1; i <= ITEMS; i++) {
+    pthread_mutex_lock(&mu);
+    while (count == SLOTS)
+      pthread_cond_wait(&not_full, &mu);
+    queue[(head + count++) % SLOTS] = i;
+    pthread_cond_signal(&not_empty);
+    pthread_mutex_unlock(&mu);
+  }
+  return arg;
+}
+
+static void *consume(void *arg) {
+  for (long i = 0; i < ITEMS; i++) {
+    pthread_mutex_lock(&mu);
+    while (count == 0)
+      pthread_cond_wait(&not_empty, &mu);
+    sum += queue[head]; /* an item lost or taken twice shows in the sum */
+    head = (head + 1) % SLOTS;
+    count--;
+    pthread_cond_broadcast(&not_full);
+    pthread_mutex_unlock(&mu);
+  }
+  return arg;
+}
+
+static void *late(void *arg) { /* long after any spin gave up: the waiter sleeps, and wakes */
+  usleep(20000);
+  pthread_mutex_lock(&mu);
+  flag = 1;
+  pthread_cond_broadcast(&not_empty);
+  pthread_mutex_unlock(&mu);
+  return arg;
+}
+
+int main(void) {
+  pthread_t p, c, l;
+  pthread_create(&p, NULL, produce, NULL);
+  pthread_create(&c, NULL, consume, NULL);
+  pthread_join(p, NULL);
+  pthread_join(c, NULL);
+  pthread_create(&l, NULL, late, NULL);
+  pthread_mutex_lock(&mu);
+  while (!flag)
+    pthread_cond_wait(&not_empty, &mu);
+  pthread_mutex_unlock(&mu);
+  pthread_join(l, NULL);
+  long (*us)(void) = (long (*)(void))dlsym(RTLD_DEFAULT, "specstream_cond_spin_us");
+  long (*spun)(void) = (long (*)(void))dlsym(RTLD_DEFAULT, "specstream_cond_spun_waits");
+  printf("%ld %d %ld %d\n", sum, flag, us ? us() : -1, spun ? spun() > 0 : -1);
+  return 0;
+}
+"""
+
+
+def test_condition_waits_poll_then_sleep_and_lose_no_wake_up(tmp_path):
+    """The stream thread wakes MLX's graph-building thread, waiting on the scheduler's
+    condition variable, at every task it finishes; preloaded, the forwarder's library makes a
+    pthread_cond_wait poll for a broadcast or signal for a while (SPECSTREAM_COND_SPIN_US,
+    default 200 us) before it sleeps, so such a wake-up needs no system call. A C program's
+    100,000 items through a four-slot queue guarded by two condition variables then all
+    arrive once (waits ended by a poll among them), a waiter whose poll gave up sleeps and is
+    still woken 20 ms later, with the setting's value, 0 and not preloaded alike; the CLI
+    reports it (doctor) and refuses a bad one in one line."""
+    import os
+    import shutil
+
+    from specstream_mlx import platform_info as P
+
+    if not P._uses_mlx_cpu_wheel():
+        pytest.skip("needs MLX's Linux CPU wheel (CI installs it)")
+    choice = P.choose_blas("openblas")
+    assert choice.forwarder is not None, "the forwarder did not build (no C compiler?)"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    (tmp_path / "check.c").write_text(COND_CHECK)
+    program = str(tmp_path / "check")
+    subprocess.run([cc, "-O2", str(tmp_path / "check.c"), "-o", program, "-lpthread", "-ldl"], check=True)
+    total = str(100000 * 100001 // 2)
+    bare = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", P.COND_SPIN_ENV)}
+    for spin, want in ((None, ["200", "1"]), ("50", ["50", "1"]), ("0", ["0", "0"])):
+        env = {**bare, "LD_PRELOAD": choice.forwarder, **({P.COND_SPIN_ENV: spin} if spin else {})}
+        out = subprocess.run([program], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.split() == [total, "1", *want], (spin, out)
+    out = subprocess.run([program], env=bare, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == [total, "1", "-1", "-1"], out  # not preloaded: the C library's own
+
+    env = {k: v for k, v in bare.items() if k not in ("SPECSTREAM_BLAS_REEXEC", "MALLOC_CONF")}
+
+    def doctor(**extra):
+        done = subprocess.run(
+            [sys.executable, "-m", "specstream_mlx", "doctor"], capture_output=True, text=True, env={**env, **extra}
+        )
+        return done, next((x.split()[1] for x in done.stdout.splitlines() if x.startswith("cond_spin_us:")), None)
+
+    done, us = doctor()
+    assert done.returncode == 0 and us == "200", done
+    done, us = doctor(SPECSTREAM_COND_SPIN_US="0")
+    assert done.returncode == 0 and us == "0", done
+    done, _ = doctor(SPECSTREAM_COND_SPIN_US="long")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and P.COND_SPIN_ENV in done.stderr
+
+
 def test_a_bad_prefetch_setting_is_refused_in_one_line():
     """SPECSTREAM_SKINNY_PREFETCH takes nta, t0, t1 or off; the kernel reads it in C at its
     start, where a misspelt value used to leave the default in place without a word."""

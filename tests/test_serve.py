@@ -708,6 +708,38 @@ def test_bench_runs_mlx_lm_on_the_weights_and_dtype_ours_runs(tmp_path, tiny_mod
         )
 
 
+def test_bench_runs_its_mlx_lm_peer_with_condition_waits_that_sleep(monkeypatch):
+    """The forwarder's library makes condition waits poll before they sleep (our decoding's
+    builder thread wakes without a system call); `bench` runs the mlx_lm peer with that
+    paused, as it runs without this project, and restores it after (also when the peer
+    fails)."""
+    from types import SimpleNamespace
+
+    import mlx_lm
+
+    from specstream_mlx import platform_info as P
+    from specstream_mlx.bench import runner
+
+    if P.cond_spin_us() == 0:
+        pytest.fail("condition waits do not poll here: run under `make test` (the forwarder preloaded)")
+    before, seen = P.cond_spin_us(), []
+
+    def fake(model, tok, ids, **kw):
+        for t in ids:
+            seen.append(P.cond_spin_us())
+            yield SimpleNamespace(token=t, text=str(t))
+        if ids[0] == 99:
+            raise RuntimeError("the peer failed")
+
+    monkeypatch.setattr(mlx_lm, "stream_generate", fake)
+    setup = runner.BenchSetup([{}, {}], [[5, 6, 7], [99]], 8, 0.0, 0)
+    run = runner._mlx_lm(None, SimpleNamespace(eos_token_ids={7}), setup)
+    assert run(0).tokens == [5, 6] and seen == [0, 0, 0] and P.cond_spin_us() == before
+    with pytest.raises(RuntimeError):
+        run(1)
+    assert seen[-1] == 0 and P.cond_spin_us() == before
+
+
 def test_http_worker_decodes_each_client_with_its_own_auto_policy(ss_model):
     """The server keeps the per-client ``--tree auto`` policies: a client's requests run
     with its own policy (shared pass costs), a request without an owner with the model's."""

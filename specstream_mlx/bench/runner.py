@@ -31,7 +31,7 @@ from ..io.loading import (
 )
 from ..io.prompts import read_prompt_rows
 from ..method.tree import TreeSpec
-from ..platform_info import runtime_info
+from ..platform_info import cond_spin_paused, runtime_info
 from ..runtime.attention_choice import attention_form
 from ..runtime.generation import encode_prompt, stream_generate
 from ..runtime.loaded_model import load
@@ -255,11 +255,14 @@ def _mlx_lm(theirs, ttok, setup: BenchSetup, draft_model=None, num_draft_tokens:
         gen = mlx_lm.stream_generate(
             theirs, ttok, setup.ids[i], max_tokens=setup.max_tokens, sampler=make_sampler(0.0), **kw
         )
-        return _timed(
-            gen,
-            lambda r: [] if r.token in ttok.eos_token_ids else [r.token],
-            lambda r: 0 if getattr(r, "from_draft", False) else 1,
-        )
+        # The peer as it runs without this project's library: its condition waits sleep at once
+        # (platform_info.cond_spin_paused; polling ones had slowed mlx_lm's steps on a Xeon).
+        with cond_spin_paused():
+            return _timed(
+                gen,
+                lambda r: [] if r.token in ttok.eos_token_ids else [r.token],
+                lambda r: 0 if getattr(r, "from_draft", False) else 1,
+            )
 
     return run
 
