@@ -88,17 +88,13 @@ def main() -> int:
     from specstream_mlx.runtime.cache import make_cache
     from specstream_mlx.runtime.steps import prefill
 
-    if args.setting == "lock-spin" and lock_spins() == 0:
+    off = {"lock-spin": (lock_spins, "the mutexes are not spinning", "SPECSTREAM_LOCK_SPIN")}
+    off["cond-spin"] = (cond_spin_us, "the condition waits are not polling", "SPECSTREAM_COND_SPIN_US")
+    if args.setting in off and off[args.setting][0]() == 0:
+        _, what, name = off[args.setting]
         print(
-            "lock_spin_ab.py: the mutexes are not spinning here; start under "
-            "env $(.venv/bin/python -m specstream_mlx.blas_env) without SPECSTREAM_LOCK_SPIN=0",
-            file=sys.stderr,
-        )
-        return 2
-    if args.setting == "cond-spin" and cond_spin_us() == 0:
-        print(
-            "lock_spin_ab.py: the condition waits are not polling here; start under "
-            "env $(.venv/bin/python -m specstream_mlx.blas_env) without SPECSTREAM_COND_SPIN_US=0",
+            f"lock_spin_ab.py: {what} here; start under "
+            f"env $(.venv/bin/python -m specstream_mlx.blas_env) without {name}=0",
             file=sys.stderr,
         )
         return 2

@@ -402,6 +402,22 @@ int main(void) {
 """
 
 
+def _doctor_reports(bare: dict, key: str, setting: str, default: str, bad: str) -> None:
+    """`doctor` in an environment without the preload (the CLI's re-execution adds it) shows
+    ``key`` as ``default``, as 0 with ``setting`` 0, and refuses ``bad`` in one line."""
+    env = {k: v for k, v in bare.items() if k not in ("SPECSTREAM_BLAS_REEXEC", "MALLOC_CONF")}
+    for value, want in ((None, default), ("0", "0"), (bad, None)):
+        extra = {setting: value} if value is not None else {}
+        done = subprocess.run(
+            [sys.executable, "-m", "specstream_mlx", "doctor"], capture_output=True, text=True, env={**env, **extra}
+        )
+        if want is None:
+            assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and setting in done.stderr
+        else:
+            shown = next((x.split()[1] for x in done.stdout.splitlines() if x.startswith(f"{key}:")), None)
+            assert done.returncode == 0 and shown == want, done
+
+
 def test_mutexes_spin_then_lock_and_still_exclude(tmp_path):
     """MLX's graph-building and stream threads contend for a few mutexes at every
     operation; preloaded, the forwarder's library makes a contended pthread_mutex_lock try
@@ -430,20 +446,7 @@ def test_mutexes_spin_then_lock_and_still_exclude(tmp_path):
     out = subprocess.run([program], env=bare, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["800000", "1", "1", "-1"], out  # not preloaded: the C library's own
 
-    env = {k: v for k, v in bare.items() if k not in ("SPECSTREAM_BLAS_REEXEC", "MALLOC_CONF")}
-
-    def doctor(**extra):
-        done = subprocess.run(
-            [sys.executable, "-m", "specstream_mlx", "doctor"], capture_output=True, text=True, env={**env, **extra}
-        )
-        return done, next((x.split()[1] for x in done.stdout.splitlines() if x.startswith("lock_spin:")), None)
-
-    done, spins = doctor()
-    assert done.returncode == 0 and spins == "100", done
-    done, spins = doctor(SPECSTREAM_LOCK_SPIN="0")
-    assert done.returncode == 0 and spins == "0", done
-    done, _ = doctor(SPECSTREAM_LOCK_SPIN="lots")
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and P.LOCK_SPIN_ENV in done.stderr
+    _doctor_reports(bare, "lock_spin", P.LOCK_SPIN_ENV, "100", "lots")
 
 
 COND_CHECK = r"""
@@ -545,20 +548,7 @@ def test_condition_waits_poll_then_sleep_and_lose_no_wake_up(tmp_path):
     out = subprocess.run([program], env=bare, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == [total, "1", "-1", "-1"], out  # not preloaded: the C library's own
 
-    env = {k: v for k, v in bare.items() if k not in ("SPECSTREAM_BLAS_REEXEC", "MALLOC_CONF")}
-
-    def doctor(**extra):
-        done = subprocess.run(
-            [sys.executable, "-m", "specstream_mlx", "doctor"], capture_output=True, text=True, env={**env, **extra}
-        )
-        return done, next((x.split()[1] for x in done.stdout.splitlines() if x.startswith("cond_spin_us:")), None)
-
-    done, us = doctor()
-    assert done.returncode == 0 and us == "200", done
-    done, us = doctor(SPECSTREAM_COND_SPIN_US="0")
-    assert done.returncode == 0 and us == "0", done
-    done, _ = doctor(SPECSTREAM_COND_SPIN_US="long")
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and P.COND_SPIN_ENV in done.stderr
+    _doctor_reports(bare, "cond_spin_us", P.COND_SPIN_ENV, "200", "long")
 
 
 def test_a_bad_prefetch_setting_is_refused_in_one_line():
