@@ -402,6 +402,34 @@ int main(void) {
 """
 
 
+def _run_preloaded(tmp_path, source: str, setting: str, cases, unloaded: list) -> dict:
+    """Builds the C program ``source`` and runs it with the forwarder's library preloaded,
+    ``setting`` set to each case's value (None: unset), and once without the library (the C
+    library's own functions); asserts each run's output words. Returns the environment
+    without the preload and the setting."""
+    import os
+    import shutil
+
+    from specstream_mlx import platform_info as P
+
+    if not P._uses_mlx_cpu_wheel():
+        pytest.skip("needs MLX's Linux CPU wheel (CI installs it)")
+    choice = P.choose_blas("openblas")
+    assert choice.forwarder is not None, "the forwarder did not build (no C compiler?)"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    (tmp_path / "check.c").write_text(source)
+    program = str(tmp_path / "check")
+    subprocess.run([cc, "-O2", str(tmp_path / "check.c"), "-o", program, "-lpthread", "-ldl"], check=True)
+    bare = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", setting)}
+    for value, want in cases:
+        env = {**bare, "LD_PRELOAD": choice.forwarder, **({setting: value} if value is not None else {})}
+        out = subprocess.run([program], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.split() == want, (value, out)
+    out = subprocess.run([program], env=bare, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == unloaded, out
+    return bare
+
+
 def _doctor_reports(bare: dict, key: str, setting: str, default: str, bad: str) -> None:
     """`doctor` in an environment without the preload (the CLI's re-execution adds it) shows
     ``key`` as ``default``, as 0 with ``setting`` 0, and refuses ``bad`` in one line."""
@@ -425,26 +453,11 @@ def test_mutexes_spin_then_lock_and_still_exclude(tmp_path):
     program's threads then still never hold a mutex together (no lost update in 800,000
     increments), a recursive mutex still counts, an error-checking one still refuses its
     owner; the CLI runs with it (doctor) and refuses a bad setting in one line."""
-    import os
-    import shutil
-
     from specstream_mlx import platform_info as P
 
-    if not P._uses_mlx_cpu_wheel():
-        pytest.skip("needs MLX's Linux CPU wheel (CI installs it)")
-    choice = P.choose_blas("openblas")
-    assert choice.forwarder is not None, "the forwarder did not build (no C compiler?)"
-    cc = shutil.which("cc") or shutil.which("gcc")
-    (tmp_path / "check.c").write_text(LOCK_CHECK)
-    program = str(tmp_path / "check")
-    subprocess.run([cc, "-O2", str(tmp_path / "check.c"), "-o", program, "-lpthread", "-ldl"], check=True)
-    bare = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", P.LOCK_SPIN_ENV)}
-    for spin, want in ((None, 100), ("7", 7), ("0", 0)):
-        env = {**bare, "LD_PRELOAD": choice.forwarder, **({P.LOCK_SPIN_ENV: spin} if spin else {})}
-        out = subprocess.run([program], env=env, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0 and out.stdout.split() == ["800000", "1", "1", str(want)], (spin, out)
-    out = subprocess.run([program], env=bare, capture_output=True, text=True, timeout=120)
-    assert out.stdout.split() == ["800000", "1", "1", "-1"], out  # not preloaded: the C library's own
+    done = ["800000", "1", "1"]  # no lost update, a recursive mutex counts, an error-checking one refuses
+    cases = [(None, [*done, "100"]), ("7", [*done, "7"]), ("0", [*done, "0"])]
+    bare = _run_preloaded(tmp_path, LOCK_CHECK, P.LOCK_SPIN_ENV, cases, [*done, "-1"])
 
     _doctor_reports(bare, "lock_spin", P.LOCK_SPIN_ENV, "100", "lots")
 
@@ -526,27 +539,11 @@ def test_condition_waits_poll_then_sleep_and_lose_no_wake_up(tmp_path):
     arrive once (waits ended by a poll among them), a waiter whose poll gave up sleeps and is
     still woken 20 ms later, with the setting's value, 0 and not preloaded alike; the CLI
     reports it (doctor) and refuses a bad one in one line."""
-    import os
-    import shutil
-
     from specstream_mlx import platform_info as P
 
-    if not P._uses_mlx_cpu_wheel():
-        pytest.skip("needs MLX's Linux CPU wheel (CI installs it)")
-    choice = P.choose_blas("openblas")
-    assert choice.forwarder is not None, "the forwarder did not build (no C compiler?)"
-    cc = shutil.which("cc") or shutil.which("gcc")
-    (tmp_path / "check.c").write_text(COND_CHECK)
-    program = str(tmp_path / "check")
-    subprocess.run([cc, "-O2", str(tmp_path / "check.c"), "-o", program, "-lpthread", "-ldl"], check=True)
-    total = str(100000 * 100001 // 2)
-    bare = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", P.COND_SPIN_ENV)}
-    for spin, want in ((None, ["200", "1"]), ("50", ["50", "1"]), ("0", ["0", "0"])):
-        env = {**bare, "LD_PRELOAD": choice.forwarder, **({P.COND_SPIN_ENV: spin} if spin else {})}
-        out = subprocess.run([program], env=env, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0 and out.stdout.split() == [total, "1", *want], (spin, out)
-    out = subprocess.run([program], env=bare, capture_output=True, text=True, timeout=120)
-    assert out.stdout.split() == [total, "1", "-1", "-1"], out  # not preloaded: the C library's own
+    done = [str(100000 * 100001 // 2), "1"]  # every item once; the late waiter woken
+    cases = [(None, [*done, "200", "1"]), ("50", [*done, "50", "1"]), ("0", [*done, "0", "0"])]
+    bare = _run_preloaded(tmp_path, COND_CHECK, P.COND_SPIN_ENV, cases, [*done, "-1", "-1"])
 
     _doctor_reports(bare, "cond_spin_us", P.COND_SPIN_ENV, "200", "long")
 

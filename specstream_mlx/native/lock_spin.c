@@ -45,7 +45,7 @@
 enum { DEFAULT_TRIES = 100, MOST_TRIES = 1 << 20 };
 
 static int (*next_lock)(pthread_mutex_t *);
-static int tries = DEFAULT_TRIES;
+static long tries = DEFAULT_TRIES;
 
 enum { DEFAULT_COND_SPIN_US = 200, MOST_COND_SPIN_US = 1 << 20 };
 static int (*next_wait)(pthread_cond_t *, pthread_mutex_t *);
@@ -79,7 +79,7 @@ static long number_setting(const char *name, long fallback, long most) {
 
 __attribute__((constructor)) static void lock_spin_setup(void) {
   next_lock = (int (*)(pthread_mutex_t *))dlsym(RTLD_NEXT, "pthread_mutex_lock");
-  tries = (int)number_setting("SPECSTREAM_LOCK_SPIN", DEFAULT_TRIES, MOST_TRIES);
+  tries = number_setting("SPECSTREAM_LOCK_SPIN", DEFAULT_TRIES, MOST_TRIES);
   if (next_wait == NULL)
     cond_symbols();
   cond_spin_us = number_setting("SPECSTREAM_COND_SPIN_US", DEFAULT_COND_SPIN_US, MOST_COND_SPIN_US);
@@ -98,8 +98,8 @@ static inline void pause_once(void) {
 __attribute__((visibility("hidden"))) int spin_then_lock(pthread_mutex_t *m) {
   if (next_lock == NULL) /* called before the constructor ran (another library's own) */
     next_lock = (int (*)(pthread_mutex_t *))dlsym(RTLD_NEXT, "pthread_mutex_lock");
-  int n = __atomic_load_n(&tries, __ATOMIC_RELAXED);
-  for (int i = 0; i < n; i++) {
+  long n = __atomic_load_n(&tries, __ATOMIC_RELAXED);
+  for (long i = 0; i < n; i++) {
     if (pthread_mutex_trylock(m) == 0)
       return 0;
     pause_once();
@@ -109,21 +109,28 @@ __attribute__((visibility("hidden"))) int spin_then_lock(pthread_mutex_t *m) {
 
 int pthread_mutex_lock(pthread_mutex_t *m) __attribute__((alias("spin_then_lock")));
 
-/* Sets the tries (negative: unchanged) and returns the previous count: a benchmark
- * alternates settings within one process (examples/lock_spin_ab.py), where the machine's
- * drift between processes would hide a few percent. */
-int specstream_lock_spin_set(int n) {
-  int before = tries;
-  if (n >= 0)
-    __atomic_store_n(&tries, n > MOST_TRIES ? MOST_TRIES : n, __ATOMIC_RELAXED);
+/* Sets a setting to value, at most most (negative: unchanged), and returns the previous one: a
+ * benchmark alternates settings within one process (examples/lock_spin_ab.py), where the
+ * machine's drift between processes would hide a few percent. */
+static long replace_setting(long *setting, long value, long most) {
+  long before = __atomic_load_n(setting, __ATOMIC_RELAXED);
+  if (value >= 0)
+    __atomic_store_n(setting, value > most ? most : value, __ATOMIC_RELAXED);
   return before;
 }
 
-/* The tries this process's mutexes make before sleeping: 0 when this library does not
- * serve the process's pthread_mutex_lock (not preloaded) or the setting turned it off. */
+/* A setting as the process sees it: 0 where this library's function does not serve the
+ * process's symbol (not preloaded), else its value (0 too when the setting turned it off). */
+static long served_setting(const char *symbol, void *ours, const long *setting) {
+  return dlsym(RTLD_DEFAULT, symbol) == ours ? __atomic_load_n(setting, __ATOMIC_RELAXED) : 0;
+}
+
+/* Sets the tries (negative: unchanged) and returns the previous count. */
+int specstream_lock_spin_set(int n) { return (int)replace_setting(&tries, n, MOST_TRIES); }
+
+/* The tries this process's mutexes make before sleeping. */
 int specstream_lock_spins(void) {
-  void *served = dlsym(RTLD_DEFAULT, "pthread_mutex_lock");
-  return served == (void *)spin_then_lock ? __atomic_load_n(&tries, __ATOMIC_RELAXED) : 0;
+  return (int)served_setting("pthread_mutex_lock", (void *)spin_then_lock, &tries);
 }
 
 /* ---- condition waits ------------------------------------------------------------------- */
@@ -187,19 +194,12 @@ int pthread_cond_broadcast(pthread_cond_t *c) __attribute__((alias("counted_broa
 int pthread_cond_signal(pthread_cond_t *c) __attribute__((alias("counted_signal")));
 
 /* Sets how long a condition wait spins, microseconds (negative: unchanged), and returns the
- * previous setting (examples/lock_spin_ab.py alternates settings within one process). */
-long specstream_cond_spin_set(long us) {
-  long before = cond_spin_us;
-  if (us >= 0)
-    __atomic_store_n(&cond_spin_us, us > MOST_COND_SPIN_US ? MOST_COND_SPIN_US : us, __ATOMIC_RELAXED);
-  return before;
-}
+ * previous setting. */
+long specstream_cond_spin_set(long us) { return replace_setting(&cond_spin_us, us, MOST_COND_SPIN_US); }
 
-/* How long this process's condition waits spin before they sleep, microseconds: 0 when this
- * library does not serve its pthread_cond_wait (not preloaded) or the setting turned it off. */
+/* How long this process's condition waits spin before they sleep, microseconds. */
 long specstream_cond_spin_us(void) {
-  void *served = dlsym(RTLD_DEFAULT, "pthread_cond_wait");
-  return served == (void *)spin_then_wait ? __atomic_load_n(&cond_spin_us, __ATOMIC_RELAXED) : 0;
+  return served_setting("pthread_cond_wait", (void *)spin_then_wait, &cond_spin_us);
 }
 
 /* Condition waits a broadcast or signal ended while they spun, so far. */
