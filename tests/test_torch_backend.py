@@ -369,9 +369,23 @@ def test_every_rank_ends_the_process_group_after_its_last_collective(tmp_path, t
 )
 def test_accelerate_launch_two_cpu_processes(tmp_path, tiny_model_dir):
     """Two CPU processes under `accelerate launch` (torchrun; accelerate 1.x's `--cpu` starts one
-    process unless given an MPI host file) train one model, averaging gradients, written once."""
+    process unless given an MPI host file) train one model, averaging gradients, written once.
+
+    Every rank ends with gloo's threads gone: a group that outlived destroy_process_group
+    (bound by a module imported after it formed) kept them running into the interpreter's
+    teardown, where they aborted a finished launch now and then. The CLI runs under a
+    wrapper that names the process's threads at exit, after every other exit handler."""
     data = _data_dir(tmp_path)
     out = tmp_path / "out"
+    wrapper = tmp_path / "cli_naming_threads_at_exit.py"
+    wrapper.write_text(
+        "import atexit, os, runpy, sys\n"
+        "def report():\n"
+        "    names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+        "    sys.stderr.write(f\"\\n[threads at exit] rank {os.environ['RANK']}: {' '.join(sorted(names))}\\n\")\n"
+        "atexit.register(report)\n"
+        "runpy.run_module('specstream_mlx', run_name='__main__', alter_sys=True)\n"
+    )
     exe = str(Path(sys.executable).parent / "accelerate")
     env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
     cmd = [
@@ -386,8 +400,7 @@ def test_accelerate_launch_two_cpu_processes(tmp_path, tiny_model_dir):
         "no",
         "--dynamo_backend",
         "no",
-        "-m",
-        "specstream_mlx",
+        str(wrapper),
         "train",
         "--backend",
         "torch",
@@ -418,6 +431,9 @@ def test_accelerate_launch_two_cpu_processes(tmp_path, tiny_model_dir):
     assert "the 2 processes agree on the trained weights" in p.stderr
     assert p.stderr.count("[train] wrote") == 1  # only the main process writes
     assert json.loads((out / "training_log.json").read_text())["config"]["backend"] == "torch"
+    at_exit = sorted(line for line in p.stderr.splitlines() if line.startswith("[threads at exit]"))  # own lines
+    assert [line.split(":")[0] for line in at_exit] == ["[threads at exit] rank 0", "[threads at exit] rank 1"]
+    assert not [line for line in at_exit if "gloo" in line], at_exit
     # --export-hf: the Hugging Face layout, written once, loadable by transformers.
     import transformers
 

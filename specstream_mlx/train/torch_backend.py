@@ -54,6 +54,13 @@ def make_accelerator():
         from accelerate import Accelerator
     except ImportError:
         return None
+    # Imported before the group forms: this module binds the default group into ten
+    # functions' default arguments when it is imported, and transformers imports it while
+    # the backend builds its model. Bound there, the group outlives destroy_process_group,
+    # and so do gloo's threads, which then abort the process now and then in the
+    # interpreter's teardown ("terminate called without an active exception").
+    import torch.distributed.nn.functional  # noqa: F401
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     no_gpu = not torch.cuda.is_available()
     return Accelerator(cpu=no_gpu and world > 1)
@@ -336,9 +343,9 @@ class TorchRun:
             # Every rank ends the processes' group after its last collective (the agreement's
             # barrier; the main process's evaluation and writing need none). A rank that exits
             # with gloo's group alive can abort in the interpreter's teardown ("terminate called
-            # without an active exception"), failing the launch after a finished run; a rank
-            # that fails ends it too, so the others stop at their next collective instead of
-            # waiting out its timeout.
+            # without an active exception"), failing the launch after a finished run (nothing
+            # else may hold the group: see make_accelerator); a rank that fails ends it too, so
+            # the others stop at their next collective instead of waiting out its timeout.
             if self.world > 1:
                 self.acc.end_training()
 
