@@ -381,7 +381,12 @@ def test_accelerate_launch_two_cpu_processes(tmp_path, tiny_model_dir):
     wrapper.write_text(
         "import atexit, os, runpy, sys\n"
         "def report():\n"
-        "    names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+        "    names = []\n"
+        "    for t in os.listdir('/proc/self/task'):\n"
+        "        try:\n"
+        "            names.append(open(f'/proc/self/task/{t}/comm').read().strip())\n"
+        "        except OSError:  # a thread that ended since the listing\n"
+        "            pass\n"
         "    sys.stderr.write(f\"\\n[threads at exit] rank {os.environ['RANK']}: {' '.join(sorted(names))}\\n\")\n"
         "atexit.register(report)\n"
         "runpy.run_module('specstream_mlx', run_name='__main__', alter_sys=True)\n"
