@@ -916,20 +916,29 @@ def test_forwarded_products_in_a_forked_child():
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "0", (out.stdout, out.stderr)
 
 
-REGIME_CHECK = r"""
-import ctypes, os, time
-import numpy as np
-lib = ctypes.CDLL(None)
-sgemm, streaming = lib.cblas_sgemm, lib.specstream_skinny_streaming
-P = ctypes.POINTER(ctypes.c_float)
-f, i = ctypes.c_float, ctypes.c_int
-llc = 32 << 20  # the kernel's cache size: the largest sysfs reports (else 32 MiB)
+# The product kernel's last-level cache size as it reckons it: the largest sysfs reports (else
+# 32 MiB). Scripts that stream weights through the kernel make them outgrow it.
+_LLC = r"""
+llc = 32 << 20
 for j in range(8):
     try:
         text = open(f"/sys/devices/system/cpu/cpu0/cache/index{j}/size").read().strip()
     except OSError:
         break
     llc = max(llc, int(text.rstrip("KM")) << {"K": 10, "M": 20}.get(text[-1], 0))
+"""
+
+REGIME_CHECK = (
+    r"""
+import ctypes, os, time
+import numpy as np
+lib = ctypes.CDLL(None)
+sgemm, streaming = lib.cblas_sgemm, lib.specstream_skinny_streaming
+P = ctypes.POINTER(ctypes.c_float)
+f, i = ctypes.c_float, ctypes.c_int
+"""
+    + _LLC
+    + r"""
 
 
 def product(w):
@@ -971,6 +980,7 @@ for _ in range(2 * 4096 + 100):  # a whole window of the small ones only: cached
 verdicts.append(streaming())
 print(verdicts)
 """
+)
 
 
 def test_the_kernel_tells_weights_in_the_cache_from_weights_streamed():
@@ -999,7 +1009,8 @@ def test_the_kernel_tells_weights_in_the_cache_from_weights_streamed():
         assert lines[-2] == "read ahead True True", out.stdout
 
 
-STORED_AHEAD_CHECK = r"""
+STORED_AHEAD_CHECK = (
+    r"""
 import ctypes, json, time
 import mlx.core as mx, numpy as np
 from specstream_mlx.runtime.stored_weights import _kernel, _pointer
@@ -1007,13 +1018,9 @@ lib = ctypes.CDLL(None)
 set_ahead, ahead_read = lib.specstream_skinny_set_ahead_kb, lib.specstream_skinny_ahead_read
 ahead_read.restype = ctypes.c_longlong
 register, unregister = _kernel()
-llc = 32 << 20  # the kernel's cache size, as above
-for j in range(8):
-    try:
-        text = open(f"/sys/devices/system/cpu/cpu0/cache/index{j}/size").read().strip()
-    except OSError:
-        break
-    llc = max(llc, int(text.rstrip("KM")) << {"K": 10, "M": 20}.get(text[-1], 0))
+"""
+    + _LLC
+    + r"""
 N = K = 1024
 held = []
 for _ in range(2 * llc // (4 << 20) + 16):  # their float32 bytes twice the cache: streamed
@@ -1043,6 +1050,7 @@ half = (N // 2) * (K // 2 + 2 * (K // 32) * 4)  # codes, scales and biases of th
 print(json.dumps({"read": ahead_read() - before, "most": len(held) * half,
                   "same": all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(got, want))}))
 """
+)
 
 
 def test_a_waiting_worker_reads_the_next_weights_stored_bytes_ahead():
