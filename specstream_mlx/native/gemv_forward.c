@@ -260,7 +260,7 @@ static int use_avx512;
  * alone: 3 x 1,024 x 64 took 24 against 32-36 us with 32 rows ahead, 27 rows 45 against
  * 60-63, each product by the next of 1,200 distinct value blocks (examples/thin_products.py,
  * twice, alternating with the kernel without). KN_MAX_K: the most a thin operand's
- * short side holds (a head dimension), here and in transposed_columns below. */
+ * short side holds (a head dimension). */
 enum { KN_AHEAD = 32, KN_MAX_K = 128 };
 
 /* b stored (k x n), one macro for both vector widths as above: rows i0..i0+mr-1 times
@@ -326,66 +326,19 @@ static int kn_columns_avx512(const product_t *p, int j, int j1) {
   return j;
 }
 
-/* A weight (n x k) with a short k (attention's keys, k = the head dimension) against
- * several rows of a: the trans_b tiles would end every output in a horizontal sum of a
- * few vectors, so each block of up to 64 weight rows is transposed into a (k x 64) buffer
- * and multiplied as stored (k x n), where the outputs stay in vector lanes. Returns the
- * first column not done (the last few columns, fewer than 16, are left to the caller). */
-enum { KN_MIN_ROWS = 4 };
-
-/* dst[c * ld_dst + r] = src[r * ld_src + c] for r, c < 16: sixteen rows transposed in
- * registers (unpacks and shuffles within 128-bit lanes, then across them), where a scalar
- * loop moved one float at a time: at a 1,000-token context the keys of SmolLM2's tree passes
- * are some 7 MB to transpose a pass. Only data moves: the products are the same bits. */
-__attribute__((target("avx512f"), always_inline)) static inline void transpose16_avx512(const float *src, size_t ld_src,
-                                                                                       float *dst, size_t ld_dst) {
-  __m512 a[16], t[16], u[16];
-  for (int r = 0; r < 16; r++)
-    a[r] = _mm512_loadu_ps(src + (size_t)r * ld_src);
-  for (int i = 0; i < 8; i++) { /* in each lane: rows 2i and 2i + 1, interleaved */
-    t[2 * i] = _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]);
-  }
-  for (int g = 0; g < 4; g++) { /* u[4g + j], lane L: rows 4g..4g+3 of column 4L + j */
-    u[4 * g] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
-    u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
-    u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
-    u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
-  }
-  for (int j = 0; j < 4; j++) { /* column 4L + j: lane L of u[j], u[4 + j], u[8 + j], u[12 + j] */
-    __m512 even = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), even2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
-    __m512 odd = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD), odd2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
-    _mm512_storeu_ps(dst + (size_t)j * ld_dst, _mm512_shuffle_f32x4(even, even2, 0x88));
-    _mm512_storeu_ps(dst + (size_t)(4 + j) * ld_dst, _mm512_shuffle_f32x4(odd, odd2, 0x88));
-    _mm512_storeu_ps(dst + (size_t)(8 + j) * ld_dst, _mm512_shuffle_f32x4(even, even2, 0xDD));
-    _mm512_storeu_ps(dst + (size_t)(12 + j) * ld_dst, _mm512_shuffle_f32x4(odd, odd2, 0xDD));
-  }
-}
-
-__attribute__((target("avx512f"))) static int transposed_columns(const product_t *p, int j0, int j1) {
-  static __thread float buf[KN_MAX_K * 64];
-  int j = j0, k16 = p->k & ~15;
-  while (j + 16 <= j1) {
-    int cols = j1 - j >= 64 ? 64 : (j1 - j) / 16 * 16;
-    for (int c = 0; c < cols; c += 16) {
-      const float *rows = p->b + (size_t)(j + c) * p->ldb;
-      for (int kk = 0; kk < k16; kk += 16)
-        transpose16_avx512(rows + kk, p->ldb, buf + kk * 64 + c, 64);
-      for (int r = 0; r < 16; r++) /* a depth that is not a multiple of 16: its last few */
-        for (int kk = k16; kk < p->k; kk++)
-          buf[kk * 64 + c + r] = rows[(size_t)r * p->ldb + kk];
-    }
-    product_t q = *p;
-    q.trans_b = 0;
-    q.b = buf;
-    q.ldb = 64;
-    q.n = cols;
-    q.c = p->c + j;
-    kn_columns_avx512(&q, 0, cols); /* cols is a multiple of 16: every column */
-    j += cols;
-  }
-  return j;
-}
+/* A weight (n x k) with a short k (attention's keys, k = the head dimension) takes the row
+ * tiles at every row count, like any weight stored (n x k), so that a row's outputs are the
+ * same bits in a product of one row and of many: a tree pass's scores (several query rows of
+ * a key/value head) are then exactly a plain step's, and so are its logits along the accepted
+ * path, and greedy speculative decoding reproduces plain decoding bit for bit. From 4 rows on
+ * the keys had been transposed into a buffer by blocks of 64 and multiplied with the outputs
+ * in vector lanes (each score one chain of k multiply-adds, where the row tiles sum 16 lanes
+ * of partial sums): at a 1,024-key context 27 rows took 44-45 against 65-71 us a product here
+ * (examples/thin_products.py), but passes' logits differed from steps' by up to 2e-5, which
+ * decided ties the other way (BFCL's parallel_multiple_73 under dynamic:12, dynamic:16@1,
+ * dynamic:24) and would let 8-bit activations part from plain decoding everywhere
+ * (bench/README.md). Summing the transposed block's lanes in the row tiles' order (16
+ * accumulators a row) gave the same bits no faster than the row tiles (59-66 us). */
 
 /* Depth blocks: a weight stored (n x k) with a long k (SmolLM2's down projection, k = 1536)
  * is multiplied in blocks of k_block columns, each block's partial sums added into c, so that
@@ -895,8 +848,8 @@ static void product_columns(const product_t *p, int j0, int j1) {
     return;
   }
   if (p->trans_b && k_block > 0 && p->k > k_block + k_block / 2) {
-    /* Every block in the row tiles, a short last one too: the transposed tiles below (for
-     * short depths from four rows on) add in another order than one row's tiles. */
+    /* Every block in the row tiles, a short last one too, whatever the rows: a row's output is
+     * then the same bits in a product of any number of rows. */
     for (int k0 = 0; k0 < p->k; k0 += k_block) {
       product_t q = *p;
       q.k = p->k - k0 < k_block ? p->k - k0 : k_block;
@@ -909,8 +862,6 @@ static void product_columns(const product_t *p, int j0, int j1) {
     return;
   }
   int j = j0;
-  if (p->trans_b && use_avx512 && p->k <= KN_MAX_K && p->m >= KN_MIN_ROWS)
-    j = transposed_columns(p, j0, j1);
   if (p->trans_b) {
     row_columns(p, j, j1);
     return;
