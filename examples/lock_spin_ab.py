@@ -1,8 +1,8 @@
 """What mutexes that spin before they sleep, condition waits that poll before they sleep, a
 product worker that reads the next weight ahead,
 MLX's strided element-wise kernels with vectorised loops, and the size from which a product by
-a thin operand (attention's) is split between the threads are worth, in one process; and up to
-how many rows a quantized weight is read as stored.
+a thin operand (attention's) is split between the threads are worth, in one process; up to
+how many rows a quantized weight is read as stored; and 8-bit activations.
 
     env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/lock_spin_ab.py [--model smollm2] [--tries 100,0] [--rounds 12]
@@ -16,6 +16,8 @@ how many rows a quantized weight is read as stored.
         .venv/bin/python examples/lock_spin_ab.py --setting thin-min [--tries 1073741824,-1] [--context 1000]
     env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/lock_spin_ab.py --setting stored-rows [--tries 48,-1]
+    SPECSTREAM_PRODUCTS=q8 env $(.venv/bin/python -m specstream_mlx.blas_env) \\
+        .venv/bin/python examples/lock_spin_ab.py --setting q8 [--tries 0,1]
 
 The forwarder's library (``native/lock_spin.c``), preloaded, makes a contended
 ``pthread_mutex_lock`` try a number of times before it sleeps and a ``pthread_cond_wait``
@@ -25,9 +27,12 @@ waiting worker prefetches the first KB of the weight that came next last time
 ``specstream_mlx/jit_strided.py`` rewrites them, run a vectorised loop unless switched off;
 the kernel splits a product by a thin operand (one head's keys) between its threads from a
 number of its elements on; a registered quantized weight is read as stored up to a number of
-rows (``runtime/stored_rows.py``). This script sets one of them (``--setting lock-spin``, tries;
+rows (``runtime/stored_rows.py``); with ``SPECSTREAM_PRODUCTS=q8`` (at load: the weights'
+8-bit-activation layout) the kernel multiplies them by 8-bit activations while switched on. This
+script sets one of them (``--setting lock-spin``, tries;
 ``cond-spin``, microseconds; ``ahead``, KB; ``strided``, 1 on or 0 off; ``thin-min``, elements,
--1 the default, 1073741824 never; ``stored-rows``, rows, -1 the limits measured at load) to each of
+-1 the default, 1073741824 never; ``stored-rows``, rows, -1 the limits measured at load; ``q8``, 1
+on or 0 off) to each of
 ``--tries`` in turn (the first is the reference) within one process, round by round, and
 times under each: plain decoding as ``ar`` runs it (ms a token, the engine's pipelined loop
 over the compiled step, 40 tokens after a ``--context``-token prompt, default 128), and
@@ -54,7 +59,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument(
         "--setting",
-        choices=("lock-spin", "cond-spin", "ahead", "strided", "thin-min", "stored-rows"),
+        choices=("lock-spin", "cond-spin", "ahead", "strided", "thin-min", "stored-rows", "q8"),
         default="lock-spin",
     )
     ap.add_argument(
@@ -98,7 +103,7 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    if args.setting in ("ahead", "thin-min", "stored-rows") and skinny_kernel() is None:
+    if args.setting in ("ahead", "thin-min", "stored-rows", "q8") and skinny_kernel() is None:
         print(
             "lock_spin_ab.py: the product kernel does not serve this process; start under "
             "env $(.venv/bin/python -m specstream_mlx.blas_env)",
@@ -118,6 +123,7 @@ def main() -> int:
     defaults = {"lock-spin": "100,0", "ahead": "0,1024", "strided": "0,1", "thin-min": "1073741824,-1"}
     defaults["cond-spin"] = "0,200"
     defaults["stored-rows"] = "48,-1"
+    defaults["q8"] = "0,1"
     text = args.tries or defaults[args.setting]
     tries = [int(t) for t in text.split(",")]
 
@@ -136,6 +142,20 @@ def main() -> int:
 
         def setter(rows):
             apply(registration(base), measured if rows < 0 else {bits: rows for bits in measured})
+
+    if args.setting == "q8":
+        from specstream_mlx.platform_info import q8_products, set_q8_products
+
+        if not q8_products():
+            print(
+                "lock_spin_ab.py: 8-bit activations are not on here: start with SPECSTREAM_PRODUCTS=q8 "
+                "on a CPU with AVX512-VNNI",
+                file=sys.stderr,
+            )
+            return 2
+
+        def setter(on):
+            set_q8_products(bool(on))
 
     cache = make_cache(sm)
     prefill(base, timing_prompt(base, args.context), cache, 512)
@@ -174,6 +194,7 @@ def main() -> int:
     what = {"lock-spin": "tries", "ahead": "KB ahead", "strided": "strided loops on", "thin-min": "thin split from"}
     what["cond-spin"] = "condition waits poll, us"
     what["stored-rows"] = "stored up to rows (-1: measured)"
+    what["q8"] = "8-bit activations on"
     what = what[args.setting]
     print_tables(what, tries, {"step": step, "passes": passes, "all_hosts": all_hosts}, rates, args.prompts)
     return 0

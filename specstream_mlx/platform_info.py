@@ -62,6 +62,9 @@ on only),
 expanded in registers rather than into a buffer, 1-9, default 9),
 ``SPECSTREAM_SKINNY_AHEAD_KB`` (how much of the next weight a waiting worker reads ahead,
 default 1024; 0: none);
+``SPECSTREAM_PRODUCTS=q8`` (where the CPU has AVX512-VNNI, weights read as stored are multiplied
+by 8-bit activations: faster, no longer the float32 products' bits, a row's outputs the same
+bits in any product; default ``exact``);
 ``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none),
 ``SPECSTREAM_COND_SPIN_US`` (how long a condition wait polls before it sleeps, default 200; 0: none).
 ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` | ``mimalloc`` | ``glibc`` (none
@@ -349,6 +352,11 @@ def configured_choice(malloc: bool = True) -> BlasChoice:
     prefetch = os.environ.get(PREFETCH_ENV, "")
     if prefetch and prefetch not in PREFETCH_MODES:
         raise BlasSettingError(f"{PREFETCH_ENV}={prefetch!r}: expected nta, t0, t1 or off")
+    products = os.environ.get(PRODUCTS_ENV, "")
+    if products and products not in ("exact", "q8"):
+        raise BlasSettingError(
+            f"{PRODUCTS_ENV}={products!r}: expected exact (the float32 products' bits) or q8 (8-bit activations)"
+        )
     isa = os.environ.get(ISA_ENV, "")
     if isa and isa not in ("avx2", "avx512"):
         raise BlasSettingError(f"{ISA_ENV}={isa!r}: expected avx2 (AVX2 tiles where AVX-512 is there) or avx512")
@@ -615,6 +623,8 @@ PREFETCH_MODES = ("off", "nta", "t0", "t1")  # the kernel's codes 0-3, and PREFE
 KBLOCK_ENV = "SPECSTREAM_SKINNY_KBLOCK"  # the kernel's depth block: a number of columns, 0: none
 AHEAD_ENV = "SPECSTREAM_SKINNY_AHEAD_KB"  # how much of the next weight a waiting worker reads ahead
 ISA_ENV = "SPECSTREAM_SKINNY_ISA"
+# exact | q8: how the kernel multiplies weights read as stored (docs/DESIGN.md decision 46)
+PRODUCTS_ENV = "SPECSTREAM_PRODUCTS"
 # The native libraries' whole-number settings: what each counts, its least and its most. They
 # are read in C with atoi, where a word or a negative number would leave the default, turn a
 # mechanism off or run the kernel on one thread without a word (configured_choice checks).
@@ -646,6 +656,26 @@ def skinny_ahead_kb() -> int:
     none, or where the kernel does not serve this process)."""
     kb = _symbol("specstream_skinny_ahead_kb")
     return max(int(kb()), 0) if kb is not None else 0
+
+
+def q8_products() -> Optional[bool]:
+    """Whether the product kernel multiplies weights read as stored by 8-bit activations
+    (``SPECSTREAM_PRODUCTS=q8``, :mod:`specstream_mlx.settings`); None where it cannot here
+    (no AVX512-VNNI, or the kernel does not serve this process)."""
+    state = _symbol("specstream_q8_state")
+    code = int(state()) if state is not None else -1
+    return None if code < 0 else bool(code)
+
+
+def set_q8_products(on: bool) -> Optional[bool]:
+    """Turns the kernel's 8-bit activations on or off in this process (weights registered while
+    ``SPECSTREAM_PRODUCTS=q8`` was set carry their layout); returns the state before, None
+    where the kernel cannot use them here."""
+    before = q8_products()
+    fn = _symbol("specstream_q8_set")
+    if before is not None and fn is not None:
+        fn(ctypes.c_int(int(on)))
+    return before
 
 
 def lock_spins() -> int:
@@ -699,7 +729,8 @@ def forwarder_words() -> str:
     ahead = skinny_ahead_kb()
     if ahead and threads > 1:
         prefetches += f", {ahead} KB read ahead"
-    return f"{gemv}, {least}-{most} rows by the skinny kernel ({isa}, {threads} threads{prefetches}){locks}"
+    q8 = ", 8-bit activations" if q8_products() else ""
+    return f"{gemv}, {least}-{most} rows by the skinny kernel ({isa}, {threads} threads{prefetches}{q8}){locks}"
 
 
 def blas_words() -> str:

@@ -581,6 +581,7 @@ def test_a_bad_prefetch_setting_is_refused_in_one_line():
         ("SPECSTREAM_SKINNY_SPIN_US", ("0", "50"), ("-5", "long")),
         ("SPECSTREAM_SKINNY_YIELD", ("0", "1"), ("2", "yes")),
         ("SPECSTREAM_SKINNY_ISA", ("avx2", "avx512"), ("sse", "AVX2")),
+        ("SPECSTREAM_PRODUCTS", ("exact", "q8"), ("Q8", "int8", " q8")),  # the kernel compares them with strcmp
     ],
 )
 def test_every_kernel_setting_is_checked_before_the_kernel_reads_it(monkeypatch, name, good, bad):

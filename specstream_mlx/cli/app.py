@@ -320,7 +320,7 @@ def doctor(
     from ..io.loading import dequantize_on_cpu
 
     if dequantize_on_cpu():
-        from ..platform_info import skinny_kernel
+        from ..platform_info import q8_products, skinny_kernel
 
         reads = (
             "; the product kernel reads 4- and 8-bit weights as stored (SPECSTREAM_STORED=0: the float32 ones) "
@@ -328,6 +328,14 @@ def doctor(
             if skinny_kernel() is not None and current().stored_weights
             else ""
         )
+        q8 = q8_products()
+        if reads and q8 is not None:
+            reads += (
+                ", and multiplies them by 8-bit activations at every row count (SPECSTREAM_PRODUCTS=q8; "
+                "not the float32 products' bits)"
+                if q8
+                else "; SPECSTREAM_PRODUCTS=q8 would multiply them by 8-bit activations (AVX512-VNNI here)"
+            )
         typer.echo(
             "quantized models: dequantized to float32 at load on the CPU backend "
             f"(4-bit matmuls cost several float32 ones there; memory grows to 4 bytes per weight){reads}"

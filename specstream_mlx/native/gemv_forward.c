@@ -37,7 +37,8 @@
  * SPECSTREAM_SKINNY_FUSED_ROWS (up to how many rows weights read stored are expanded in
  * registers rather than into a buffer, 1-9, default 9),
  * SPECSTREAM_SKINNY_AHEAD_KB (how much of the next weight a waiting worker reads ahead;
- * default 1024).
+ * default 1024), SPECSTREAM_PRODUCTS (q8: weights read stored are multiplied by 8-bit
+ * activations where the CPU has AVX512-VNNI; see "8-bit activations" below).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -140,6 +141,10 @@ typedef struct {
   const float *a, *b;
   float *c;
   const struct stored_weight *stored; /* b's stored form, read instead of b (or NULL) */
+  /* With 8-bit activations (q8_product): a's rows quantized, k bytes a row, and per block of
+   * 32 elements its scale and its elements' sum; NULL otherwise. */
+  const int8_t *qa;
+  const float *qd, *qs;
 } product_t;
 
 #if HAVE_X86
@@ -391,6 +396,9 @@ struct stored_weight {
    * streaming the float32 bytes, which the rows' multiply-adds hide once there are enough of
    * them. Measured per machine by the registrant (runtime/stored_rows.py). */
   atomic_int max_rows;
+  /* The codes, scales and biases in the 8-bit-activation layout (q8_pack), owned; or NULL. */
+  uint8_t *q8;
+  float *q8_scales, *q8_biases;
 };
 
 enum { STORED_SLOTS = 4096, STORED_BITS = 12 };
@@ -785,6 +793,214 @@ static float *strip(size_t floats) {
   return strip_buf;
 }
 
+/* ---- 8-bit activations (SPECSTREAM_PRODUCTS=q8) --------------------------------------------
+ *
+ * Read as stored, a 4-bit weight's products are bound by the expansion's arithmetic, not by
+ * the bus (a permutation and a multiply-add per 16 weights and row; the 9-row tiles run at
+ * ~66% of the multiply-add rate, bench/README.md). Where the CPU has AVX512-VNNI, a product
+ * can instead take a's rows quantized to 8 bits, as llama.cpp multiplies its Q4/Q8 files:
+ * per block of 32 elements of a row a scale d = max|x| / 127 and codes round(x / d), and one
+ * integer instruction (vpdpbusd) multiplies 64 weight codes by 4 activation codes each and
+ * sums them in 16 lanes. A weight w = scale * q + bias then gives, per block,
+ *   sum_k x_k w_k ~ scale * d * sum_k code_k q_k + bias * sum_k x_k,
+ * the first sum exact in integers. The outputs are no longer the float32 product's bits
+ * (that is the opt-in: SmolLM2's next-token distributions move by a mean KL of ~3e-3 nats),
+ * but they are the same bits whatever the product's rows: a row's codes, scales and sums are
+ * its own, and each output is summed block after block in one order by one thread. Every
+ * product of such a weight, of any number of rows, runs here. (A tree pass's rows still
+ * differ from a plain step's in their activations' last bits, from attention; rounded to 8
+ * bits such a difference can change a code, and greedy ss then parts from ar at near-ties.)
+ *
+ * The weight is repacked at registration (q8_pack) in blocks of 16 output rows: per block of
+ * 32 elements, 4-bit codes as 4 chunks of 64 bytes, byte 4r + e of chunk c holding element
+ * 4c + e of row r in its low nibble and element 16 + 4c + e in its high one (one load, a mask
+ * and a shift give two instructions' operands), 8-bit codes as 8 chunks of 64 bytes (4
+ * elements of each of the 16 rows); the scales and biases per block of 32, 16 rows side by
+ * side. Rows past n (the last block) are zeros. */
+enum { Q8_BLOCK = 32, Q8_ROWS = 16, Q8_TILE = 8 };
+static int q8_capable;      /* AVX-512 with BW and VNNI: the layouts are built and can be used */
+static int q8_wanted;       /* SPECSTREAM_PRODUCTS=q8 */
+static atomic_int q8_on;    /* products use them (specstream_q8_set, for A/B in one process) */
+static atomic_llong q8_served; /* products computed with 8-bit activations, all told */
+
+/* Quantizes rows [0, m) of a (k elements, k a multiple of 32) into qa (m x k codes), qd and qs
+ * (m x k/32 scales and sums). */
+__attribute__((target("avx512f,avx512bw"))) static void q8_quantize(const float *a, int m, int lda, int k,
+                                                                    int8_t *qa, float *qd, float *qs) {
+  for (int i = 0; i < m; i++)
+    for (int kk = 0; kk < k; kk += Q8_BLOCK) {
+      const float *x = a + (size_t)i * lda + kk;
+      __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+      __m512 mx = _mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1));
+      float amax = _mm512_reduce_max_ps(mx);
+      float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      __m512 vid = _mm512_set1_ps(id);
+      /* round to nearest even (the default rounding mode); |x * id| <= 127 */
+      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
+      _mm_storeu_si128((__m128i *)(qa + (size_t)i * k + kk), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128((__m128i *)(qa + (size_t)i * k + kk + 16), _mm512_cvtepi32_epi8(q1));
+      size_t b = (size_t)i * (k / Q8_BLOCK) + kk / Q8_BLOCK;
+      qd[b] = d;
+      /* the sum of the values the codes stand for, not of x: a weight's bias then multiplies
+       * the same activations as its codes do, and the two errors, which the scales' and the
+       * biases' signs mostly set against each other, cancel (x's own sum gave SmolLM2-shaped
+       * products 2.5 times the error) */
+      qs[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+}
+
+/* Rows i0..i0+mr-1 of a by the 16 weight rows of block jb (outputs jb*16 .. +15). */
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void
+q8_tile(const product_t *p, int i0, int jb, const int mr, const int bits) {
+  const struct stored_weight *s = p->stored;
+  const int blocks = p->k / Q8_BLOCK;
+  const size_t block_bytes = (size_t)Q8_ROWS * Q8_BLOCK * bits / 8; /* 256 or 512 */
+  const uint8_t *c = s->q8 + (size_t)jb * blocks * block_bytes;
+  const float *sc = s->q8_scales + (size_t)jb * blocks * Q8_ROWS, *bi = s->q8_biases + (size_t)jb * blocks * Q8_ROWS;
+  const __m512i low4 = _mm512_set1_epi8(15);
+  __m512 acc[Q8_TILE];
+  for (int r = 0; r < mr; r++)
+    acc[r] = _mm512_setzero_ps();
+  for (int b = 0; b < blocks; b++, c += block_bytes) {
+    __m512i sum[Q8_TILE];
+    for (int r = 0; r < mr; r++)
+      sum[r] = _mm512_setzero_si512();
+    for (int l = 0; l < (int)block_bytes; l += 64) /* the block 8 ahead: 2-4 KB */
+      _mm_prefetch((const char *)(c + 8 * block_bytes + l), _MM_HINT_T0);
+    if (bits == 4) {
+      for (int ch = 0; ch < 4; ch++) {
+        __m512i v = _mm512_loadu_si512(c + 64 * ch);
+        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int r = 0; r < mr; r++) {
+          const int8_t *x = p->qa + (size_t)(i0 + r) * p->k + b * Q8_BLOCK;
+          int32_t x_lo, x_hi;
+          memcpy(&x_lo, x + 4 * ch, 4);
+          memcpy(&x_hi, x + 16 + 4 * ch, 4);
+          sum[r] = _mm512_dpbusd_epi32(sum[r], lo, _mm512_set1_epi32(x_lo));
+          sum[r] = _mm512_dpbusd_epi32(sum[r], hi, _mm512_set1_epi32(x_hi));
+        }
+      }
+    } else {
+      for (int ch = 0; ch < 8; ch++) {
+        __m512i v = _mm512_loadu_si512(c + 64 * ch);
+        for (int r = 0; r < mr; r++) {
+          int32_t x4;
+          memcpy(&x4, p->qa + (size_t)(i0 + r) * p->k + b * Q8_BLOCK + 4 * ch, 4);
+          sum[r] = _mm512_dpbusd_epi32(sum[r], v, _mm512_set1_epi32(x4));
+        }
+      }
+    }
+    __m512 scale = _mm512_loadu_ps(sc + (size_t)b * Q8_ROWS), bias = _mm512_loadu_ps(bi + (size_t)b * Q8_ROWS);
+    for (int r = 0; r < mr; r++) {
+      size_t at = (size_t)(i0 + r) * blocks + b;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(scale, _mm512_set1_ps(p->qd[at])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(bias, _mm512_set1_ps(p->qs[at]), acc[r]);
+    }
+  }
+  int j = jb * Q8_ROWS, lanes = p->n - j < Q8_ROWS ? p->n - j : Q8_ROWS;
+  for (int r = 0; r < mr; r++) {
+    if (p->alpha == 1.0f && p->beta == 0.0f) {
+      _mm512_mask_storeu_ps(p->c + (size_t)(i0 + r) * p->ldc + j, (__mmask16)((1u << lanes) - 1), acc[r]);
+    } else {
+      float out[Q8_ROWS];
+      _mm512_storeu_ps(out, acc[r]);
+      for (int l = 0; l < lanes; l++)
+        store(p, i0 + r, j + l, out[l]);
+    }
+  }
+}
+
+#define Q8_TILES(BITS)                                                                                      \
+  do {                                                                                                      \
+    for (int jb = j0 / Q8_ROWS; jb < (j1 + Q8_ROWS - 1) / Q8_ROWS; jb++) {                                  \
+      int i = 0;                                                                                            \
+      for (; i + Q8_TILE <= p->m; i += Q8_TILE)                                                             \
+        q8_tile(p, i, jb, Q8_TILE, BITS);                                                                   \
+      switch (p->m - i) {                                                                                   \
+      case 7: q8_tile(p, i, jb, 7, BITS); break;                                                            \
+      case 6: q8_tile(p, i, jb, 6, BITS); break;                                                            \
+      case 5: q8_tile(p, i, jb, 5, BITS); break;                                                            \
+      case 4: q8_tile(p, i, jb, 4, BITS); break;                                                            \
+      case 3: q8_tile(p, i, jb, 3, BITS); break;                                                            \
+      case 2: q8_tile(p, i, jb, 2, BITS); break;                                                            \
+      case 1: q8_tile(p, i, jb, 1, BITS); break;                                                            \
+      }                                                                                                     \
+    }                                                                                                       \
+  } while (0)
+
+/* Output columns [j0, j1) (j0 a multiple of 16: the pool's items are 64 columns). */
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void q8_columns(const product_t *p, int j0, int j1) {
+  if (p->stored->bits == 4)
+    Q8_TILES(4);
+  else
+    Q8_TILES(8);
+}
+
+/* Builds s's 8-bit-activation layout (see above); leaves it NULL without the memory. */
+static void q8_pack(struct stored_weight *s) {
+  int blocks = s->k / Q8_BLOCK, jbs = (s->n + Q8_ROWS - 1) / Q8_ROWS;
+  size_t block_bytes = (size_t)Q8_ROWS * Q8_BLOCK * s->bits / 8;
+  uint8_t *q8 = calloc((size_t)jbs * blocks, block_bytes);
+  float *sc = calloc((size_t)jbs * blocks * Q8_ROWS, sizeof(float));
+  float *bi = calloc((size_t)jbs * blocks * Q8_ROWS, sizeof(float));
+  if (!q8 || !sc || !bi) {
+    free(q8), free(sc), free(bi);
+    return;
+  }
+  for (int j = 0; j < s->n; j++) {
+    const uint8_t *row = s->q + (size_t)j * s->row_bytes;
+    int jb = j / Q8_ROWS, r = j % Q8_ROWS;
+    for (int b = 0; b < blocks; b++) {
+      size_t at = (size_t)jb * blocks + b;
+      size_t g = ((size_t)j * s->k + (size_t)b * Q8_BLOCK) >> s->group_shift;
+      sc[at * Q8_ROWS + r] = s->scales[g];
+      bi[at * Q8_ROWS + r] = s->biases[g];
+      uint8_t *dst = q8 + at * block_bytes;
+      for (int e = 0; e < Q8_BLOCK; e++) {
+        int kk = b * Q8_BLOCK + e;
+        int code = s->bits == 4 ? (row[kk / 2] >> 4 * (kk % 2)) & 15 : row[kk];
+        if (s->bits == 8)
+          dst[64 * (e / 4) + 4 * r + e % 4] = (uint8_t)code;
+        else if (e < 16)
+          dst[64 * (e / 4) + 4 * r + e % 4] |= (uint8_t)code;
+        else
+          dst[64 * ((e - 16) / 4) + 4 * r + e % 4] |= (uint8_t)(code << 4);
+      }
+    }
+  }
+  s->q8 = q8, s->q8_scales = sc, s->q8_biases = bi;
+}
+
+/* Each thread's buffers of quantized rows. */
+static __thread int8_t *q8_codes_buf;
+static __thread float *q8_scale_buf;
+static __thread size_t q8_cap, q8_block_cap;
+
+/* A product of any rows by a weight with the 8-bit-activation layout: a's rows quantized by
+ * the calling thread, then split between the threads by output columns as every product.
+ * Returns 0 (nothing done) without the memory for the quantized rows. */
+static void skinny_product(const product_t *p);
+static int q8_product(product_t *p) {
+  size_t codes = (size_t)p->m * p->k, blocks = codes / Q8_BLOCK;
+  if (codes > q8_cap) {
+    free(q8_codes_buf);
+    q8_codes_buf = malloc(codes);
+    q8_cap = q8_codes_buf ? codes : 0;
+  }
+  if (blocks > q8_block_cap) {
+    free(q8_scale_buf);
+    q8_scale_buf = malloc(2 * blocks * sizeof(float));
+    q8_block_cap = q8_scale_buf ? blocks : 0;
+  }
+  if (codes > q8_cap || blocks > q8_block_cap)
+    return 0;
+  q8_quantize(p->a, p->m, p->lda, p->k, q8_codes_buf, q8_scale_buf, q8_scale_buf + blocks);
+  p->qa = q8_codes_buf, p->qd = q8_scale_buf, p->qs = q8_scale_buf + blocks;
+  atomic_fetch_add_explicit(&q8_served, 1, memory_order_relaxed);
+  skinny_product(p);
+  return 1;
+}
+
 /* Output columns [j0, j1) of a product whose weight is read stored: NR weight rows of a depth
  * block at a time are expanded into a buffer in the L1 cache and multiplied there by the
  * float32 kernel's own tiles, in product_columns's depth blocks, so every output is the same
@@ -843,6 +1059,10 @@ static void stored_columns(const product_t *p, int j0, int j1) {
 
 /* Output columns [j0, j1) for every row of a. */
 static void product_columns(const product_t *p, int j0, int j1) {
+  if (p->qa) {
+    q8_columns(p, j0, j1);
+    return;
+  }
   if (p->stored) {
     stored_columns(p, j0, j1);
     return;
@@ -1120,6 +1340,10 @@ static void setup(void) {
   const char *rows = getenv("SPECSTREAM_SKINNY_ROWS");
   const char *isa = getenv("SPECSTREAM_SKINNY_ISA");
   use_avx512 = __builtin_cpu_supports("avx512f") && !(isa && strcmp(isa, "avx2") == 0);
+  q8_capable = use_avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  const char *products = getenv("SPECSTREAM_PRODUCTS");
+  q8_wanted = products && strcmp(products, "q8") == 0;
+  atomic_store(&q8_on, q8_capable && q8_wanted);
   /* Where the kernel beats the library's GEMM on SmolLM2's shapes: up to 48 rows with
    * AVX-512 (56.9 against 78.1 ms at 48), up to 32 with AVX2 (60.1 against 63.1). */
   int want_rows = rows ? atoi(rows) : use_avx512 ? SKINNY_MAX_ROWS : 32;
@@ -1199,6 +1423,16 @@ static void publish_next(const product_t *p) {
   const struct stored_weight *s = stored_for(next, p->m, n, k, next_of[t].next_ldb);
   const char *ptr[3] = {(const char *)next, NULL, NULL};
   size_t row[3] = {(size_t)next_of[t].next_ldb * sizeof(float), 0, 0};
+  const struct stored_weight *q8 =
+      atomic_load_explicit(&q8_on, memory_order_relaxed) ? find_stored(next, n, k, next_of[t].next_ldb) : NULL;
+  if (q8 && q8->q8) { /* read by 8-bit activations: its layout for them */
+    s = NULL;
+    ptr[0] = (const char *)q8->q8;
+    row[0] = q8->row_bytes;
+    ptr[1] = (const char *)q8->q8_scales;
+    ptr[2] = (const char *)q8->q8_biases;
+    row[1] = row[2] = (size_t)k / Q8_BLOCK * sizeof(float);
+  }
   if (s) {
     size_t groups = (size_t)k >> s->group_shift;
     int in_registers = p->m == 1 || (use_avx512 && p->m <= fused_rows); /* stored_columns */
@@ -1278,6 +1512,9 @@ static int exact_products(const float *scales, size_t count, int bits) {
 }
 
 static void stored_free(struct stored_weight *e) {
+  free(e->q8);
+  free(e->q8_scales);
+  free(e->q8_biases);
   free(e->packed);
   free(e);
 }
@@ -1338,8 +1575,11 @@ int specstream_stored_register(const float *w, int n, int k, const void *q, int 
     expand(e, j, 0, k, row);
     same = memcmp(row, w + (size_t)j * k, (size_t)k * sizeof(float)) == 0;
   }
-  if (same)
+  if (same) {
     pack(e, row);
+    if (q8_capable && q8_wanted)
+      q8_pack(e);
+  }
   free(row);
   if (!same) {
     free(e);
@@ -1423,6 +1663,25 @@ int specstream_stored_set_rows(const float *w, int rows) {
 /* Weights registered now, and products served from stored forms so far. */
 int specstream_stored_count(void) { return atomic_load(&stored_count); }
 long long specstream_stored_served(void) { return atomic_load(&stored_served); }
+
+/* 8-bit activations: -1 where this CPU or the kernel cannot (no AVX512-VNNI, the kernel off),
+ * 0 off, 1 on; and the products computed with them so far. */
+int specstream_q8_state(void) {
+  if (kernel_rows() <= 0 || !q8_capable)
+    return -1;
+  return atomic_load(&q8_on);
+}
+long long specstream_q8_served(void) { return atomic_load(&q8_served); }
+
+/* Turns 8-bit activations on (1) or off (0) within a process, for measuring them against the
+ * float32 products setting by setting; only weights registered while SPECSTREAM_PRODUCTS=q8 was
+ * set carry the layout. Returns the state (specstream_q8_state). */
+int specstream_q8_set(int on) {
+  if (kernel_rows() <= 0 || !q8_capable)
+    return -1;
+  atomic_store(&q8_on, on != 0);
+  return on != 0;
+}
 
 /* Weights registered now whose products of up to FUSED_ROWS rows read repacked codes. */
 int specstream_stored_repacked(void) {
@@ -1534,6 +1793,16 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
    * layers: 51 rows) against the head's keys or values, a few hundred KB at most. They run
    * in equal blocks of rows the tiles take, each reading that operand from the cache again. */
   int blocked = most > 1 && m <= BLOCKED_MAX_ROWS && (long)n * k <= BLOCKED_MAX_WEIGHT;
+  if (layout && most > 0 && tb == TRANS && atomic_load_explicit(&q8_on, memory_order_relaxed)) {
+    /* Every product of a weight with the 8-bit-activation layout, whatever its rows: its
+     * outputs are the same bits for a row whichever product carries it. */
+    const struct stored_weight *s = find_stored(b, n, k, ldb);
+    if (s && s->q8) {
+      product_t p = {1, m, n, k, lda, ldb, ldc, alpha, beta, a, b, c, s, NULL, NULL, NULL};
+      if (q8_product(&p))
+        return;
+    }
+  }
   if (layout && m >= skinny_min_rows && (m <= most || blocked)) {
     int blocks = (m + most - 1) / most;
     const struct stored_weight *stored = tb == TRANS ? stored_for(b, m, n, k, ldb) : NULL;

@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional
 import mlx.core as mx
 
 from ..io.files import cache_root, read_cache_table, write_cache_table
-from ..platform_info import _cpu_name, _symbol, forwarder_words, kernel_version
+from ..platform_info import _cpu_name, _symbol, forwarder_words, kernel_version, set_q8_products
 from ..settings import current as current_settings
 from ..settings import stored_rows_count
 from .stored_weights import Registration, registration
@@ -109,7 +109,18 @@ def _weights_by_bits(reg: Registration) -> Dict[int, List[mx.array]]:
 def time_forms(reg: Registration, reps: int = REPS) -> Dict[int, Dict[int, Dict[str, float]]]:
     """Median seconds of every registered weight's product of each width, stored and float32,
     by row count (``LADDER``), until the float32 form has been the faster (``MARGIN``) at two
-    row counts running for every width. Leaves every weight read as stored at every row count."""
+    row counts running for every width. Leaves every weight read as stored at every row count.
+    Timed with the kernel's 8-bit activations off: they serve every row count alike, and the
+    limits are for the products that are the float32 weight's bits."""
+    q8 = set_q8_products(False)
+    try:
+        return _time_forms(reg, reps)
+    finally:
+        if q8:
+            set_q8_products(True)
+
+
+def _time_forms(reg: Registration, reps: int) -> Dict[int, Dict[int, Dict[str, float]]]:
     groups = _weights_by_bits(reg)
     widths = sorted(groups, key=lambda b: -len(groups[b]))  # the layers' width first, the head's last
     out: Dict[int, Dict[int, Dict[str, float]]] = {b: {} for b in widths}
