@@ -1041,15 +1041,21 @@ def products():
 set_ahead(ctypes.c_long(0))
 want = products()
 products()  # the order the weights follow each other in, noted
-set_ahead(ctypes.c_long(1024))
-before = ahead_read()
-got = products()
-set_ahead(ctypes.c_long(0))
-products()  # a read under way stops at the next product and is then counted
-time.sleep(0.05)
 half = (N // 2) * (K // 2 + 2 * (K // 32) * 4)  # codes, scales and biases of the first half
-print(json.dumps({"read": ahead_read() - before, "most": len(held) * half,
-                  "same": all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(got, want))}))
+read, most, same = 0, 0, True
+for attempt in range(3):  # a worker that got no core between products reads nothing: again
+    set_ahead(ctypes.c_long(1024))
+    before = ahead_read()
+    got = products()
+    set_ahead(ctypes.c_long(0))
+    products()  # a read under way stops at the next product and is then counted
+    time.sleep(0.05)
+    read += ahead_read() - before
+    most += len(held) * half
+    same = same and all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(got, want))
+    if read:
+        break
+print(json.dumps({"read": read, "most": most, "same": same}))
 """
 )
 

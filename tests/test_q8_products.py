@@ -173,11 +173,10 @@ print(json.dumps({"served": served() - before, "logits": logits.tolist(), "ar": 
 
 
 def test_a_quantized_model_decodes_with_eight_bit_activations_and_ss_still_equals_ar(quantized_dir):
-    """A tiny quantized model loaded with ``SPECSTREAM_PRODUCTS=q8``: its products take 8-bit
-    activations (on a CPU with AVX512-VNNI), its logits stay near the exact products', and here
-    greedy speculative decoding gives plain decoding's tokens with trees of 5 and 9 nodes (on
-    SmolLM2 it parts from them at near-ties: a pass's activations differ from a step's in their
-    last bits, which can round to other 8-bit codes)."""
+    """A quantized model loaded with ``SPECSTREAM_PRODUCTS=q8``: its products take 8-bit
+    activations (on a CPU with AVX512-VNNI), its logits stay near the exact products', and
+    greedy speculative decoding gives plain decoding's tokens with trees of 5 and 9 nodes: a
+    pass's main rows are a step's bits, so their 8-bit codes are the step's too."""
     runs = {}
     for setting in ("exact", "q8"):
         out = subprocess.run(

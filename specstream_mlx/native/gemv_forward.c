@@ -802,14 +802,16 @@ static float *strip(size_t floats) {
  * per block of 32 elements of a row a scale d = max|x| / 127 and codes round(x / d), and one
  * integer instruction (vpdpbusd) multiplies 64 weight codes by 4 activation codes each and
  * sums them in 16 lanes. A weight w = scale * q + bias then gives, per block,
- *   sum_k x_k w_k ~ scale * d * sum_k code_k q_k + bias * sum_k x_k,
- * the first sum exact in integers. The outputs are no longer the float32 product's bits
+ *   sum_k x_k w_k ~ scale * d * sum_k code_k q_k + bias * d * sum_k code_k,
+ * both sums exact in integers. The outputs are no longer the float32 product's bits
  * (that is the opt-in: SmolLM2's next-token distributions move by a mean KL of ~3e-3 nats),
  * but they are the same bits whatever the product's rows: a row's codes, scales and sums are
  * its own, and each output is summed block after block in one order by one thread. Every
- * product of such a weight, of any number of rows, runs here. (A tree pass's rows still
- * differ from a plain step's in their activations' last bits, from attention; rounded to 8
- * bits such a difference can change a code, and greedy ss then parts from ar at near-ties.)
+ * product of such a weight, of any number of rows, runs here. A tree pass's main rows are a
+ * plain step's bits before these products (attention's scores in the row tiles at every row
+ * count), so their 8-bit codes are the step's too and greedy ss still reproduces ar: while a
+ * pass's activations differed from a step's in their last bits, such a difference crossing a
+ * rounding boundary changed a code, and greedy ss parted from ar in 4 of 6 SmolLM2 replies.
  *
  * The weight is repacked at registration (q8_pack) in blocks of 16 output rows: per block of
  * 32 elements, 4-bit codes as 4 chunks of 64 bytes, byte 4r + e of chunk c holding element
