@@ -6,6 +6,8 @@ path are exactly the plain steps' logits: greedy speculative decoding reproduces
 decoding bit for bit, ties included.
 """
 
+from functools import partial
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from specstream_mlx.models.fusion import fuse_projections
 from specstream_mlx.platform_info import skinny_kernel
 from specstream_mlx.runtime.attention_choice import set_attention_form
 from specstream_mlx.runtime.cache import make_cache
+from specstream_mlx.runtime.compiled_pass import SSPass
 from specstream_mlx.runtime.plain_step import plain_step
 from specstream_mlx.runtime.steps import prefill
 from tests.helpers import KERNEL_NOT_LOADED
@@ -48,10 +51,12 @@ def test_attention_scores_give_a_row_the_same_bits_in_any_product():
 
 
 @pytest.mark.parametrize("attention", ["composed", "fused"])
-def test_a_pass_gives_the_plain_steps_logits_bit_for_bit(hf_models, attention):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_pass_gives_the_plain_steps_logits_bit_for_bit(hf_models, attention, compiled):
     """After the same prompt, a pass over a chain, a branching tree and a 9-node tree (streams at
-    every node or at none) gives, at each node of the accepted path, the logits that plain
-    decoding's compiled step gives at that position, bit for bit, in either attention form."""
+    every node or at none), op by op or compiled, gives at each node of the accepted path the
+    logits that plain decoding's compiled step gives at that position, bit for bit, in either
+    attention form."""
     if skinny_kernel() is None:
         pytest.fail(KERNEL_NOT_LOADED)
     _, _, dst = hf_models("mistral")  # a head dimension of 16: the kernel's vector width
@@ -66,6 +71,7 @@ def test_a_pass_gives_the_plain_steps_logits_bit_for_bit(hf_models, attention):
         prefill(base, prompt[:-1], cache, 512)
         return cache
 
+    forward = SSPass(base, streams, compiled=True) if compiled else partial(ss_forward, base, streams)
     step, cache = plain_step(base), fresh()
     offset = cache[0].offset
     tokens, want = [int(prompt[-1].item())], []
@@ -82,7 +88,7 @@ def test_a_pass_gives_the_plain_steps_logits_bit_for_bit(hf_models, attention):
     ]
     for tree, path in trees:
         for hosts in (None, np.zeros(0, dtype=np.int64)):
-            out = ss_forward(base, streams, tree, offset, fresh(), 0.0, None, hosts)
+            out = forward(tree, offset, fresh(), 0.0, None, hosts)
             got = np.array(out.main_logits.astype(mx.float32)).reshape(len(tree), -1)
             for depth, node in enumerate(path):
                 assert np.array_equal(_bits(got[node]), _bits(want[depth])), (tree.parents, hosts, depth)
