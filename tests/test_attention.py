@@ -206,6 +206,12 @@ def test_the_setting_picks_the_form_and_a_bad_one_is_named(tiny_model_dir, monke
     monkeypatch.setenv("SPECSTREAM_ATTENTION", "auto")
     monkeypatch.setattr(choice, "measured_forms", lambda layout: Forms("composed", "fused"))
     assert choose_attention(sm.base) == Forms("composed", "fused")
+    # With 8-bit activations on, one form for both: a pass's rows must reach every product as a
+    # plain step's bits to round to its codes (docs/DESIGN.md decision 46).
+    monkeypatch.setattr(choice, "q8_products", lambda: True)
+    assert choose_attention(sm.base) == Forms.both("composed")
+    monkeypatch.setattr(choice, "q8_products", lambda: None)  # a CPU without them
+    assert choose_attention(sm.base) == Forms("composed", "fused")
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

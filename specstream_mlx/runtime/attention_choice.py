@@ -29,6 +29,7 @@ import mlx.core as mx
 from ..cpu_jit import jit_words
 from ..io.files import cache_root, read_cache_table, write_cache_table
 from ..models.attention import FORMS, FORMS_VERSION, attention_fn
+from ..platform_info import q8_products
 from ..settings import current as current_settings
 from .plain_step import forget_plain_step
 
@@ -186,4 +187,10 @@ def choose_attention(model, setting: Optional[str] = None) -> Forms:
     setting = setting or configured_form()
     if setting != "auto":
         return Forms.both(setting)
-    return measured_forms(HeadLayout.of(model))
+    forms = measured_forms(HeadLayout.of(model))
+    if forms.rows != forms.one_row and q8_products():
+        # 8-bit activations round a pass's rows to a plain step's codes only where the rows
+        # reach each product as the step's bits, which takes one attention form for both
+        # (docs/DESIGN.md decision 46): otherwise greedy ss parts from ar at near-ties.
+        return Forms.both(forms.rows)
+    return forms
