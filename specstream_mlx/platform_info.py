@@ -660,8 +660,8 @@ def skinny_ahead_kb() -> int:
 
 def q8_products() -> Optional[bool]:
     """Whether the product kernel multiplies weights read as stored by 8-bit activations
-    (``SPECSTREAM_PRODUCTS=q8``, :mod:`specstream_mlx.settings`); None where it cannot here
-    (no AVX512-VNNI, or the kernel does not serve this process)."""
+    (``SPECSTREAM_PRODUCTS=q8``, read by the kernel itself; docs/DESIGN.md decision 46); None
+    where it cannot here (no AVX512-VNNI, or the kernel does not serve this process)."""
     state = _symbol("specstream_q8_state")
     code = int(state()) if state is not None else -1
     return None if code < 0 else bool(code)
