@@ -142,7 +142,7 @@ typedef struct {
   float *c;
   const struct stored_weight *stored; /* b's stored form, read instead of b (or NULL) */
   /* With 8-bit activations (q8_product): a's rows quantized, k bytes a row, and per block of
-   * 32 elements its scale and its elements' sum; NULL otherwise. */
+   * 32 elements its scale and the sum of the values its codes stand for; NULL otherwise. */
   const int8_t *qa;
   const float *qd, *qs;
 } product_t;
@@ -331,20 +331,6 @@ static int kn_columns_avx512(const product_t *p, int j, int j1) {
   return j;
 }
 
-/* A weight (n x k) with a short k (attention's keys, k = the head dimension) takes the row
- * tiles at every row count, like any weight stored (n x k), so that a row's outputs are the
- * same bits in a product of one row and of many: a tree pass's scores (several query rows of
- * a key/value head) are then exactly a plain step's, and so are its logits along the accepted
- * path, and greedy speculative decoding reproduces plain decoding bit for bit. From 4 rows on
- * the keys had been transposed into a buffer by blocks of 64 and multiplied with the outputs
- * in vector lanes (each score one chain of k multiply-adds, where the row tiles sum 16 lanes
- * of partial sums): at a 1,024-key context 27 rows took 44-45 against 65-71 us a product here
- * (examples/thin_products.py), but passes' logits differed from steps' by up to 2e-5, which
- * decided ties the other way (BFCL's parallel_multiple_73 under dynamic:12, dynamic:16@1,
- * dynamic:24) and would let 8-bit activations part from plain decoding everywhere
- * (bench/README.md). Summing the transposed block's lanes in the row tiles' order (16
- * accumulators a row) gave the same bits no faster than the row tiles (59-66 us). */
-
 /* Depth blocks: a weight stored (n x k) with a long k (SmolLM2's down projection, k = 1536)
  * is multiplied in blocks of k_block columns, each block's partial sums added into c, so that
  * the rows of a being multiplied stay in the L1 cache beside the weight rows of a tile (9 rows
@@ -357,7 +343,19 @@ static int kn_columns_avx512(const product_t *p, int j, int j1) {
  * and a half blocks are not split. */
 static int k_block = 512;
 
-/* Columns [j, j1) of a weight stored (n x k), in the row tiles. */
+/* Columns [j, j1) of a weight stored (n x k), in the row tiles. A weight with a short k too
+ * (attention's keys, k = the head dimension) takes them at every row count, so that a row's
+ * outputs are the same bits in a product of one row and of many: a tree pass's scores
+ * (several query rows of a key/value head) are then exactly a plain step's, and so are its
+ * logits along the accepted path, and greedy speculative decoding reproduces plain decoding
+ * bit for bit. Keys transposed into a buffer by blocks of 64 and multiplied with the outputs
+ * in vector lanes (each score one chain of k multiply-adds, where the row tiles sum 16 lanes
+ * of partial sums) are faster from 4 rows on -- at a 1,024-key context 27 rows 44-45 against
+ * 65-71 us a product (examples/thin_products.py) -- but a pass's logits then differ from a
+ * step's by up to 2e-5, which decides ties the other way (BFCL's parallel_multiple_73 under
+ * dynamic:12, dynamic:16@1, dynamic:24) and lets 8-bit activations part from plain decoding
+ * everywhere (bench/README.md). Summing the transposed block's lanes in the row tiles' order
+ * (16 accumulators a row) gives the same bits no faster than the row tiles (59-66 us). */
 static void row_columns(const product_t *p, int j, int j1) {
   void (*many)(const product_t *, int) = use_avx512 ? rows4_avx512 : rows4_avx2;
   void (*one)(const product_t *, int) = use_avx512 ? rows1_avx512 : rows1_avx2;
@@ -428,10 +426,10 @@ static const struct stored_weight *find_stored(const float *b, int n, int k, int
   return NULL;
 }
 
-/* The stored form a product of m rows by b (n x k) reads, or NULL: the float32 weight where
- * none is registered or, from more rows on than it is read stored, the same bits faster. */
-static const struct stored_weight *stored_for(const float *b, int m, int n, int k, int ldb) {
-  const struct stored_weight *s = find_stored(b, n, k, ldb);
+/* The stored form s (found by find_stored, or NULL) a product of m rows reads as stored, or
+ * NULL: the float32 weight where none is registered or, from more rows on than it is read
+ * stored, the same bits faster. */
+static const struct stored_weight *stored_for(const struct stored_weight *s, int m) {
   return s && m <= atomic_load_explicit(&s->max_rows, memory_order_relaxed) ? s : NULL;
 }
 
@@ -824,6 +822,12 @@ static int q8_capable;      /* AVX-512 with BW and VNNI: the layouts are built a
 static int q8_wanted;       /* SPECSTREAM_PRODUCTS=q8 */
 static atomic_int q8_on;    /* products use them (specstream_q8_set, for A/B in one process) */
 static atomic_llong q8_served; /* products computed with 8-bit activations, all told */
+
+/* Whether products of s (or NULL) take 8-bit activations now: its layout for them is built
+ * and the setting is on. */
+static int q8_reads(const struct stored_weight *s) {
+  return s && s->q8 && atomic_load_explicit(&q8_on, memory_order_relaxed);
+}
 
 /* Quantizes rows [0, m) of a (k elements, k a multiple of 32) into qa (m x k codes), qd and qs
  * (m x k/32 scales and sums). */
@@ -1422,17 +1426,16 @@ static void publish_next(const product_t *p) {
   if (next_of[t].key != p->b || !next)
     return;
   int n = next_of[t].next_n, k = next_of[t].next_k;
-  const struct stored_weight *s = stored_for(next, p->m, n, k, next_of[t].next_ldb);
+  const struct stored_weight *found = find_stored(next, n, k, next_of[t].next_ldb);
+  const struct stored_weight *s = stored_for(found, p->m);
   const char *ptr[3] = {(const char *)next, NULL, NULL};
   size_t row[3] = {(size_t)next_of[t].next_ldb * sizeof(float), 0, 0};
-  const struct stored_weight *q8 =
-      atomic_load_explicit(&q8_on, memory_order_relaxed) ? find_stored(next, n, k, next_of[t].next_ldb) : NULL;
-  if (q8 && q8->q8) { /* read by 8-bit activations: its layout for them */
+  if (q8_reads(found)) { /* read by 8-bit activations: its layout for them */
     s = NULL;
-    ptr[0] = (const char *)q8->q8;
-    row[0] = q8->row_bytes;
-    ptr[1] = (const char *)q8->q8_scales;
-    ptr[2] = (const char *)q8->q8_biases;
+    ptr[0] = (const char *)found->q8;
+    row[0] = found->row_bytes;
+    ptr[1] = (const char *)found->q8_scales;
+    ptr[2] = (const char *)found->q8_biases;
     row[1] = row[2] = (size_t)k / Q8_BLOCK * sizeof(float);
   }
   if (s) {
@@ -1795,19 +1798,17 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
    * layers: 51 rows) against the head's keys or values, a few hundred KB at most. They run
    * in equal blocks of rows the tiles take, each reading that operand from the cache again. */
   int blocked = most > 1 && m <= BLOCKED_MAX_ROWS && (long)n * k <= BLOCKED_MAX_WEIGHT;
-  if (layout && most > 0 && tb == TRANS && atomic_load_explicit(&q8_on, memory_order_relaxed)) {
+  const struct stored_weight *found = layout && most > 0 && tb == TRANS ? find_stored(b, n, k, ldb) : NULL;
+  if (q8_reads(found)) {
     /* Every product of a weight with the 8-bit-activation layout, whatever its rows: its
      * outputs are the same bits for a row whichever product carries it. */
-    const struct stored_weight *s = find_stored(b, n, k, ldb);
-    if (s && s->q8) {
-      product_t p = {1, m, n, k, lda, ldb, ldc, alpha, beta, a, b, c, s, NULL, NULL, NULL};
-      if (q8_product(&p))
-        return;
-    }
+    product_t p = {1, m, n, k, lda, ldb, ldc, alpha, beta, a, b, c, found, NULL, NULL, NULL};
+    if (q8_product(&p))
+      return;
   }
   if (layout && m >= skinny_min_rows && (m <= most || blocked)) {
     int blocks = (m + most - 1) / most;
-    const struct stored_weight *stored = tb == TRANS ? stored_for(b, m, n, k, ldb) : NULL;
+    const struct stored_weight *stored = stored_for(found, m);
     for (int i = 0, i0 = 0; i < blocks; i++) {
       int rows = (m - i0) / (blocks - i);
       product_t p = {tb == TRANS, rows, n, k, lda, ldb, ldc, alpha, beta, a + (size_t)i0 * lda, b, c + (size_t)i0 * ldc,
