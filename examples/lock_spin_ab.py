@@ -149,7 +149,7 @@ def main() -> int:
         if not q8_products():
             print(
                 "lock_spin_ab.py: 8-bit activations are not on here: start with SPECSTREAM_PRODUCTS=q8 "
-                "on a CPU with AVX512-VNNI",
+                "where the product kernel serves products (x86-64 Linux, AVX2)",
                 file=sys.stderr,
             )
             return 2

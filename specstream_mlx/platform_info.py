@@ -62,7 +62,7 @@ on only),
 expanded in registers rather than into a buffer, 1-9, default 9),
 ``SPECSTREAM_SKINNY_AHEAD_KB`` (how much of the next weight a waiting worker reads ahead,
 default 1024; 0: none);
-``SPECSTREAM_PRODUCTS=q8`` (where the CPU has AVX512-VNNI, weights read as stored are multiplied
+``SPECSTREAM_PRODUCTS=q8`` (weights read as stored are multiplied
 by 8-bit activations: faster, no longer the float32 products' bits, a row's outputs the same
 bits in any product; default ``exact``);
 ``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none),
@@ -661,7 +661,7 @@ def skinny_ahead_kb() -> int:
 def q8_products() -> Optional[bool]:
     """Whether the product kernel multiplies weights read as stored by 8-bit activations
     (``SPECSTREAM_PRODUCTS=q8``, read by the kernel itself; docs/DESIGN.md decision 46); None
-    where it cannot here (no AVX512-VNNI, or the kernel does not serve this process)."""
+    where it cannot here (the kernel does not serve this process)."""
     state = _symbol("specstream_q8_state")
     code = int(state()) if state is not None else -1
     return None if code < 0 else bool(code)

@@ -13,7 +13,7 @@ import sys
 from tests.test_fast_paths import _cpu_flags
 
 Q8_CHECK = r"""
-import ctypes, json
+import ctypes, hashlib, json
 import mlx.core as mx, numpy as np
 from specstream_mlx.platform_info import _symbol, forwarder_words, q8_products, set_q8_products
 from specstream_mlx.runtime.stored_weights import _kernel, _pointer
@@ -78,6 +78,7 @@ for bits, group, k, n in SHAPES:
         "served": served,
         "vs_scheme": float(np.abs(whole - ref).max() / np.abs(ref).max()),
         "vs_exact": float(np.abs(whole - exact).max() / np.abs(exact).max()),
+        "digest": hashlib.sha256(whole.tobytes()).hexdigest(),
     }
     # Turned off in the process: the stored form's exact products, the float32 weight's bits.
     set_q8_products(False)
@@ -104,38 +105,46 @@ def _product_env(**settings) -> dict:
 
 
 def _q8_capable() -> bool:
-    return {"avx512f", "avx512bw", "avx512_vnni"} <= _cpu_flags()
+    return {"avx2", "fma"} <= _cpu_flags()
 
 
 def test_eight_bit_activations_give_a_row_the_same_bits_in_any_product():
-    """With ``SPECSTREAM_PRODUCTS=q8`` on a CPU with AVX512-VNNI, every product by a registered
+    """With ``SPECSTREAM_PRODUCTS=q8`` on an x86-64 CPU with AVX2, every product by a registered
     weight (4 and 8 bits, groups of 32 to 128, any width, 1 to 300 rows) is computed from 8-bit
     activations: each row's outputs are the same bits whichever product carries it (what keeps
     greedy speculative decoding equal to plain decoding), they are what the scheme computes in
     float64 to float32's rounding, and within the scheme's error of the float32 product; turned
-    off in the process, the same weight's products are exact again. Where the CPU cannot, the
-    setting leaves every product exact and the kernel says so."""
-    out = subprocess.run(
-        [sys.executable, "-c", Q8_CHECK],
-        env=_product_env(SPECSTREAM_PRODUCTS="q8"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    if not _q8_capable():
-        assert res["state"] is None and "8-bit" not in res["words"], res
-        assert all(c["served"] == 0 and c["vs_exact"] < 1e-5 for c in res["cases"]), res
-        return
-    assert res["state"] is True and "8-bit activations" in res["words"], res
-    for case in res["cases"]:
-        assert all(case["same_bits_by_rows"].values()), case
-        # one product for the whole, one per block of rows for each row count
-        assert case["served"] == 1 + sum(-(-80 // m) for m in (1, 2, 3, 7, 8, 9, 13, 48, 49, 80)), case
-        assert case["vs_scheme"] < 2e-6, case
-        assert 1e-4 < case["vs_exact"] < 2e-2, case  # 8-bit activations: close, and not exact
-        assert case["off_served"] == 0 and case["off_exact_bits"], case
+    off in the process, the same weight's products are exact again. The AVX2 tiles (forced
+    with ``SPECSTREAM_SKINNY_ISA=avx2``) give the same bits as the AVX512-VNNI ones where the
+    CPU has them. Where the CPU cannot, the setting leaves every product exact and the kernel
+    says so."""
+    runs = {}
+    for isa in ("native", "avx2"):
+        settings = {"SPECSTREAM_PRODUCTS": "q8"}
+        if isa == "avx2":
+            settings["SPECSTREAM_SKINNY_ISA"] = "avx2"
+        out = subprocess.run(
+            [sys.executable, "-c", Q8_CHECK],
+            env=_product_env(**settings),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr
+        runs[isa] = res = json.loads(out.stdout.strip().splitlines()[-1])
+        if not _q8_capable():
+            assert res["state"] is None and "8-bit" not in res["words"], res
+            assert all(c["served"] == 0 and c["vs_exact"] < 1e-5 for c in res["cases"]), res
+            continue
+        assert res["state"] is True and "8-bit activations" in res["words"], res
+        for case in res["cases"]:
+            assert all(case["same_bits_by_rows"].values()), case
+            # one product for the whole, one per block of rows for each row count
+            assert case["served"] == 1 + sum(-(-80 // m) for m in (1, 2, 3, 7, 8, 9, 13, 48, 49, 80)), case
+            assert case["vs_scheme"] < 2e-6, case
+            assert 1e-4 < case["vs_exact"] < 2e-2, case  # 8-bit activations: close, and not exact
+            assert case["off_served"] == 0 and case["off_exact_bits"], case
+    assert [c["digest"] for c in runs["avx2"]["cases"]] == [c["digest"] for c in runs["native"]["cases"]]
 
 
 MODEL_CHECK = r"""

@@ -334,7 +334,7 @@ def doctor(
                 ", and multiplies them by 8-bit activations at every row count (SPECSTREAM_PRODUCTS=q8; "
                 "not the float32 products' bits)"
                 if q8
-                else "; SPECSTREAM_PRODUCTS=q8 would multiply them by 8-bit activations (AVX512-VNNI here)"
+                else "; SPECSTREAM_PRODUCTS=q8 would multiply them by 8-bit activations"
             )
         typer.echo(
             "quantized models: dequantized to float32 at load on the CPU backend "

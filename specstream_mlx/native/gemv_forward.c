@@ -38,7 +38,7 @@
  * registers rather than into a buffer, 1-9, default 9),
  * SPECSTREAM_SKINNY_AHEAD_KB (how much of the next weight a waiting worker reads ahead;
  * default 1024), SPECSTREAM_PRODUCTS (q8: weights read stored are multiplied by 8-bit
- * activations where the CPU has AVX512-VNNI; see "8-bit activations" below).
+ * activations; see "8-bit activations" below).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -795,11 +795,12 @@ static float *strip(size_t floats) {
  *
  * Read as stored, a 4-bit weight's products are bound by the expansion's arithmetic, not by
  * the bus (a permutation and a multiply-add per 16 weights and row; the 9-row tiles run at
- * ~66% of the multiply-add rate, bench/README.md). Where the CPU has AVX512-VNNI, a product
- * can instead take a's rows quantized to 8 bits, as llama.cpp multiplies its Q4/Q8 files:
- * per block of 32 elements of a row a scale d = max|x| / 127 and codes round(x / d), and one
- * integer instruction (vpdpbusd) multiplies 64 weight codes by 4 activation codes each and
- * sums them in 16 lanes. A weight w = scale * q + bias then gives, per block,
+ * ~66% of the multiply-add rate, bench/README.md). A product can instead take a's rows
+ * quantized to 8 bits, as llama.cpp multiplies its Q4/Q8 files: per block of 32 elements of a
+ * row a scale d = max|x| / 127 and codes round(x / d), and with AVX512-VNNI one integer
+ * instruction (vpdpbusd) multiplies 64 weight codes by 4 activation codes each and sums them in
+ * 16 lanes (with AVX2 alone, vpmaddubsw and vpmaddwd give the same integers: q8_tile_avx2). A
+ * weight w = scale * q + bias then gives, per block,
  *   sum_k x_k w_k ~ scale * d * sum_k code_k q_k + bias * d * sum_k code_k,
  * both sums exact in integers. The outputs are no longer the float32 product's bits
  * (that is the opt-in: SmolLM2's next-token distributions move by a mean KL of ~3e-3 nats),
@@ -817,8 +818,9 @@ static float *strip(size_t floats) {
  * and a shift give two instructions' operands), 8-bit codes as 8 chunks of 64 bytes (4
  * elements of each of the 16 rows); the scales and biases per block of 32, 16 rows side by
  * side. Rows past n (the last block) are zeros. */
-enum { Q8_BLOCK = 32, Q8_ROWS = 16, Q8_TILE = 8 };
-static int q8_capable;      /* AVX-512 with BW and VNNI: the layouts are built and can be used */
+enum { Q8_BLOCK = 32, Q8_ROWS = 16, Q8_TILE = 8, Q8_TILE_AVX2 = 4 };
+static int q8_capable;      /* the kernel serves products (AVX2 and FMA): the layouts can be used */
+static int q8_vnni;         /* AVX-512 with BW and VNNI: q8_tile; otherwise q8_tile_avx2 */
 static int q8_wanted;       /* SPECSTREAM_PRODUCTS=q8 */
 static atomic_int q8_on;    /* products use them (specstream_q8_set, for A/B in one process) */
 static atomic_llong q8_served; /* products computed with 8-bit activations, all told */
@@ -852,6 +854,41 @@ __attribute__((target("avx512f,avx512bw"))) static void q8_quantize(const float 
        * biases' signs mostly set against each other, cancel (x's own sum gave SmolLM2-shaped
        * products 2.5 times the error) */
       qs[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+}
+
+/* q8_quantize with AVX2: the same codes, scales and sums (the same rounding of the same
+ * products; a maximum and an integer sum do not depend on their order). */
+__attribute__((target("avx2,fma"))) static void q8_quantize_avx2(const float *a, int m, int lda, int k, int8_t *qa,
+                                                                 float *qd, float *qs) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int i = 0; i < m; i++)
+    for (int kk = 0; kk < k; kk += Q8_BLOCK) {
+      const float *x = a + (size_t)i * lda + kk;
+      __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8), x2 = _mm256_loadu_ps(x + 16),
+             x3 = _mm256_loadu_ps(x + 24);
+      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
+                                _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
+      float lanes[8], amax = 0.0f;
+      _mm256_storeu_ps(lanes, mx);
+      for (int l = 0; l < 8; l++)
+        amax = lanes[l] > amax ? lanes[l] : amax;
+      float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      __m256 vid = _mm256_set1_ps(id);
+      __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, vid)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, vid)),
+              q2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, vid)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, vid));
+      /* the packs work within 128-bit halves: dword l of the result holds codes 4(order[l])..+3 */
+      __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+      _mm256_storeu_si256((__m256i *)(qa + (size_t)i * k + kk), _mm256_permutevar8x32_epi32(bytes, order));
+      __m256i t = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+      int32_t parts[8], sum = 0;
+      _mm256_storeu_si256((__m256i *)parts, t);
+      for (int l = 0; l < 8; l++)
+        sum += parts[l];
+      size_t b = (size_t)i * (k / Q8_BLOCK) + kk / Q8_BLOCK;
+      qd[b] = d;
+      qs[b] = d * (float)sum;
     }
 }
 
@@ -934,12 +971,104 @@ q8_tile(const product_t *p, int i0, int jb, const int mr, const int bits) {
     }                                                                                                       \
   } while (0)
 
+/* q8_tile with AVX2 (no vpdpbusd): rows i0..i0+mr-1 of a by one half (8 rows) of weight block
+ * jb. vpmaddubsw multiplies unsigned weight codes by signed activation codes and adds pairs in
+ * 16 bits, saturating past 32,767: with codes of at most 4 bits (8-bit weights split into their
+ * two nibbles) a pair is at most 2 * 15 * 127 and a block's 8 pairs of a lane at most 30,480, so
+ * they add in 16 bits exactly and one vpmaddwd widens them (the high nibbles times 16). The sums
+ * are the same integers as vpdpbusd's, and the rest is q8_tile's arithmetic lane by lane: the
+ * outputs are the AVX-512 path's bits. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void q8_tile_avx2(const product_t *p, int i0, int jb,
+                                                                                   int half, const int mr,
+                                                                                   const int bits) {
+  const struct stored_weight *s = p->stored;
+  const int blocks = p->k / Q8_BLOCK;
+  const size_t block_bytes = (size_t)Q8_ROWS * Q8_BLOCK * bits / 8;
+  const uint8_t *c = s->q8 + (size_t)jb * blocks * block_bytes + 32 * half;
+  const float *sc = s->q8_scales + (size_t)jb * blocks * Q8_ROWS + 8 * half;
+  const float *bi = s->q8_biases + (size_t)jb * blocks * Q8_ROWS + 8 * half;
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+  __m256 acc[Q8_TILE_AVX2];
+  for (int r = 0; r < mr; r++)
+    acc[r] = _mm256_setzero_ps();
+  for (int b = 0; b < blocks; b++, c += block_bytes) {
+    __m256i lo[Q8_TILE_AVX2], hi[Q8_TILE_AVX2];
+    for (int r = 0; r < mr; r++)
+      lo[r] = hi[r] = _mm256_setzero_si256();
+    if (half == 0)
+      for (int l = 0; l < (int)block_bytes; l += 64) /* the block 8 ahead, both halves */
+        _mm_prefetch((const char *)(c + 8 * block_bytes + l), _MM_HINT_T0);
+    for (int ch = 0; ch < (bits == 4 ? 4 : 8); ch++) {
+      __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * ch));
+      __m256i vl = _mm256_and_si256(v, low4), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      for (int r = 0; r < mr; r++) {
+        const int8_t *x = p->qa + (size_t)(i0 + r) * p->k + b * Q8_BLOCK;
+        int32_t xl, xh;
+        if (bits == 4) { /* low nibbles: elements 4ch..+3, high: 16 + 4ch..+3 */
+          memcpy(&xl, x + 4 * ch, 4);
+          memcpy(&xh, x + 16 + 4 * ch, 4);
+        } else { /* both nibbles of elements 4ch..+3 */
+          memcpy(&xl, x + 4 * ch, 4);
+          xh = xl;
+        }
+        lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(vl, _mm256_set1_epi32(xl)));
+        hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(vh, _mm256_set1_epi32(xh)));
+      }
+    }
+    __m256 scale = _mm256_loadu_ps(sc + (size_t)b * Q8_ROWS), bias = _mm256_loadu_ps(bi + (size_t)b * Q8_ROWS);
+    for (int r = 0; r < mr; r++) {
+      __m256i sum = bits == 4 ? _mm256_madd_epi16(_mm256_add_epi16(lo[r], hi[r]), ones)
+                              : _mm256_add_epi32(_mm256_madd_epi16(lo[r], ones), _mm256_madd_epi16(hi[r], sixteen));
+      size_t at = (size_t)(i0 + r) * blocks + b;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(p->qd[at])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(bias, _mm256_set1_ps(p->qs[at]), acc[r]);
+    }
+  }
+  int j = jb * Q8_ROWS + 8 * half, lanes = p->n - j < 8 ? p->n - j : 8;
+  for (int r = 0; r < mr; r++) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[r]);
+    if (p->alpha == 1.0f && p->beta == 0.0f && lanes == 8)
+      memcpy(p->c + (size_t)(i0 + r) * p->ldc + j, out, sizeof out);
+    else
+      for (int l = 0; l < lanes; l++)
+        store(p, i0 + r, j + l, out[l]);
+  }
+}
+
+#define Q8_TILES_AVX2(BITS)                                                                                 \
+  do {                                                                                                      \
+    for (int jb = j0 / Q8_ROWS; jb < (j1 + Q8_ROWS - 1) / Q8_ROWS; jb++)                                    \
+      for (int half = 0; half < 2 && jb * Q8_ROWS + 8 * half < p->n; half++) {                              \
+        int i = 0;                                                                                          \
+        for (; i + Q8_TILE_AVX2 <= p->m; i += Q8_TILE_AVX2)                                                 \
+          q8_tile_avx2(p, i, jb, half, Q8_TILE_AVX2, BITS);                                                 \
+        switch (p->m - i) {                                                                                 \
+        case 3: q8_tile_avx2(p, i, jb, half, 3, BITS); break;                                               \
+        case 2: q8_tile_avx2(p, i, jb, half, 2, BITS); break;                                               \
+        case 1: q8_tile_avx2(p, i, jb, half, 1, BITS); break;                                               \
+        }                                                                                                   \
+      }                                                                                                     \
+  } while (0)
+
+__attribute__((target("avx2,fma"))) static void q8_columns_avx2(const product_t *p, int j0, int j1) {
+  if (p->stored->bits == 4)
+    Q8_TILES_AVX2(4);
+  else
+    Q8_TILES_AVX2(8);
+}
+
 /* Output columns [j0, j1) (j0 a multiple of 16: the pool's items are 64 columns). */
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void q8_columns(const product_t *p, int j0, int j1) {
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void q8_columns_vnni(const product_t *p, int j0,
+                                                                                     int j1) {
   if (p->stored->bits == 4)
     Q8_TILES(4);
   else
     Q8_TILES(8);
+}
+
+static void q8_columns(const product_t *p, int j0, int j1) {
+  (q8_vnni ? q8_columns_vnni : q8_columns_avx2)(p, j0, j1);
 }
 
 /* Builds s's 8-bit-activation layout (see above); leaves it NULL without the memory. */
@@ -1000,7 +1129,8 @@ static int q8_product(product_t *p) {
   }
   if (codes > q8_cap || blocks > q8_block_cap)
     return 0;
-  q8_quantize(p->a, p->m, p->lda, p->k, q8_codes_buf, q8_scale_buf, q8_scale_buf + blocks);
+  (q8_vnni ? q8_quantize : q8_quantize_avx2)(p->a, p->m, p->lda, p->k, q8_codes_buf, q8_scale_buf,
+                                             q8_scale_buf + blocks);
   p->qa = q8_codes_buf, p->qd = q8_scale_buf, p->qs = q8_scale_buf + blocks;
   atomic_fetch_add_explicit(&q8_served, 1, memory_order_relaxed);
   skinny_product(p);
@@ -1346,7 +1476,8 @@ static void setup(void) {
   const char *rows = getenv("SPECSTREAM_SKINNY_ROWS");
   const char *isa = getenv("SPECSTREAM_SKINNY_ISA");
   use_avx512 = __builtin_cpu_supports("avx512f") && !(isa && strcmp(isa, "avx2") == 0);
-  q8_capable = use_avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  q8_vnni = use_avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  q8_capable = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   const char *products = getenv("SPECSTREAM_PRODUCTS");
   q8_wanted = products && strcmp(products, "q8") == 0;
   atomic_store(&q8_on, q8_capable && q8_wanted);
@@ -1669,7 +1800,7 @@ int specstream_stored_set_rows(const float *w, int rows) {
 int specstream_stored_count(void) { return atomic_load(&stored_count); }
 long long specstream_stored_served(void) { return atomic_load(&stored_served); }
 
-/* 8-bit activations: -1 where this CPU or the kernel cannot (no AVX512-VNNI, the kernel off),
+/* 8-bit activations: -1 where the kernel cannot (off, or a CPU without AVX2),
  * 0 off, 1 on; and the products computed with them so far. */
 int specstream_q8_state(void) {
   if (kernel_rows() <= 0 || !q8_capable)
