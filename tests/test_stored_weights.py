@@ -80,3 +80,37 @@ def test_the_registrations_go_with_the_model(quantized_dir):
     del model
     gc.collect()
     assert _registered() == before
+
+
+def test_the_draft_heads_rows_are_read_as_stored_with_the_same_bits(quantized_dir, tmp_path):
+    """Streams with a draft vocabulary: their head (the LM head's rows of those entries,
+    read twice a pass) is registered with the model's weights; its products are served from
+    the stored rows and give the full head's logits at those entries bit for bit; it goes
+    with the model too."""
+    import shutil
+
+    from specstream_mlx.method.streams import save_streams
+
+    if skinny_kernel() is None:
+        pytest.fail(KERNEL_NOT_LOADED)
+    model_dir = tmp_path / "m"
+    shutil.copytree(quantized_dir, model_dir)
+    model, _ = load(str(model_dir), warn=False)
+    ids = np.array([7, 3, 90, 41, 5, 66, 12, 200, 1, 33, 150, 77, 2, 9, 120, 60, 250, 18, 44, 99])
+    model.streams.use_draft_vocab(model.base, ids)
+    save_streams(model.streams, model_dir)
+    del model
+    gc.collect()
+    before = _registered()
+    model, _ = load(str(model_dir), warn=False)
+    assert model.streams.draft_head.form is not None
+    assert _registered() == before + 4 * 4 + 1 + 1  # the layers, the tied head, the draft head
+    h = mx.array(np.random.default_rng(0).standard_normal((1, 3, 160)).astype(np.float32))
+    served = stored_weights.served()
+    got = np.array(model.streams.draft_logits(model.base, h))
+    assert stored_weights.served() == served + 1
+    want = np.array(model.base.lm_logits(h))[..., ids]
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    del model
+    gc.collect()
+    assert _registered() == before

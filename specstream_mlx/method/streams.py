@@ -290,6 +290,12 @@ class StreamParams(nn.Module):
         """The vocabulary entries the streams draft from, or None for all of them."""
         return self._draft_vocab
 
+    @property
+    def draft_head(self):
+        """The LM head's rows of the draft vocabulary (:meth:`~specstream_mlx.models.base.
+        CausalLM.head_rows`), or None without one."""
+        return self._draft_head
+
     def use_draft_vocab(self, model, ids) -> None:
         """Draft from the vocabulary entries ``ids`` only (None: all of them).
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import stored
 from .attention import attention_fn
 
 # adapter(projection name, input, output) -> output with a delta added.
@@ -522,35 +523,19 @@ class Model(nn.Module):
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
 
-    def head_rows(self, ids: mx.array) -> Callable[[mx.array], mx.array]:
+    def head_rows(self, ids: mx.array) -> "HeadRows":
         """The final norm and the LM head restricted to the vocabulary entries ``ids``:
         ``head_rows(ids)(h)`` is ``lm_logits(h)[..., ids]`` (to rounding), reading and
         multiplying ``len(ids)`` rows of the head's weights instead of the vocabulary's.
-        The rows are copied now, float or quantized as the head is."""
+        The rows are copied now, float or quantized as the head is, and where the head is a
+        float32 expansion that keeps its stored form, so do the rows."""
         layer = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
         rows = {k: layer[k][ids] for k in ("weight", "scales", "biases", "bias") if k in layer}
-        mx.eval(rows)
-        norm = self.model.norm
-        if "scales" in rows:
-            mode = getattr(layer, "mode", "affine")
-
-            def product(x: mx.array) -> mx.array:
-                return mx.quantized_matmul(
-                    x, rows["weight"], rows["scales"], rows.get("biases"), True, layer.group_size, layer.bits, mode
-                )
-
-        else:
-            weight_t = rows["weight"].T
-
-            def product(x: mx.array) -> mx.array:
-                return x @ weight_t
-
-        def head(h: mx.array) -> mx.array:
-            y = product(norm(h))
-            return y + rows["bias"] if "bias" in rows else y
-
-        return head
-
+        form = stored.stored_form(layer) if "scales" not in rows else None
+        if form is not None:
+            form = stored.StoredForm(form.weight[ids], form.scales[ids], form.biases[ids], form.bits, form.group_size)
+        mx.eval(rows, *(() if form is None else (form.weight, form.scales, form.biases)))
+        return HeadRows(self.model.norm, rows, layer, form)
     def token_logits(self, h: mx.array, ids: mx.array) -> mx.array:
         """(n,) logit of token ``ids[i]`` at hidden state ``h[i]`` ((n, hidden) before the
         final norm): ``lm_logits(h)[i, ids[i]]`` to rounding, from the ``n`` head rows alone."""
@@ -602,3 +587,31 @@ class Model(nn.Module):
         if self.args.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         return weights
+
+
+class HeadRows:
+    """A model's final norm and the rows ``ids`` of its LM head (:meth:`CausalLM.head_rows`):
+    ``head(h)`` is the logits of those entries. ``weight`` is the copied rows as the head
+    holds them; ``form`` their stored form where the head is a float32 expansion that keeps
+    one (the CPU product kernel can then read the rows as stored,
+    :func:`~specstream_mlx.runtime.stored_weights.register`), else None."""
+
+    def __init__(self, norm: nn.Module, rows: Dict[str, mx.array], layer: nn.Module, form=None):
+        self.norm, self.rows, self.form = norm, rows, form
+        self.weight = rows["weight"]
+        if "scales" in rows:
+            self._quantized = (getattr(layer, "mode", "affine"), layer.group_size, layer.bits)
+        else:
+            self._quantized = None
+            self._weight_t = self.weight.T
+
+    def product(self, x: mx.array) -> mx.array:
+        if self._quantized is None:
+            return x @ self._weight_t
+        mode, group_size, bits = self._quantized
+        rows = self.rows
+        return mx.quantized_matmul(x, rows["weight"], rows["scales"], rows.get("biases"), True, group_size, bits, mode)
+
+    def __call__(self, h: mx.array) -> mx.array:
+        y = self.product(self.norm(h))
+        return y + self.rows["bias"] if "bias" in self.rows else y

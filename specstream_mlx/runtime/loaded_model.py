@@ -150,7 +150,8 @@ def load(
         fuse_projections(lm.model, evaluate=False)
     if not lazy:
         mx.eval(lm.model.parameters())
-        register_stored(lm.model)
+        draft_head = lm.streams.draft_head if lm.streams is not None else None
+        register_stored(lm.model, extra=[draft_head] if draft_head is not None else [])
         limit_stored_rows(lm.model, log=lambda msg: print(f"specstream-mlx: {lm.path.name}: {msg}", file=sys.stderr))
     set_attention_form(lm.model, choose_attention(lm.model, attention))
     return SpeculativeModel(lm.model, lm.streams, lm.path), lm.tokenizer
