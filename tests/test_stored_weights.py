@@ -89,6 +89,7 @@ def test_the_draft_heads_rows_are_read_as_stored_with_the_same_bits(quantized_di
     with the model too."""
     import shutil
 
+    from specstream_mlx.bench.machine import weight_bytes
     from specstream_mlx.method.streams import save_streams
 
     if skinny_kernel() is None:
@@ -96,6 +97,7 @@ def test_the_draft_heads_rows_are_read_as_stored_with_the_same_bits(quantized_di
     model_dir = tmp_path / "m"
     shutil.copytree(quantized_dir, model_dir)
     model, _ = load(str(model_dir), warn=False)
+    step_bytes = weight_bytes(model.base)
     ids = np.array([7, 3, 90, 41, 5, 66, 12, 200, 1, 33, 150, 77, 2, 9, 120, 60, 250, 18, 44, 99])
     model.streams.use_draft_vocab(model.base, ids)
     save_streams(model.streams, model_dir)
@@ -105,6 +107,9 @@ def test_the_draft_heads_rows_are_read_as_stored_with_the_same_bits(quantized_di
     model, _ = load(str(model_dir), warn=False)
     assert model.streams.draft_head.form is not None
     assert _registered() == before + 4 * 4 + 1 + 1  # the layers, the tied head, the draft head
+    reg = stored_weights.registration(model.base)
+    assert (reg.weights, reg.extra) == (17, 1)
+    assert weight_bytes(model.base) == step_bytes  # a plain step does not read the draft head
     h = mx.array(np.random.default_rng(0).standard_normal((1, 3, 160)).astype(np.float32))
     served = stored_weights.served()
     got = np.array(model.streams.draft_logits(model.base, h))

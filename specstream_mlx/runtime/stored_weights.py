@@ -42,10 +42,12 @@ class Registration:
     """What :func:`register` did for one model.
 
     Attributes:
-        weights: float32 weights the kernel now reads as stored.
+        weights: the model's float32 weights the kernel now reads as stored.
+        extra: other weights registered with them (the streams' draft head).
         refused: weights with a stored form that the kernel does not take (a width, group or
             depth it does not serve, or values that differ from the float32 weight's).
-        stored_bytes: bytes of the registered weights' stored forms (packed, scales, biases).
+        stored_bytes: bytes of the registered model weights' stored forms (packed, scales,
+            biases).
         float_bytes: bytes of the same weights in float32.
         bits: each registered weight's width (4 or 8), by its pointer.
         row_limits: the most rows a product reads a weight of each width as stored
@@ -53,6 +55,7 @@ class Registration:
     """
 
     weights: int = 0
+    extra: int = 0
     refused: int = 0
     stored_bytes: int = 0
     float_bytes: int = 0
@@ -98,12 +101,12 @@ def register(model: nn.Module, extra: Sequence = ()) -> Registration:
     if register_fn is None or not current_settings().stored_weights:
         return done
     weights = [
-        (module.weight, stored_form(module))
+        (module.weight, stored_form(module), True)
         for _, module in model.named_modules()
         if isinstance(module, (nn.Linear, nn.Embedding))
     ]
-    weights += [(e.weight, e.form) for e in extra]
-    for w, form in weights:
+    weights += [(e.weight, e.form, False) for e in extra]
+    for w, form, parameter in weights:
         if form is None or w.dtype != mx.float32:
             continue
         arrays = (w, form.weight, form.scales, form.biases)  # scales and biases are float32
@@ -113,9 +116,12 @@ def register(model: nn.Module, extra: Sequence = ()) -> Registration:
         if register_fn(pointers[0], n, k, pointers[1], form.bits, form.group_size, pointers[2], pointers[3]) != 1:
             done.refused += 1
             continue
-        done.weights += 1
-        done.stored_bytes += sum(a.nbytes for a in arrays[1:])
-        done.float_bytes += w.nbytes
+        if not parameter:  # not one of the model's parameters: not in what a step reads
+            done.extra += 1
+        else:
+            done.weights += 1
+            done.stored_bytes += sum(a.nbytes for a in arrays[1:])
+            done.float_bytes += w.nbytes
         done._held.append((pointers[0], arrays))
         done.bits[pointers[0]] = form.bits
     if done._held:
