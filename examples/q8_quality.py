@@ -46,7 +46,8 @@ def main() -> int:
     if not q8_products():
         print(
             "q8_quality.py: 8-bit activations are not on here: start with SPECSTREAM_PRODUCTS=q8 under "
-            "env $(.venv/bin/python -m specstream_mlx.blas_env), where the product kernel serves products (x86-64 Linux, AVX2)",
+            "env $(.venv/bin/python -m specstream_mlx.blas_env), where the product kernel serves products "
+            "(x86-64 Linux, AVX2)",
             file=sys.stderr,
         )
         return 2

@@ -16,8 +16,8 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from functools import lru_cache
+from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx

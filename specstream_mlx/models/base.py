@@ -536,6 +536,7 @@ class Model(nn.Module):
             form = stored.StoredForm(form.weight[ids], form.scales[ids], form.biases[ids], form.bits, form.group_size)
         mx.eval(rows, *(() if form is None else (form.weight, form.scales, form.biases)))
         return HeadRows(self.model.norm, rows, layer, form)
+
     def token_logits(self, h: mx.array, ids: mx.array) -> mx.array:
         """(n,) logit of token ``ids[i]`` at hidden state ``h[i]`` ((n, hidden) before the
         final norm): ``lm_logits(h)[i, ids[i]]`` to rounding, from the ``n`` head rows alone."""

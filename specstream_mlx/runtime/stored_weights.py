@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..models.stored import StoredForm, stored_form
+from ..models.stored import stored_form
 from ..platform_info import _symbol
 from ..settings import current as current_settings
 
