@@ -292,8 +292,8 @@ class StreamParams(nn.Module):
 
     @property
     def draft_head(self):
-        """The LM head's rows of the draft vocabulary (:meth:`~specstream_mlx.models.base.
-        CausalLM.head_rows`), or None without one."""
+        """The LM head's rows of the draft vocabulary
+        (:meth:`~specstream_mlx.models.base.Model.head_rows`), or None without one."""
         return self._draft_head
 
     def use_draft_vocab(self, model, ids) -> None:

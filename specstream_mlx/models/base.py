@@ -591,7 +591,7 @@ class Model(nn.Module):
 
 
 class HeadRows:
-    """A model's final norm and the rows ``ids`` of its LM head (:meth:`CausalLM.head_rows`):
+    """A model's final norm and the rows ``ids`` of its LM head (:meth:`Model.head_rows`):
     ``head(h)`` is the logits of those entries. ``weight`` is the copied rows as the head
     holds them; ``form`` their stored form where the head is a float32 expansion that keeps
     one (the CPU product kernel can then read the rows as stored,
