@@ -832,35 +832,11 @@ static int q8_reads(const struct stored_weight *s) {
 }
 
 /* Quantizes rows [0, m) of a (k elements, k a multiple of 32) into qa (m x k codes), qd and qs
- * (m x k/32 scales and sums). */
-__attribute__((target("avx512f,avx512bw"))) static void q8_quantize(const float *a, int m, int lda, int k,
-                                                                    int8_t *qa, float *qd, float *qs) {
-  for (int i = 0; i < m; i++)
-    for (int kk = 0; kk < k; kk += Q8_BLOCK) {
-      const float *x = a + (size_t)i * lda + kk;
-      __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
-      __m512 mx = _mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1));
-      float amax = _mm512_reduce_max_ps(mx);
-      float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-      __m512 vid = _mm512_set1_ps(id);
-      /* round to nearest even (the default rounding mode); |x * id| <= 127 */
-      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
-      _mm_storeu_si128((__m128i *)(qa + (size_t)i * k + kk), _mm512_cvtepi32_epi8(q0));
-      _mm_storeu_si128((__m128i *)(qa + (size_t)i * k + kk + 16), _mm512_cvtepi32_epi8(q1));
-      size_t b = (size_t)i * (k / Q8_BLOCK) + kk / Q8_BLOCK;
-      qd[b] = d;
-      /* the sum of the values the codes stand for, not of x: a weight's bias then multiplies
-       * the same activations as its codes do, and the two errors, which the scales' and the
-       * biases' signs mostly set against each other, cancel (x's own sum gave SmolLM2-shaped
-       * products 2.5 times the error) */
-      qs[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    }
-}
-
-/* q8_quantize with AVX2: the same codes, scales and sums (the same rounding of the same
- * products; a maximum and an integer sum do not depend on their order). */
-__attribute__((target("avx2,fma"))) static void q8_quantize_avx2(const float *a, int m, int lda, int k, int8_t *qa,
-                                                                 float *qd, float *qs) {
+ * (m x k/32 scales and sums). One implementation for both tile paths (AVX2 is there wherever the
+ * kernel serves), so a row's codes are the same whichever tiles multiply them; its cost is a
+ * small part of a product's (k elements a row against the n x k weight). */
+__attribute__((target("avx2,fma"))) static void q8_quantize(const float *a, int m, int lda, int k, int8_t *qa,
+                                                            float *qd, float *qs) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int i = 0; i < m; i++)
@@ -876,6 +852,7 @@ __attribute__((target("avx2,fma"))) static void q8_quantize_avx2(const float *a,
         amax = lanes[l] > amax ? lanes[l] : amax;
       float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
       __m256 vid = _mm256_set1_ps(id);
+      /* round to nearest even (the default rounding mode); |x * id| <= 127 */
       __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, vid)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, vid)),
               q2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, vid)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, vid));
       /* the packs work within 128-bit halves: dword l of the result holds codes 4(order[l])..+3 */
@@ -888,6 +865,10 @@ __attribute__((target("avx2,fma"))) static void q8_quantize_avx2(const float *a,
         sum += parts[l];
       size_t b = (size_t)i * (k / Q8_BLOCK) + kk / Q8_BLOCK;
       qd[b] = d;
+      /* the sum of the values the codes stand for, not of x: a weight's bias then multiplies
+       * the same activations as its codes do, and the two errors, which the scales' and the
+       * biases' signs mostly set against each other, cancel (x's own sum gave SmolLM2-shaped
+       * products 2.5 times the error) */
       qs[b] = d * (float)sum;
     }
 }
@@ -1129,8 +1110,7 @@ static int q8_product(product_t *p) {
   }
   if (codes > q8_cap || blocks > q8_block_cap)
     return 0;
-  (q8_vnni ? q8_quantize : q8_quantize_avx2)(p->a, p->m, p->lda, p->k, q8_codes_buf, q8_scale_buf,
-                                             q8_scale_buf + blocks);
+  q8_quantize(p->a, p->m, p->lda, p->k, q8_codes_buf, q8_scale_buf, q8_scale_buf + blocks);
   p->qa = q8_codes_buf, p->qd = q8_scale_buf, p->qs = q8_scale_buf + blocks;
   atomic_fetch_add_explicit(&q8_served, 1, memory_order_relaxed);
   skinny_product(p);
