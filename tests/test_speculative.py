@@ -291,16 +291,20 @@ def test_tree_spec_lookup_text():
 def test_the_stream_lora_leaves_main_rows_bit_for_bit_and_adds_its_delta_to_stream_rows():
     """In a pass the streams' LoRA is confined to stream rows by a row mask, in one fused
     element-wise kernel: main rows keep the frozen projection's bits (what keeps lossless
-    mode exact), stream rows get ``scale * (x @ a) @ b`` added."""
+    mode exact), a zero's sign and a row whose delta is not finite included; stream rows get
+    ``scale * (x @ a) @ b`` added."""
     from specstream_mlx.method.streams import LoRA, LoRAAdapter, stream_row_mask
 
     rng = np.random.default_rng(3)
     lora = LoRA(24, 40, rank=4, scale=2.0)
+    lora.a = mx.array(rng.standard_normal((24, 4)).astype(np.float32))
     lora.b = mx.array(rng.standard_normal((4, 40)).astype(np.float32))
     x = mx.array(rng.standard_normal((1, 7, 24)).astype(np.float32))
     y = mx.array(rng.standard_normal((1, 7, 40)).astype(np.float32))
     y[0, 1, 3] = -0.0  # a zero's sign, kept too
-    out = np.array(LoRAAdapter({"q_proj": lora}, stream_row_mask(4, 7))("q_proj", x, y))
+    x_inf = mx.array(np.array(x))
+    x_inf[0, 2, :] = mx.inf  # a non-finite delta on a main row stays off it
+    out = np.array(LoRAAdapter({"q_proj": lora}, stream_row_mask(4, 7))("q_proj", x_inf, y))
     assert np.array_equal(out[:, :4].view(np.uint32), np.array(y)[:, :4].view(np.uint32))
     want = np.array(y)[:, 4:] + 2.0 * (np.array(x)[:, 4:] @ np.array(lora.a) @ np.array(lora.b))
     assert np.allclose(out[:, 4:], want, rtol=1e-5, atol=1e-5)
