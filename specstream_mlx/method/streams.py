@@ -212,9 +212,10 @@ def _masked_delta(scale: float):
     # y + scale·t on stream rows, y itself on main rows, as one element-wise kernel: one dispatch
     # instead of three, 56 fewer in a SmolLM2 pass with streams. Selected rather than multiplied
     # by the mask: y + 0·t turned a main row's -0.0 into +0.0 and a non-finite t into NaN there;
-    # stream rows get the same bits as y + (scale·t)·1. Its 28 stream LoRAs at 17 rows alone: 1.57 against 1.76 ms; a 9-node pass with
-    # streams at two hosts 0.981x as long with 8-bit activations, 0.992x without (throwaway
-    # scripts, 30 and 60 rounds interleaved in one process: about 1%, the noise's size).
+    # stream rows get the same bits as y + (scale·t)·1. The 28 stream LoRAs at 17 rows alone:
+    # 1.57 against 1.76 ms; a 9-node pass with streams at two hosts 0.981-0.988x as long with
+    # 8-bit activations, 0.992x without (throwaway scripts, 30 and 60 rounds interleaved in one
+    # process: about 1%, the noise's size).
     return mx.compile(lambda y, t, m: mx.where(m > 0, y + scale * t, y), shapeless=True)
 
 
