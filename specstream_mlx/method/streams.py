@@ -224,8 +224,8 @@ class LoRAAdapter:
 
     ``row_mask`` (1, R, 1), 1.0 on stream rows and 0.0 on main rows, confines
     the delta to stream rows (lossless mode: main rows keep the frozen
-    projection exactly, since y + 0·delta == y). Multiplying by a mask costs
-    one broadcast instead of slicing and re-concatenating rows in every
+    projection exactly, selected from y). Selecting by a mask costs one
+    broadcast instead of slicing and re-concatenating rows in every
     projection (computing the LoRA of the stream rows only and concatenating
     was no faster at SmolLM2's 8 stream rows of 17). None adds the delta to every row."""
 
