@@ -53,3 +53,21 @@ def test_skinny_rows_ab_refuses_bad_rows_and_settings_in_one_line():
         assert out.returncode != 0 and out.stdout == "", out
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0] and "Traceback" not in out.stderr, out.stderr
+
+
+def test_chain_pass_cost_refuses_bad_rows_and_counts_in_one_line():
+    """A bad row count or count of rounds is named in one line before any model is loaded."""
+    import subprocess
+    import sys
+
+    for args, words in [
+        (["--rows", "2,0"], "--rows '2,0'"),
+        (["--rows", "9,x"], "--rows '9,x'"),
+        (["--rows", "2", "--reps", "0"], "--reps 0"),
+    ]:
+        out = subprocess.run(
+            [sys.executable, str(EXAMPLES / "chain_pass_cost.py"), *args], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode != 0 and out.stdout == "", out
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0] and "Traceback" not in out.stderr, out.stderr
