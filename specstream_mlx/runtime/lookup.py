@@ -50,20 +50,44 @@ class NgramIndex:
         return []
 
 
+class HitRates:
+    """How often a request's n-gram continuations are right: ``first`` the rate at which a
+    continuation's first token is the one decoding decided, ``later`` the rate for each
+    further token given the ones before it matched (a copied span tends to go on). Both
+    start at Beta(1, 1) ([hits, tries])."""
+
+    def __init__(self):
+        self.first = [1, 2]
+        self.later = [1, 2]
+
+    def scores(self, length: int) -> List[float]:
+        """Path scores of a continuation of ``length`` tokens: the chance that each of its
+        prefixes is right."""
+        p1, p2 = self.first[0] / self.first[1], self.later[0] / self.later[1]
+        return [p1 * p2**k for k in range(length)]
+
+    def count(self, chain: Sequence[int], tokens: Sequence[int]) -> None:
+        """Count a continuation against the tokens decoding decided after it."""
+        for k, (want, got) in enumerate(zip(chain, tokens)):
+            rate = self.first if k == 0 else self.later
+            rate[1] += 1
+            if want != got:
+                break
+            rate[0] += 1
+
+
 class LookupBranch:
     """The n-gram continuation a ``+lookup`` tree merges in, with its measured hit rates.
 
-    Scores are calibrated on the request itself: ``first`` is the rate at which a
-    continuation's first token is the one decoding decided, ``later`` the rate for each
-    further token given the ones before it matched (a copied span tends to go on). Both
-    start at Beta(1, 1) and count every pass's decided tokens, whether or not the
+    Scores are calibrated on the request itself (``rates``, shared with the request's
+    :class:`LookupReplay`: what lookup passes replayed over its plain tokens showed counts
+    as what its real passes show). Every pass's decided tokens count, whether or not the
     continuation's nodes made it into the tree."""
 
-    def __init__(self, length: int):
+    def __init__(self, length: int, rates: Optional[HitRates] = None):
         self.length = length
         self.index: Optional[NgramIndex] = None
-        self.first = [1, 2]  # [hits, tries]
-        self.later = [1, 2]
+        self.rates = rates if rates is not None else HitRates()
         self.chain: List[int] = []
 
     def propose(self, decided: Sequence[int]) -> "tuple[List[int], List[float]]":
@@ -73,17 +97,11 @@ class LookupBranch:
         else:
             self.index.extend(decided[len(self.index.history) :])
         self.chain = self.index.draft(self.length)
-        p1, p2 = self.first[0] / self.first[1], self.later[0] / self.later[1]
-        return self.chain, [p1 * p2**k for k in range(len(self.chain))]
+        return self.chain, self.rates.scores(len(self.chain))
 
     def observe(self, tokens: Sequence[int]) -> None:
         """Count the last proposal against the tokens its pass decided."""
-        for k, (want, got) in enumerate(zip(self.chain, tokens)):
-            rate = self.first if k == 0 else self.later
-            rate[1] += 1
-            if want != got:
-                break
-            rate[0] += 1
+        self.rates.count(self.chain, tokens)
         self.chain = []
 
     def forget(self) -> None:
@@ -95,12 +113,19 @@ class LookupReplay:
     """What lookup passes would have accepted over tokens decoded without them. Greedy
     decoding decides the same tokens whichever way it drafts, so the passes can be replayed
     exactly: a pass at position ``p`` drafts the continuation of ``decided[:p]``, accepts
-    its longest prefix that ``decided[p:]`` repeats (``a`` tokens) and decides ``a + 1``."""
+    its longest prefix that ``decided[p:]`` repeats (``a`` tokens) and decides ``a + 1``.
+    Each replayed continuation is counted in ``rates`` as a real pass's would be: the
+    request's lookup branch scores its continuations by them. (Without them, a branch that
+    began after a replayed copy scored its continuations by the prior alone; on SmolLM2's
+    copying demo prompt, with a lookup pass's stored cost at 2.76 plain steps, no
+    continuation cleared that gate, no pass ran to re-time the arm, and the reply decoded
+    plainly while prompt lookup alone ran 1.6-1.9x as fast.)"""
 
     def __init__(self, length: int):
         self.length = length
         self.index = NgramIndex()
         self.pos = 0  # where the next replayed pass starts
+        self.rates = HitRates()
 
     def replay(self, decided: Sequence[int], start: int) -> List[int]:
         """Accepted lengths of the passes whose tokens are all decided, from ``start`` (the
@@ -113,6 +138,7 @@ class LookupReplay:
             a = 0
             while a < len(chain) and chain[a] == decided[self.pos + a]:
                 a += 1
+            self.rates.count(chain, decided[self.pos : self.pos + len(chain)])
             out.append(a)
             self.pos += a + 1
         return out

@@ -417,7 +417,7 @@ def _ss_loop(
             # The lookup arm with no continuation worth verifying: plain tokens, pipelined as
             # `ar` runs them, until one is (a root-only pass would run op by op).
             if lookup is None:
-                lookup = LookupBranch(plan.next_tree.lookup)
+                lookup = LookupBranch(plan.next_tree.lookup, replay.rates)
             seed, root = int(rng.integers(2**31)), draft.tree.tokens[0]
             stretch = _lookup_stretch(sm.base, root, sampling, cache, seed, policy, lookup, decided)
             root = yield from _recorded(stretch, decided)
@@ -437,7 +437,7 @@ def _ss_loop(
         if lookup is not None:
             lookup.observe(step.tokens)
         if plan.next_tree.lookup and (lookup is None or lookup.length != plan.next_tree.lookup):
-            lookup = LookupBranch(plan.next_tree.lookup)
+            lookup = LookupBranch(plan.next_tree.lookup, replay.rates)
         # On the lookup arm a continuation not worth a pass is dropped: plain steps follow.
         gate = plan.hosting == NO_STREAMS
         chain, chain_scores = _proposal(policy, lookup, decided, gate) if plan.next_tree.lookup else ([], [])
