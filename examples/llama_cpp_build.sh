@@ -37,8 +37,8 @@ llama_cpp_tool() {
       rm -rf "$peer/unpack" "$peer/download"
     fi
     PATH=$peer/tools/bin:$PATH cmake -S "$peer/src" -B "$peer/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF > "$peer/configure.log"
-    PATH=$peer/tools/bin:$PATH cmake --build "$peer/build" --target "$1" -j "$threads" > "$peer/build-$1.log"
+      -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF > "$peer/configure.log" 2>&1
+    PATH=$peer/tools/bin:$PATH cmake --build "$peer/build" --target "$1" -j "$threads" > "$peer/build-$1.log" 2>&1
   fi
   [ -x "$tool" ] || { echo "llama.cpp's $1 did not build: see $peer/configure.log and $peer/build-$1.log" >&2; return 1; }
   echo "$tool"
