@@ -61,6 +61,8 @@ out, rounds, json_out, version = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys
 rounds_out = []
 for r in range(1, rounds + 1):
     tests = json.load(open(f"{out}/llama-{r}.json"))
+    for t in tests:  # the file's name, not where this machine keeps it
+        t["model_filename"] = t["model_filename"].rsplit("/", 1)[-1]
     llama = next(t for t in tests if t["n_gen"] > 0)
     batches = {t["n_prompt"]: 1e3 * t["n_prompt"] / t["avg_ts"] for t in tests if t["n_prompt"] > 0}
     exact, q8 = (json.load(open(f"{out}/{m}-{r}.json")) for m in ("exact", "q8"))
