@@ -18,33 +18,36 @@ lookup=$(llama_cpp_tool llama-lookup)
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-# Each demo prompt: its user text, its formatted prompt and its token budget, one JSON per line.
-"$py" - > "$out/prompts.jsonl" <<'PY'
-import json
+# Each demo prompt, written once as files: its user text (what specstream-mlx is given, on
+# stdin), the prompt formatted with the chat template (llama.cpp's -f drops one final newline,
+# so the file carries one more than the template's "assistant\n") and its token budget.
+n=$("$py" - "$out" <<'PY'
+import sys
 from specstream_mlx import load
 from specstream_mlx.demo.run import DEMOS
+out = sys.argv[1]
 _, tok = load("smollm2", warn=False)
-for d in DEMOS:
+for i, d in enumerate(DEMOS):
     text = tok.apply_chat_template([{"role": "user", "content": d.prompt}], add_generation_prompt=True, tokenize=False)
-    print(json.dumps({"user": d.prompt, "formatted": text, "max_tokens": d.max_tokens}))
+    open(f"{out}/prompt-{i}.user", "w").write(d.prompt)
+    open(f"{out}/prompt-{i}.llama", "w").write(text + "\n")
+    open(f"{out}/prompt-{i}.max", "w").write(str(d.max_tokens))
+print(len(DEMOS))
 PY
-n=$(wc -l < "$out/prompts.jsonl")
-field() { "$py" -c "import json, sys; print(json.loads(open(sys.argv[1]).readlines()[int(sys.argv[2])])[sys.argv[3]], end='')" "$out/prompts.jsonl" "$1" "$2"; }
+)
 runs=(llama-plain llama-lookup ar ss)
 for r in $(seq 1 "$rounds"); do
   for p in $(seq 0 $((n - 1))); do
-    user=$(field "$p" user)
-    formatted=$(field "$p" formatted)
-    max=$(field "$p" max_tokens)
+    max=$(< "$out/prompt-$p.max")
     for i in 0 1 2 3; do
       run=${runs[$(((i + r + p - 1) % 4))]}
       case $run in
-        llama-plain) "$completion" -m "$gguf" -p "$formatted" -n "$max" --temp 0 -t "$threads" -no-cnv \
+        llama-plain) "$completion" -m "$gguf" -f "$out/prompt-$p.llama" -n "$max" --temp 0 -t "$threads" -no-cnv \
                        > "$out/$run-$r-$p.txt" 2> "$out/$run-$r-$p.log" ;;
-        llama-lookup) "$lookup" -m "$gguf" -p "$formatted" -n "$max" --temp 0 -t "$threads" \
+        llama-lookup) "$lookup" -m "$gguf" -f "$out/prompt-$p.llama" -n "$max" --temp 0 -t "$threads" \
                         > "$out/$run-$r-$p.txt" 2> "$out/$run-$r-$p.log" ;;
-        ar | ss) "$cli" generate --model smollm2 --mode "$run" --tree auto --temp 0 -m "$max" --prompt "$user" \
-                   --json > "$out/$run-$r-$p.json" 2> /dev/null ;;
+        ar | ss) "$cli" generate --model smollm2 --mode "$run" --tree auto --temp 0 -m "$max" --prompt - \
+                   --json < "$out/prompt-$p.user" > "$out/$run-$r-$p.json" 2> /dev/null ;;
       esac
     done
   done

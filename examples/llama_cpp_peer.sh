@@ -40,10 +40,10 @@ for r in $(seq 1 "$rounds"); do
     case $run in
       llama) "$bench" -m "$gguf" -t "$threads" -p "$rows" -n "$tokens" -d "$context" -r 3 -o json \
                > "$out/llama-$r.json" 2> "$out/llama-$r.log" ;;
-      passes-exact) env -u SPECSTREAM_PRODUCTS $(.venv/bin/python -m specstream_mlx.blas_env) "$py" \
+      passes-exact) env -u SPECSTREAM_PRODUCTS $("$py" -m specstream_mlx.blas_env) "$py" \
                examples/chain_pass_cost.py --rows "$rows" --context "$context" --json "$out/passes-exact-$r.json" \
                > /dev/null ;;
-      passes-q8) SPECSTREAM_PRODUCTS=q8 env $(.venv/bin/python -m specstream_mlx.blas_env) "$py" \
+      passes-q8) SPECSTREAM_PRODUCTS=q8 env $("$py" -m specstream_mlx.blas_env) "$py" \
                examples/chain_pass_cost.py --rows "$rows" --context "$context" --json "$out/passes-q8-$r.json" \
                > /dev/null ;;
       exact) env -u SPECSTREAM_PRODUCTS "$cli" floor --model smollm2 --rounds 1 --tokens "$tokens" \
