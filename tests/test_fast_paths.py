@@ -768,13 +768,17 @@ register, unregister = _kernel()
 most = skinny_kernel()[1]
 rng = np.random.default_rng(0)
 repacked = _symbol("specstream_stored_repacked")
+held = _symbol("specstream_stored_bytes")
+held.restype, held.argtypes = ctypes.c_longlong, [ctypes.c_void_p]
 out = {"cases": 0, "apart": [], "served": [], "expected": [], "refused": [], "repacked": []}
+out.update(held=[], want_held=[])
 
 
 def expanded(k, n, bits, group, f16):
     q, s, b = mx.quantize(mx.array(rng.standard_normal((n, k)).astype(np.float32)), group_size=group, bits=bits)
-    if f16:  # scales and biases as a float16 file stores them
-        s, b = s.astype(mx.float16).astype(mx.float32), b.astype(mx.float16).astype(mx.float32)
+    if f16:  # scales (and, unless f16 == "scales", biases) as a float16 file stores them
+        s = s.astype(mx.float16).astype(mx.float32)
+        b = b if f16 == "scales" else b.astype(mx.float16).astype(mx.float32)
     w = mx.dequantize(q, s, b, group, bits)
     mx.eval(q, s, b, w)
     return w, (q, s, b)
@@ -788,16 +792,19 @@ def reg(w, form, bits, group):
 # Widths, groups, depths whole (576) and in blocks (1536, with the kernel's 512-column
 # blocks), and columns not a multiple of the tile; every row count a tile takes, and more
 # (49 and 80 rows: these weights are small, so the kernel takes them in blocks of rows).
-# Scales as float16 (every code times a scale exact: one multiply-add expands) and as float32
-# (two roundings).
+# Scales as float16 (every code times a scale exact: one multiply-add expands; the kernel then
+# holds them and the biases as float16) and as float32 (two roundings); float16 scales with
+# float32 biases (both held as float32).
 for bits, group, k, n, f16 in [
     (4, 32, 576, 197, True), (8, 32, 1536, 70, True), (4, 64, 1536, 133, False), (8, 128, 640, 64, False),
-    (4, 32, 160, 35, True)]:
+    (4, 32, 160, 35, True), (4, 32, 576, 64, "scales")]:
     w, form = expanded(k, n, bits, group, f16)
     rows = [rng.standard_normal((m, k)).astype(np.float32) for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32, 48, 49, 80)]
     plain = [np.array(mx.array(a) @ w.T) for a in rows]  # not registered: the float32 kernel
     assert reg(w, form, bits, group) == 1, (bits, group, k, n)
     out["repacked"].append(repacked())
+    out["held"].append(held(_pointer(w)))
+    out["want_held"].append(n * k * bits // 8 + 2 * n * (k // group) * (2 if f16 is True else 4))
     before = served()
     for a, want in zip(rows, plain):
         got = np.array(mx.array(a) @ w.T)
@@ -832,7 +839,8 @@ def test_weights_read_as_stored_give_the_float32_products_bits(isa):
     ``SPECSTREAM_SKINNY_FUSED_ROWS=1``; depth blocks that are not whole steps of the
     register loops, ``SPECSTREAM_SKINNY_KBLOCK=400``) gives the bits the float32 weight
     gives, an unregistered weight is read as float32 again, and a form whose values are not
-    the weight's (or a shape the kernel does not take) is refused."""
+    the weight's (or a shape the kernel does not take) is refused. Scales and biases that are
+    all exactly float16 are held (and read) as float16: the bytes the kernel reports."""
     import json
     import os
     import subprocess
@@ -855,10 +863,11 @@ def test_weights_read_as_stored_give_the_float32_products_bits(isa):
     out = subprocess.run([sys.executable, "-c", STORED_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["cases"] == 70 and res["apart"] == [], res
+    assert res["cases"] == 84 and res["apart"] == [], res
+    assert res["held"] == res["want_held"], res
     # One row reads four-bit codes repacked where the kernel runs AVX-512.
     avx512 = isa != "avx2" and "avx512f" in _cpu_flags()
-    assert res["repacked"] == [int(avx512), 0, int(avx512), 0, int(avx512)], res
+    assert res["repacked"] == [int(avx512), 0, int(avx512), 0, int(avx512), int(avx512)], res
     # Every product served (in blocks of rows beyond the tiles' most); none once unregistered.
     assert res["served"] == res["expected"] and res["served"][0] >= 14, res
     assert res["refused"] == [0, 0, 0, 0], res

@@ -25,9 +25,10 @@ rng = np.random.default_rng(0)
 out = {"state": q8_products(), "words": forwarder_words(), "cases": []}
 
 
-def form(k, n, bits, group):
+def form(k, n, bits, group, f16):
     q, s, b = mx.quantize(mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05), group_size=group, bits=bits)
-    s, b = s.astype(mx.float16).astype(mx.float32), b.astype(mx.float16).astype(mx.float32)
+    if f16:  # as a float16 file stores them: the kernel holds them as float16
+        s, b = s.astype(mx.float16).astype(mx.float32), b.astype(mx.float16).astype(mx.float32)
     w = mx.dequantize(q, s, b, group, bits)
     mx.eval(q, s, b, w)
     return w, q, s, b
@@ -54,10 +55,12 @@ def scheme(x, w, q, s, b, bits, group):
 
 # 4 and 8 bits, groups of 32 to 128, widths not a multiple of the 16-row blocks, a width
 # the two threads split (3,072); one row, the tiles' row counts, a tree pass's, more rows
-# than the kernel's tiles take (49, 80) and a prompt's (300).
-SHAPES = [(4, 32, 576, 197), (8, 32, 1536, 70), (4, 64, 1536, 133), (8, 128, 640, 64), (4, 32, 576, 3072)]
-for bits, group, k, n in SHAPES:
-    w, q, s, b = form(k, n, bits, group)
+# than the kernel's tiles take (49, 80) and a prompt's (300). Scales and biases float16, and
+# float32 (held as float32).
+SHAPES = [(4, 32, 576, 197, 1), (8, 32, 1536, 70, 1), (4, 64, 1536, 133, 1), (8, 128, 640, 64, 1)]
+SHAPES += [(4, 32, 576, 3072, 1), (4, 32, 576, 197, 0), (8, 32, 640, 70, 0)]
+for bits, group, k, n, f16 in SHAPES:
+    w, q, s, b = form(k, n, bits, group, f16)
     x = rng.standard_normal((300, k)).astype(np.float32)
     x[7, 5] = 40.0  # an outlier: only its own block's scale grows
     x[11, 32:64] = 0.0  # a block of zeros

@@ -148,7 +148,7 @@ typedef struct {
 } product_t;
 
 #if HAVE_X86
-__attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
+__attribute__((target("avx2,fma,f16c"))) static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
@@ -386,6 +386,10 @@ struct stored_weight {
   const uint8_t *q; /* row j's k elements at q + j * row_bytes, the low bits first */
   size_t row_bytes;
   const float *scales, *biases; /* row j's k / group of each at j * (k / group) */
+  /* The same scales and biases as float16, owned, where every one of them is exactly a float16
+   * (a GGUF file's are): what products read then (stored_scale), a sixth fewer bytes of a
+   * four-bit weight with groups of 32 than with float32 ones; or NULL. */
+  uint16_t *scales16, *biases16;
   int group_shift;              /* log2(group): an element's group is kk >> group_shift */
   uint8_t *packed; /* four-bit codes in the order the register loops read (pack), owned; or NULL */
   int exact;       /* every code times its scale is exact in float32 (exact_products) */
@@ -394,9 +398,10 @@ struct stored_weight {
    * streaming the float32 bytes, which the rows' multiply-adds hide once there are enough of
    * them. Measured per machine by the registrant (runtime/stored_rows.py). */
   atomic_int max_rows;
-  /* The codes, scales and biases in the 8-bit-activation layout (q8_pack), owned; or NULL. */
+  /* The codes, scales and biases in the 8-bit-activation layout (q8_pack), owned; or NULL. The
+   * scales and biases are float16 where scales16 is set (q8_scales16), else float32. */
   uint8_t *q8;
-  float *q8_scales, *q8_biases;
+  void *q8_scales, *q8_biases;
 };
 
 enum { STORED_SLOTS = 4096, STORED_BITS = 12 };
@@ -405,6 +410,9 @@ static struct stored_weight stored_gone; /* a removed entry: lookups probe on pa
 static pthread_mutex_t stored_lock = PTHREAD_MUTEX_INITIALIZER;
 static atomic_int stored_count;
 static atomic_llong stored_served; /* products served from stored forms, all told */
+/* Whether registration keeps scales and biases that are all exactly float16 as float16
+ * (specstream_stored_half_set, for A/B in one process): the same values, fewer bytes a step. */
+static atomic_int stored_half = 1;
 
 /* A weight's first slot: its cache line's number, Fibonacci-hashed. */
 static inline size_t stored_slot(const float *w) { return ((size_t)w >> 6) * 0x9E3779B97F4A7C15ull >> (64 - STORED_BITS); }
@@ -435,6 +443,17 @@ static const struct stored_weight *stored_for(const struct stored_weight *s, int
 
 static void product_columns(const product_t *p, int j0, int j1);
 
+/* Scale and bias i of s (row j's groups start at j * k / group), as float32: from the float16
+ * copies where registration made them (the same values). */
+__attribute__((target("f16c"), always_inline)) static inline float stored_scale(const struct stored_weight *s,
+                                                                               size_t i) {
+  return s->scales16 ? _cvtsh_ss(s->scales16[i]) : s->scales[i];
+}
+__attribute__((target("f16c"), always_inline)) static inline float stored_bias(const struct stored_weight *s,
+                                                                              size_t i) {
+  return s->biases16 ? _cvtsh_ss(s->biases16[i]) : s->biases[i];
+}
+
 /* Scaled and offset in two roundings, as MLX expands them: never contracted into one
  * multiply-add (the compiler may, where the target has FMA). */
 #pragma GCC push_options
@@ -447,7 +466,7 @@ static void product_columns(const product_t *p, int j0, int j1);
  * order, or from 16 bytes (eight bits). */
 #define DEFINE_EXPAND(ISA, TARGET, VEC, LANES, WIDEN, CVT, SCALE, SET1, STOREU, ZERO, LOADF, FMA, SUM)           \
   __attribute__((target(TARGET), always_inline)) static inline void expand16_##ISA(                                \
-      const uint8_t *row, const float *sc, const float *bi, int shift, int kk, VEC *out, const int bits,         \
+      const uint8_t *row, const struct stored_weight *s, size_t first, int kk, VEC *out, const int bits,         \
       const int exact) {                                                                                          \
     __m128i bytes;                                                                                                \
     if (bits == 4) {                                                                                              \
@@ -457,8 +476,8 @@ static void product_columns(const product_t *p, int j0, int j1);
     } else {                                                                                                      \
       bytes = _mm_loadu_si128((const __m128i *)(row + kk));                                                       \
     }                                                                                                             \
-    unsigned g = (unsigned)kk >> shift;                                                                           \
-    VEC scale = SET1(sc[g]), bias = SET1(bi[g]);                                                                  \
+    unsigned g = (unsigned)kk >> s->group_shift;                                                                  \
+    VEC scale = SET1(stored_scale(s, first + g)), bias = SET1(stored_bias(s, first + g));                         \
     VEC q0 = CVT(WIDEN(bytes));                                                                                   \
     out[0] = exact ? FMA(q0, scale, bias) : SCALE(q0, scale, bias);                                               \
     if (LANES < 16) {                                                                                             \
@@ -470,14 +489,12 @@ static void product_columns(const product_t *p, int j0, int j1);
                                                             float *dst) {                                         \
     const uint8_t *row = s->q + (size_t)j * s->row_bytes;                                                         \
     const size_t first = ((size_t)j * s->k) >> s->group_shift;                                                    \
-    const float *sc = s->scales + first, *bi = s->biases + first;                                                 \
-    const int shift = s->group_shift;                                                                             \
     VEC v[16 / LANES];                                                                                            \
     for (int kk = k0; kk < k1; kk += 16) {                                                                        \
       if (s->bits == 4)                                                                                           \
-        expand16_##ISA(row, sc, bi, shift, kk, v, 4, s->exact);                                                   \
+        expand16_##ISA(row, s, first, kk, v, 4, s->exact);                                                        \
       else                                                                                                        \
-        expand16_##ISA(row, sc, bi, shift, kk, v, 8, s->exact);                                                   \
+        expand16_##ISA(row, s, first, kk, v, 8, s->exact);                                                        \
       for (int h = 0; h < 16 / LANES; h++)                                                                        \
         STOREU(dst + (kk - k0) + h * LANES, v[h]);                                                                \
     }                                                                                                             \
@@ -492,13 +509,11 @@ static void product_columns(const product_t *p, int j0, int j1);
       const product_t *p, int j, const int nr, int k0, int k1, const int bits, const int exact) {                 \
     const struct stored_weight *s = p->stored;                                                                    \
     const uint8_t *row[NR];                                                                                       \
-    const float *sc[NR], *bi[NR];                                                                                 \
+    size_t first[NR];                                                                                             \
     VEC acc[NR];                                                                                                  \
     for (int r = 0; r < nr; r++) {                                                                                \
-      size_t first = ((size_t)(j + r) * s->k) >> s->group_shift;                                                  \
+      first[r] = ((size_t)(j + r) * s->k) >> s->group_shift;                                                      \
       row[r] = s->q + (size_t)(j + r) * s->row_bytes;                                                             \
-      sc[r] = s->scales + first;                                                                                  \
-      bi[r] = s->biases + first;                                                                                  \
       acc[r] = ZERO();                                                                                            \
     }                                                                                                             \
     for (int kk = k0; kk < k1; kk += 16) {                                                                        \
@@ -509,7 +524,7 @@ static void product_columns(const product_t *p, int j0, int j1);
         for (int r = 0; r < nr; r++)                                                                              \
           _mm_prefetch((const char *)(row[r] + (unsigned)kk * bits / 8 + NR * s->row_bytes), _MM_HINT_T1);        \
       for (int r = 0; r < nr; r++) {                                                                              \
-        expand16_##ISA(row[r], sc[r], bi[r], s->group_shift, kk, w, bits, exact);                                \
+        expand16_##ISA(row[r], s, first[r], kk, w, bits, exact);                                                  \
         for (int h = 0; h < 16 / LANES; h++)                                                                      \
           acc[r] = FMA(av[h], w[h], acc[r]);                                                                      \
       }                                                                                                           \
@@ -536,23 +551,23 @@ static void product_columns(const product_t *p, int j0, int j1);
       srows_at_##ISA(p, j, j1, k0, k1, 8, 0);                                                                     \
   }
 
-__attribute__((target("avx2,fma"))) static inline __m256 scale_avx2(__m256 w, __m256 s, __m256 b) {
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 scale_avx2(__m256 w, __m256 s, __m256 b) {
   return _mm256_add_ps(_mm256_mul_ps(w, s), b);
 }
-__attribute__((target("avx512f"))) static inline __m512 scale_avx512(__m512 w, __m512 s, __m512 b) {
+__attribute__((target("avx512f,f16c"))) static inline __m512 scale_avx512(__m512 w, __m512 s, __m512 b) {
   return _mm512_add_ps(_mm512_mul_ps(w, s), b);
 }
 
-DEFINE_EXPAND(avx2, "avx2,fma", __m256, 8, _mm256_cvtepu8_epi32, _mm256_cvtepi32_ps, scale_avx2, _mm256_set1_ps,
+DEFINE_EXPAND(avx2, "avx2,fma,f16c", __m256, 8, _mm256_cvtepu8_epi32, _mm256_cvtepi32_ps, scale_avx2, _mm256_set1_ps,
               _mm256_storeu_ps, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, hsum)
-DEFINE_EXPAND(avx512, "avx512f", __m512, 16, _mm512_cvtepu8_epi32, _mm512_cvtepi32_ps, scale_avx512,
+DEFINE_EXPAND(avx512, "avx512f,f16c", __m512, 16, _mm512_cvtepu8_epi32, _mm512_cvtepi32_ps, scale_avx512,
               _mm512_set1_ps, _mm512_storeu_ps, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
               _mm512_reduce_add_ps)
 
 
 /* The table of a group's 16 values: code * scale + bias in MLX's two roundings, or in one
  * multiply-add where every code times the scale is exact (the same values). */
-__attribute__((target("avx512f"), always_inline)) static inline __m512 table16_avx512(float scale, float bias,
+__attribute__((target("avx512f,f16c"), always_inline)) static inline __m512 table16_avx512(float scale, float bias,
                                                                                      int exact) {
   const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 s = _mm512_set1_ps(scale), b = _mm512_set1_ps(bias);
@@ -569,7 +584,7 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 table16_a
  * took two shuffles, two shifts and two permutations: on an Intel Xeon (Emerald Rapids) one
  * row by a 3,072 x 576 weight streamed from memory took 54-81 us against 77-95
  * (examples/stored_ab.py; 42 us at the bus's rate). */
-__attribute__((target("avx512f"), always_inline)) static inline void codes32_avx512(const uint8_t *at, __m512i *lo,
+__attribute__((target("avx512f,f16c"), always_inline)) static inline void codes32_avx512(const uint8_t *at, __m512i *lo,
                                                                                    __m512i *hi) {
   __m128i b = _mm_loadu_si128((const __m128i *)at);
   *lo = _mm512_cvtepu8_epi32(b);
@@ -582,18 +597,16 @@ __attribute__((target("avx512f"), always_inline)) static inline void codes32_avx
  * and eight chains keep the FMA unit busy where four would wait on their latency. The next
  * tile's codes are prefetched (60 against 65 us for the product above). */
 enum { PNR = 8 };
-__attribute__((target("avx512f"), always_inline)) static inline void srow4_packed_avx512(const product_t *p, int j,
+__attribute__((target("avx512f,f16c"), always_inline)) static inline void srow4_packed_avx512(const product_t *p, int j,
                                                                                         const int nr, int k0,
                                                                                         int k1) {
   const struct stored_weight *s = p->stored;
   const uint8_t *row[PNR];
-  const float *sc[PNR], *bi[PNR];
+  size_t first[PNR];
   __m512 acc[PNR], table[PNR];
   for (int r = 0; r < nr; r++) {
-    size_t first = ((size_t)(j + r) * s->k) >> s->group_shift;
+    first[r] = ((size_t)(j + r) * s->k) >> s->group_shift;
     row[r] = s->packed + (size_t)(j + r) * s->row_bytes;
-    sc[r] = s->scales + first;
-    bi[r] = s->biases + first;
     acc[r] = table[r] = _mm512_setzero_ps();
   }
   unsigned group = ~0u;
@@ -605,7 +618,7 @@ __attribute__((target("avx512f"), always_inline)) static inline void srow4_packe
         _mm_prefetch((const char *)(row[r] + (unsigned)kk / 2 + PNR * s->row_bytes), _MM_HINT_T0);
     for (int r = 0; r < nr; r++) {
       if (g != group)
-        table[r] = table16_avx512(sc[r][g], bi[r][g], s->exact);
+        table[r] = table16_avx512(stored_scale(s, first[r] + g), stored_bias(s, first[r] + g), s->exact);
       __m512i lo, hi;
       codes32_avx512(row[r] + (unsigned)kk / 2, &lo, &hi);
       acc[r] = _mm512_fmadd_ps(a0, _mm512_permutexvar_ps(lo, table[r]), acc[r]);
@@ -617,7 +630,7 @@ __attribute__((target("avx512f"), always_inline)) static inline void srow4_packe
     store(p, 0, j + r, _mm512_reduce_add_ps(acc[r]));
 }
 
-__attribute__((target("avx512f"))) static void srows4_packed_avx512(const product_t *p, int j, int j1, int k0,
+__attribute__((target("avx512f,f16c"))) static void srows4_packed_avx512(const product_t *p, int j, int j1, int k0,
                                                                      int k1) {
   for (; j + PNR <= j1; j += PNR)
     srow4_packed_avx512(p, j, PNR, k0, k1);
@@ -647,19 +660,18 @@ __attribute__((target("avx512f"))) static void srows4_packed_avx512(const produc
  * 10.3 against 15.3, at 9 rows 19.1 against 20.0. */
 enum { FUSED_ROWS = 9 };
 static int fused_rows = FUSED_ROWS; /* SPECSTREAM_SKINNY_FUSED_ROWS: 1 multiplies through the buffer */
-__attribute__((target("avx512f"), always_inline)) static inline void stile_avx512(const product_t *p, int j,
+__attribute__((target("avx512f,f16c"), always_inline)) static inline void stile_avx512(const product_t *p, int j,
                                                                                  const int mr, const int nr,
                                                                                  int k0, int k1, const int bits,
                                                                                  const int exact) {
   const struct stored_weight *s = p->stored;
   const uint8_t *row[4];
-  const float *sc[4], *bi[4], *ar[FUSED_ROWS];
+  const float *ar[FUSED_ROWS];
+  size_t first[4];
   __m512 acc[FUSED_ROWS][4], table[4];
   for (int t = 0; t < nr; t++) {
-    size_t first = ((size_t)(j + t) * s->k) >> s->group_shift;
+    first[t] = ((size_t)(j + t) * s->k) >> s->group_shift;
     row[t] = (bits == 4 ? s->packed : s->q) + (size_t)(j + t) * s->row_bytes;
-    sc[t] = s->scales + first;
-    bi[t] = s->biases + first;
     table[t] = _mm512_setzero_ps();
   }
   for (int r = 0; r < mr; r++) {
@@ -685,13 +697,13 @@ __attribute__((target("avx512f"), always_inline)) static inline void stile_avx51
     for (int t = 0; t < nr; t++) {
       if (bits == 4) {
         if (g != group)
-          table[t] = table16_avx512(sc[t][g], bi[t][g], exact);
+          table[t] = table16_avx512(stored_scale(s, first[t] + g), stored_bias(s, first[t] + g), exact);
         __m512i lo, hi;
         codes32_avx512(row[t] + (unsigned)kk / 2, &lo, &hi);
         w0[t] = _mm512_permutexvar_ps(lo, table[t]);
         w1[t] = _mm512_permutexvar_ps(hi, table[t]);
       } else {
-        __m512 scale = _mm512_set1_ps(sc[t][g]), bias = _mm512_set1_ps(bi[t][g]);
+        __m512 scale = _mm512_set1_ps(stored_scale(s, first[t] + g)), bias = _mm512_set1_ps(stored_bias(s, first[t] + g));
         __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row[t] + kk))));
         __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row[t] + kk + 16))));
         w0[t] = exact ? _mm512_fmadd_ps(q0, scale, bias) : scale_avx512(q0, scale, bias);
@@ -719,7 +731,7 @@ __attribute__((target("avx512f"), always_inline)) static inline void stile_avx51
 }
 
 /* Weight rows j..j1-1 for mr rows of a, with mr, bits and exact constants. */
-__attribute__((target("avx512f"), always_inline)) static inline void stiles_rows_avx512(
+__attribute__((target("avx512f,f16c"), always_inline)) static inline void stiles_rows_avx512(
     const product_t *p, int j, int j1, int k0, int k1, const int mr, const int bits, const int exact) {
   /* The most weight rows whose accumulators (mr x nr), values (2 nr) and the rows of a (2)
    * fit AVX-512's 32 registers. */
@@ -730,7 +742,7 @@ __attribute__((target("avx512f"), always_inline)) static inline void stiles_rows
     stile_avx512(p, j, mr, 1, k0, k1, bits, exact);
 }
 
-__attribute__((target("avx512f"), always_inline)) static inline void stiles_bits_avx512(
+__attribute__((target("avx512f,f16c"), always_inline)) static inline void stiles_bits_avx512(
     const product_t *p, int j, int j1, int k0, int k1, const int bits, const int exact) {
   switch (p->m) {
   case 2: stiles_rows_avx512(p, j, j1, k0, k1, 2, bits, exact); break;
@@ -745,7 +757,7 @@ __attribute__((target("avx512f"), always_inline)) static inline void stiles_bits
 }
 
 /* 2 to FUSED_ROWS rows: four-bit weights from repacked codes, eight-bit ones as stored. */
-__attribute__((target("avx512f"))) static void stiles_avx512(const product_t *p, int j, int j1, int k0, int k1) {
+__attribute__((target("avx512f,f16c"))) static void stiles_avx512(const product_t *p, int j, int j1, int k0, int k1) {
   const struct stored_weight *s = p->stored;
   if (s->bits == 4 && s->exact)
     stiles_bits_avx512(p, j, j1, k0, k1, 4, 1);
@@ -759,12 +771,12 @@ __attribute__((target("avx512f"))) static void stiles_avx512(const product_t *p,
 
 /* Elements [0, k) of row j from its repacked codes, as srow4_packed_avx512 expands them
  * (registration compares them with the float32 weight). */
-__attribute__((target("avx512f"))) static void expand_packed_avx512(const struct stored_weight *s, int j, float *dst) {
+__attribute__((target("avx512f,f16c"))) static void expand_packed_avx512(const struct stored_weight *s, int j, float *dst) {
   const uint8_t *row = s->packed + (size_t)j * s->row_bytes;
   const size_t first = ((size_t)j * s->k) >> s->group_shift;
   for (int kk = 0; kk < s->k; kk += 32) {
     unsigned g = (unsigned)kk >> s->group_shift;
-    __m512 table = table16_avx512(s->scales[first + g], s->biases[first + g], s->exact);
+    __m512 table = table16_avx512(stored_scale(s, first + g), stored_bias(s, first + g), s->exact);
     __m512i lo, hi;
     codes32_avx512(row + kk / 2, &lo, &hi);
     _mm512_storeu_ps(dst + kk, _mm512_permutexvar_ps(lo, table));
@@ -831,11 +843,23 @@ static int q8_reads(const struct stored_weight *s) {
   return s && s->q8 && atomic_load_explicit(&q8_on, memory_order_relaxed);
 }
 
+/* 16 (8) of the 8-bit-activation layout's scales or biases v of s from index i, as float32. */
+__attribute__((target("avx512f,f16c"), always_inline)) static inline __m512 q8_values16(const struct stored_weight *s,
+                                                                                      const void *v, size_t i) {
+  return s->scales16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + i)))
+                     : _mm512_loadu_ps((const float *)v + i);
+}
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 q8_values8(const struct stored_weight *s,
+                                                                                      const void *v, size_t i) {
+  return s->scales16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v + i)))
+                     : _mm256_loadu_ps((const float *)v + i);
+}
+
 /* Quantizes rows [0, m) of a (k elements, k a multiple of 32) into qa (m x k codes), qd and qs
  * (m x k/32 scales and sums). One implementation for both tile paths (AVX2 is there wherever the
  * kernel serves), so a row's codes are the same whichever tiles multiply them; its cost is a
  * small part of a product's (k elements a row against the n x k weight). */
-__attribute__((target("avx2,fma"))) static void q8_quantize(const float *a, int m, int lda, int k, int8_t *qa,
+__attribute__((target("avx2,fma,f16c"))) static void q8_quantize(const float *a, int m, int lda, int k, int8_t *qa,
                                                             float *qd, float *qs) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -874,13 +898,13 @@ __attribute__((target("avx2,fma"))) static void q8_quantize(const float *a, int 
 }
 
 /* Rows i0..i0+mr-1 of a by the 16 weight rows of block jb (outputs jb*16 .. +15). */
-__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"), always_inline)) static inline void
 q8_tile(const product_t *p, int i0, int jb, const int mr, const int bits) {
   const struct stored_weight *s = p->stored;
   const int blocks = p->k / Q8_BLOCK;
   const size_t block_bytes = (size_t)Q8_ROWS * Q8_BLOCK * bits / 8; /* 256 or 512 */
   const uint8_t *c = s->q8 + (size_t)jb * blocks * block_bytes;
-  const float *sc = s->q8_scales + (size_t)jb * blocks * Q8_ROWS, *bi = s->q8_biases + (size_t)jb * blocks * Q8_ROWS;
+  const size_t first = (size_t)jb * blocks * Q8_ROWS; /* the block's scales and biases */
   const __m512i low4 = _mm512_set1_epi8(15);
   __m512 acc[Q8_TILE];
   for (int r = 0; r < mr; r++)
@@ -914,7 +938,8 @@ q8_tile(const product_t *p, int i0, int jb, const int mr, const int bits) {
         }
       }
     }
-    __m512 scale = _mm512_loadu_ps(sc + (size_t)b * Q8_ROWS), bias = _mm512_loadu_ps(bi + (size_t)b * Q8_ROWS);
+    __m512 scale = q8_values16(s, s->q8_scales, first + (size_t)b * Q8_ROWS),
+           bias = q8_values16(s, s->q8_biases, first + (size_t)b * Q8_ROWS);
     for (int r = 0; r < mr; r++) {
       size_t at = (size_t)(i0 + r) * blocks + b;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(scale, _mm512_set1_ps(p->qd[at])), acc[r]);
@@ -959,15 +984,14 @@ q8_tile(const product_t *p, int i0, int jb, const int mr, const int bits) {
  * they add in 16 bits exactly and one vpmaddwd widens them (the high nibbles times 16). The sums
  * are the same integers as vpdpbusd's, and the rest is q8_tile's arithmetic lane by lane: the
  * outputs are the AVX-512 path's bits. */
-__attribute__((target("avx2,fma"), always_inline)) static inline void q8_tile_avx2(const product_t *p, int i0, int jb,
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q8_tile_avx2(const product_t *p, int i0, int jb,
                                                                                    int half, const int mr,
                                                                                    const int bits) {
   const struct stored_weight *s = p->stored;
   const int blocks = p->k / Q8_BLOCK;
   const size_t block_bytes = (size_t)Q8_ROWS * Q8_BLOCK * bits / 8;
   const uint8_t *c = s->q8 + (size_t)jb * blocks * block_bytes + 32 * half;
-  const float *sc = s->q8_scales + (size_t)jb * blocks * Q8_ROWS + 8 * half;
-  const float *bi = s->q8_biases + (size_t)jb * blocks * Q8_ROWS + 8 * half;
+  const size_t first = (size_t)jb * blocks * Q8_ROWS + 8 * half; /* its scales and biases */
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
   __m256 acc[Q8_TILE_AVX2];
   for (int r = 0; r < mr; r++)
@@ -996,7 +1020,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void q8_tile_av
         hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(vh, _mm256_set1_epi32(xh)));
       }
     }
-    __m256 scale = _mm256_loadu_ps(sc + (size_t)b * Q8_ROWS), bias = _mm256_loadu_ps(bi + (size_t)b * Q8_ROWS);
+    __m256 scale = q8_values8(s, s->q8_scales, first + (size_t)b * Q8_ROWS),
+           bias = q8_values8(s, s->q8_biases, first + (size_t)b * Q8_ROWS);
     for (int r = 0; r < mr; r++) {
       __m256i sum = bits == 4 ? _mm256_madd_epi16(_mm256_add_epi16(lo[r], hi[r]), ones)
                               : _mm256_add_epi32(_mm256_madd_epi16(lo[r], ones), _mm256_madd_epi16(hi[r], sixteen));
@@ -1032,7 +1057,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void q8_tile_av
       }                                                                                                     \
   } while (0)
 
-__attribute__((target("avx2,fma"))) static void q8_columns_avx2(const product_t *p, int j0, int j1) {
+__attribute__((target("avx2,fma,f16c"))) static void q8_columns_avx2(const product_t *p, int j0, int j1) {
   if (p->stored->bits == 4)
     Q8_TILES_AVX2(4);
   else
@@ -1040,7 +1065,7 @@ __attribute__((target("avx2,fma"))) static void q8_columns_avx2(const product_t 
 }
 
 /* Output columns [j0, j1) (j0 a multiple of 16: the pool's items are 64 columns). */
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void q8_columns_vnni(const product_t *p, int j0,
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void q8_columns_vnni(const product_t *p, int j0,
                                                                                      int j1) {
   if (p->stored->bits == 4)
     Q8_TILES(4);
@@ -1057,8 +1082,9 @@ static void q8_pack(struct stored_weight *s) {
   int blocks = s->k / Q8_BLOCK, jbs = (s->n + Q8_ROWS - 1) / Q8_ROWS;
   size_t block_bytes = (size_t)Q8_ROWS * Q8_BLOCK * s->bits / 8;
   uint8_t *q8 = calloc((size_t)jbs * blocks, block_bytes);
-  float *sc = calloc((size_t)jbs * blocks * Q8_ROWS, sizeof(float));
-  float *bi = calloc((size_t)jbs * blocks * Q8_ROWS, sizeof(float));
+  size_t width = s->scales16 ? sizeof(uint16_t) : sizeof(float); /* the scales' as registration keeps them */
+  char *sc = calloc((size_t)jbs * blocks * Q8_ROWS, width);
+  char *bi = calloc((size_t)jbs * blocks * Q8_ROWS, width);
   if (!q8 || !sc || !bi) {
     free(q8), free(sc), free(bi);
     return;
@@ -1069,8 +1095,9 @@ static void q8_pack(struct stored_weight *s) {
     for (int b = 0; b < blocks; b++) {
       size_t at = (size_t)jb * blocks + b;
       size_t g = ((size_t)j * s->k + (size_t)b * Q8_BLOCK) >> s->group_shift;
-      sc[at * Q8_ROWS + r] = s->scales[g];
-      bi[at * Q8_ROWS + r] = s->biases[g];
+      size_t to = (at * Q8_ROWS + r) * width;
+      memcpy(sc + to, s->scales16 ? (const void *)(s->scales16 + g) : (const void *)(s->scales + g), width);
+      memcpy(bi + to, s->biases16 ? (const void *)(s->biases16 + g) : (const void *)(s->biases + g), width);
       uint8_t *dst = q8 + at * block_bytes;
       for (int e = 0; e < Q8_BLOCK; e++) {
         int kk = b * Q8_BLOCK + e;
@@ -1547,16 +1574,16 @@ static void publish_next(const product_t *p) {
     row[0] = found->row_bytes;
     ptr[1] = (const char *)found->q8_scales;
     ptr[2] = (const char *)found->q8_biases;
-    row[1] = row[2] = (size_t)k / Q8_BLOCK * sizeof(float);
+    row[1] = row[2] = (size_t)k / Q8_BLOCK * (found->scales16 ? sizeof(uint16_t) : sizeof(float));
   }
   if (s) {
     size_t groups = (size_t)k >> s->group_shift;
     int in_registers = p->m == 1 || (use_avx512 && p->m <= fused_rows); /* stored_columns */
     ptr[0] = (const char *)(s->packed && in_registers ? s->packed : s->q);
     row[0] = s->row_bytes;
-    ptr[1] = (const char *)s->scales;
-    ptr[2] = (const char *)s->biases;
-    row[1] = row[2] = groups * sizeof(float);
+    ptr[1] = s->scales16 ? (const char *)s->scales16 : (const char *)s->scales;
+    ptr[2] = s->biases16 ? (const char *)s->biases16 : (const char *)s->biases;
+    row[1] = row[2] = groups * (s->scales16 ? sizeof(uint16_t) : sizeof(float));
   }
   size_t per_row = row[0] + row[1] + row[2], rows = (size_t)n / 2;
   if (rows * per_row > most)
@@ -1627,7 +1654,26 @@ static int exact_products(const float *scales, size_t count, int bits) {
   return (low & ((1u << bits) - 1)) == 0;
 }
 
+/* Float16 copies of count values, or NULL where one of them is not exactly a float16 (or the
+ * CPU has no F16C, or no memory). */
+__attribute__((target("f16c"))) static uint16_t *exact_halves(const float *v, size_t count) {
+  if (!__builtin_cpu_supports("f16c"))
+    return NULL;
+  uint16_t *h = malloc(count * sizeof(uint16_t));
+  for (size_t i = 0; h != NULL && i < count; i++) {
+    h[i] = _cvtss_sh(v[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    float back = _cvtsh_ss(h[i]);
+    if (memcmp(&back, v + i, sizeof back) != 0) { /* -0.0 stays -0.0; a NaN never compares equal */
+      free(h);
+      h = NULL;
+    }
+  }
+  return h;
+}
+
 static void stored_free(struct stored_weight *e) {
+  free(e->scales16);
+  free(e->biases16);
   free(e->q8);
   free(e->q8_scales);
   free(e->q8_biases);
@@ -1682,8 +1728,17 @@ int specstream_stored_register(const float *w, int n, int k, const void *q, int 
   struct stored_weight *e = malloc(sizeof(*e));
   if (e == NULL)
     return -1;
-  *e = (struct stored_weight){w, n, k, bits, group, q, (size_t)k * bits / 8, scales, biases, __builtin_ctz(group), NULL,
-                              exact_products(scales, (size_t)n * (k / group), bits), INT_MAX};
+  size_t groups = (size_t)n * (k / group);
+  *e = (struct stored_weight){w, n, k, bits, group, q, (size_t)k * bits / 8, scales, biases, NULL, NULL,
+                              __builtin_ctz(group), NULL, exact_products(scales, groups, bits), INT_MAX};
+  if (stored_half) { /* both or neither: every read takes them from the same width */
+    e->scales16 = exact_halves(scales, groups);
+    e->biases16 = e->scales16 ? exact_halves(biases, groups) : NULL;
+    if (e->biases16 == NULL) {
+      free(e->scales16);
+      e->scales16 = NULL;
+    }
+  }
   /* Every row expanded as the kernel expands it must give w's row, bit for bit. */
   float *row = malloc((size_t)k * sizeof(float));
   int same = row != NULL;
@@ -1698,7 +1753,7 @@ int specstream_stored_register(const float *w, int n, int k, const void *q, int 
   }
   free(row);
   if (!same) {
-    free(e);
+    stored_free(e);
     return 0;
   }
   pthread_mutex_lock(&stored_lock);
@@ -1775,6 +1830,30 @@ int specstream_stored_set_rows(const float *w, int rows) {
   pthread_mutex_unlock(&stored_lock);
   return found;
 }
+
+/* Bytes a product of the registered weight w reads (its codes, scales and biases as held),
+ * or 0 when w is not registered. */
+long long specstream_stored_bytes(const float *w) {
+  long long bytes = 0;
+  pthread_mutex_lock(&stored_lock);
+  size_t h = stored_slot(w);
+  for (int i = 0; i < STORED_SLOTS; i++) {
+    struct stored_weight *e = atomic_load(&stored_table[(h + i) % STORED_SLOTS]);
+    if (e == NULL)
+      break;
+    if (e != &stored_gone && e->w == w) {
+      size_t groups = (size_t)e->n * (e->k / e->group);
+      bytes = (long long)((size_t)e->n * e->row_bytes + 2 * groups * (e->scales16 ? sizeof(uint16_t) : sizeof(float)));
+      break;
+    }
+  }
+  pthread_mutex_unlock(&stored_lock);
+  return bytes;
+}
+
+/* Whether weights registered from now on keep scales and biases that are all exactly float16 as
+ * float16 (1, the default) or as the registrant's float32 (0); returns the setting before. */
+int specstream_stored_half_set(int on) { return atomic_exchange(&stored_half, on != 0); }
 
 /* Weights registered now, and products served from stored forms so far. */
 int specstream_stored_count(void) { return atomic_load(&stored_count); }

@@ -46,8 +46,8 @@ class Registration:
         extra: other weights registered with them (the streams' draft head).
         refused: weights with a stored form that the kernel does not take (a width, group or
             depth it does not serve, or values that differ from the float32 weight's).
-        stored_bytes: bytes of the registered model weights' stored forms (packed, scales,
-            biases).
+        stored_bytes: bytes of the registered model weights' stored forms as the kernel reads
+            them (codes, scales, biases).
         float_bytes: bytes of the same weights in float32.
         bits: each registered weight's width (4 or 8), by its pointer.
         row_limits: the most rows a product reads a weight of each width as stored
@@ -79,6 +79,15 @@ def _kernel():
     unregister = _symbol("specstream_stored_unregister")
     unregister.argtypes = [ctypes.c_void_p]
     return register, unregister
+
+
+def _held_bytes(pointer: int) -> int:
+    """Bytes a product of the registered weight at ``pointer`` reads: its codes, scales and
+    biases as the kernel holds them (scales and biases that are all exactly float16, as a GGUF
+    file's, in float16)."""
+    fn = _symbol("specstream_stored_bytes")
+    fn.restype, fn.argtypes = ctypes.c_longlong, [ctypes.c_void_p]
+    return int(fn(pointer))
 
 
 def _release(unregister, held: List[Tuple[int, tuple]]) -> None:
@@ -120,7 +129,7 @@ def register(model: nn.Module, extra: Sequence = ()) -> Registration:
             done.extra += 1
         else:
             done.weights += 1
-            done.stored_bytes += sum(a.nbytes for a in arrays[1:])
+            done.stored_bytes += _held_bytes(pointers[0])
             done.float_bytes += w.nbytes
         done._held.append((pointers[0], arrays))
         done.bits[pointers[0]] = form.bits
