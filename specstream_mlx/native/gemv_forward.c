@@ -148,7 +148,7 @@ typedef struct {
 } product_t;
 
 #if HAVE_X86
-__attribute__((target("avx2,fma,f16c"))) static inline float hsum(__m256 v) {
+__attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
@@ -399,7 +399,7 @@ struct stored_weight {
    * them. Measured per machine by the registrant (runtime/stored_rows.py). */
   atomic_int max_rows;
   /* The codes, scales and biases in the 8-bit-activation layout (q8_pack), owned; or NULL. The
-   * scales and biases are float16 where scales16 is set (q8_scales16), else float32. */
+   * scales and biases are float16 where scales16 is set, else float32. */
   uint8_t *q8;
   void *q8_scales, *q8_biases;
 };
@@ -445,12 +445,12 @@ static void product_columns(const product_t *p, int j0, int j1);
 
 /* Scale and bias i of s (row j's groups start at j * k / group), as float32: from the float16
  * copies where registration made them (the same values). */
-__attribute__((target("f16c"), always_inline)) static inline float stored_scale(const struct stored_weight *s,
-                                                                               size_t i) {
+__attribute__((target("f16c"), always_inline)) static inline float stored_scale(
+    const struct stored_weight *s, size_t i) {
   return s->scales16 ? _cvtsh_ss(s->scales16[i]) : s->scales[i];
 }
-__attribute__((target("f16c"), always_inline)) static inline float stored_bias(const struct stored_weight *s,
-                                                                              size_t i) {
+__attribute__((target("f16c"), always_inline)) static inline float stored_bias(
+    const struct stored_weight *s, size_t i) {
   return s->biases16 ? _cvtsh_ss(s->biases16[i]) : s->biases[i];
 }
 
@@ -551,10 +551,10 @@ __attribute__((target("f16c"), always_inline)) static inline float stored_bias(c
       srows_at_##ISA(p, j, j1, k0, k1, 8, 0);                                                                     \
   }
 
-__attribute__((target("avx2,fma,f16c"))) static inline __m256 scale_avx2(__m256 w, __m256 s, __m256 b) {
+__attribute__((target("avx2,fma"))) static inline __m256 scale_avx2(__m256 w, __m256 s, __m256 b) {
   return _mm256_add_ps(_mm256_mul_ps(w, s), b);
 }
-__attribute__((target("avx512f,f16c"))) static inline __m512 scale_avx512(__m512 w, __m512 s, __m512 b) {
+__attribute__((target("avx512f"))) static inline __m512 scale_avx512(__m512 w, __m512 s, __m512 b) {
   return _mm512_add_ps(_mm512_mul_ps(w, s), b);
 }
 
@@ -567,7 +567,7 @@ DEFINE_EXPAND(avx512, "avx512f,f16c", __m512, 16, _mm512_cvtepu8_epi32, _mm512_c
 
 /* The table of a group's 16 values: code * scale + bias in MLX's two roundings, or in one
  * multiply-add where every code times the scale is exact (the same values). */
-__attribute__((target("avx512f,f16c"), always_inline)) static inline __m512 table16_avx512(float scale, float bias,
+__attribute__((target("avx512f"), always_inline)) static inline __m512 table16_avx512(float scale, float bias,
                                                                                      int exact) {
   const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 s = _mm512_set1_ps(scale), b = _mm512_set1_ps(bias);
@@ -584,7 +584,7 @@ __attribute__((target("avx512f,f16c"), always_inline)) static inline __m512 tabl
  * took two shuffles, two shifts and two permutations: on an Intel Xeon (Emerald Rapids) one
  * row by a 3,072 x 576 weight streamed from memory took 54-81 us against 77-95
  * (examples/stored_ab.py; 42 us at the bus's rate). */
-__attribute__((target("avx512f,f16c"), always_inline)) static inline void codes32_avx512(const uint8_t *at, __m512i *lo,
+__attribute__((target("avx512f"), always_inline)) static inline void codes32_avx512(const uint8_t *at, __m512i *lo,
                                                                                    __m512i *hi) {
   __m128i b = _mm_loadu_si128((const __m128i *)at);
   *lo = _mm512_cvtepu8_epi32(b);
@@ -597,9 +597,8 @@ __attribute__((target("avx512f,f16c"), always_inline)) static inline void codes3
  * and eight chains keep the FMA unit busy where four would wait on their latency. The next
  * tile's codes are prefetched (60 against 65 us for the product above). */
 enum { PNR = 8 };
-__attribute__((target("avx512f,f16c"), always_inline)) static inline void srow4_packed_avx512(const product_t *p, int j,
-                                                                                        const int nr, int k0,
-                                                                                        int k1) {
+__attribute__((target("avx512f,f16c"), always_inline)) static inline void srow4_packed_avx512(
+    const product_t *p, int j, const int nr, int k0, int k1) {
   const struct stored_weight *s = p->stored;
   const uint8_t *row[PNR];
   size_t first[PNR];
@@ -630,8 +629,8 @@ __attribute__((target("avx512f,f16c"), always_inline)) static inline void srow4_
     store(p, 0, j + r, _mm512_reduce_add_ps(acc[r]));
 }
 
-__attribute__((target("avx512f,f16c"))) static void srows4_packed_avx512(const product_t *p, int j, int j1, int k0,
-                                                                     int k1) {
+__attribute__((target("avx512f,f16c"))) static void srows4_packed_avx512(
+    const product_t *p, int j, int j1, int k0, int k1) {
   for (; j + PNR <= j1; j += PNR)
     srow4_packed_avx512(p, j, PNR, k0, k1);
   for (; j + NR <= j1; j += NR)
@@ -660,10 +659,8 @@ __attribute__((target("avx512f,f16c"))) static void srows4_packed_avx512(const p
  * 10.3 against 15.3, at 9 rows 19.1 against 20.0. */
 enum { FUSED_ROWS = 9 };
 static int fused_rows = FUSED_ROWS; /* SPECSTREAM_SKINNY_FUSED_ROWS: 1 multiplies through the buffer */
-__attribute__((target("avx512f,f16c"), always_inline)) static inline void stile_avx512(const product_t *p, int j,
-                                                                                 const int mr, const int nr,
-                                                                                 int k0, int k1, const int bits,
-                                                                                 const int exact) {
+__attribute__((target("avx512f,f16c"), always_inline)) static inline void stile_avx512(
+    const product_t *p, int j, const int mr, const int nr, int k0, int k1, const int bits, const int exact) {
   const struct stored_weight *s = p->stored;
   const uint8_t *row[4];
   const float *ar[FUSED_ROWS];
@@ -703,7 +700,8 @@ __attribute__((target("avx512f,f16c"), always_inline)) static inline void stile_
         w0[t] = _mm512_permutexvar_ps(lo, table[t]);
         w1[t] = _mm512_permutexvar_ps(hi, table[t]);
       } else {
-        __m512 scale = _mm512_set1_ps(stored_scale(s, first[t] + g)), bias = _mm512_set1_ps(stored_bias(s, first[t] + g));
+        __m512 scale = _mm512_set1_ps(stored_scale(s, first[t] + g));
+        __m512 bias = _mm512_set1_ps(stored_bias(s, first[t] + g));
         __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row[t] + kk))));
         __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row[t] + kk + 16))));
         w0[t] = exact ? _mm512_fmadd_ps(q0, scale, bias) : scale_avx512(q0, scale, bias);
@@ -771,7 +769,8 @@ __attribute__((target("avx512f,f16c"))) static void stiles_avx512(const product_
 
 /* Elements [0, k) of row j from its repacked codes, as srow4_packed_avx512 expands them
  * (registration compares them with the float32 weight). */
-__attribute__((target("avx512f,f16c"))) static void expand_packed_avx512(const struct stored_weight *s, int j, float *dst) {
+__attribute__((target("avx512f,f16c"))) static void expand_packed_avx512(
+    const struct stored_weight *s, int j, float *dst) {
   const uint8_t *row = s->packed + (size_t)j * s->row_bytes;
   const size_t first = ((size_t)j * s->k) >> s->group_shift;
   for (int kk = 0; kk < s->k; kk += 32) {
@@ -844,13 +843,13 @@ static int q8_reads(const struct stored_weight *s) {
 }
 
 /* 16 (8) of the 8-bit-activation layout's scales or biases v of s from index i, as float32. */
-__attribute__((target("avx512f,f16c"), always_inline)) static inline __m512 q8_values16(const struct stored_weight *s,
-                                                                                      const void *v, size_t i) {
+__attribute__((target("avx512f"), always_inline)) static inline __m512 q8_values16(const struct stored_weight *s,
+                                                                                 const void *v, size_t i) {
   return s->scales16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + i)))
                      : _mm512_loadu_ps((const float *)v + i);
 }
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 q8_values8(const struct stored_weight *s,
-                                                                                      const void *v, size_t i) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 q8_values8(
+    const struct stored_weight *s, const void *v, size_t i) {
   return s->scales16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v + i)))
                      : _mm256_loadu_ps((const float *)v + i);
 }
@@ -859,7 +858,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 q8_
  * (m x k/32 scales and sums). One implementation for both tile paths (AVX2 is there wherever the
  * kernel serves), so a row's codes are the same whichever tiles multiply them; its cost is a
  * small part of a product's (k elements a row against the n x k weight). */
-__attribute__((target("avx2,fma,f16c"))) static void q8_quantize(const float *a, int m, int lda, int k, int8_t *qa,
+__attribute__((target("avx2,fma"))) static void q8_quantize(const float *a, int m, int lda, int k, int8_t *qa,
                                                             float *qd, float *qs) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -898,7 +897,7 @@ __attribute__((target("avx2,fma,f16c"))) static void q8_quantize(const float *a,
 }
 
 /* Rows i0..i0+mr-1 of a by the 16 weight rows of block jb (outputs jb*16 .. +15). */
-__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"), always_inline)) static inline void
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void
 q8_tile(const product_t *p, int i0, int jb, const int mr, const int bits) {
   const struct stored_weight *s = p->stored;
   const int blocks = p->k / Q8_BLOCK;
@@ -984,9 +983,8 @@ q8_tile(const product_t *p, int i0, int jb, const int mr, const int bits) {
  * they add in 16 bits exactly and one vpmaddwd widens them (the high nibbles times 16). The sums
  * are the same integers as vpdpbusd's, and the rest is q8_tile's arithmetic lane by lane: the
  * outputs are the AVX-512 path's bits. */
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q8_tile_avx2(const product_t *p, int i0, int jb,
-                                                                                   int half, const int mr,
-                                                                                   const int bits) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void q8_tile_avx2(
+    const product_t *p, int i0, int jb, int half, const int mr, const int bits) {
   const struct stored_weight *s = p->stored;
   const int blocks = p->k / Q8_BLOCK;
   const size_t block_bytes = (size_t)Q8_ROWS * Q8_BLOCK * bits / 8;
@@ -1065,7 +1063,7 @@ __attribute__((target("avx2,fma,f16c"))) static void q8_columns_avx2(const produ
 }
 
 /* Output columns [j0, j1) (j0 a multiple of 16: the pool's items are 64 columns). */
-__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void q8_columns_vnni(const product_t *p, int j0,
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void q8_columns_vnni(const product_t *p, int j0,
                                                                                      int j1) {
   if (p->stored->bits == 4)
     Q8_TILES(4);
