@@ -85,6 +85,10 @@ def test_floor_times_each_weights_products_from_the_caches(monkeypatch):
     old = asdict(rep)
     del old["cached_products_ms"]
     assert "alone 6.0 ms (2.40x), everything else 4.0 ms" in machine.FloorReport(**old).summary()
+    stored = machine.FloorReport(
+        **{**old, "stored_weights": 121, "stored_float_bytes": 538_000_000, "stored_half": 121}
+    )
+    assert "(121 weights read as stored, 121 with float16 scales, 538 MB as float32)" in stored.summary()
 
 
 @pytest.mark.parametrize("factor", [1.0, 0.5])

@@ -5,6 +5,7 @@ import gc
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from specstream_mlx.method.tree import TreeSpec
 from specstream_mlx.platform_info import _symbol, skinny_kernel
@@ -119,3 +120,63 @@ def test_the_draft_heads_rows_are_read_as_stored_with_the_same_bits(quantized_di
     del model
     gc.collect()
     assert _registered() == before
+
+
+def test_float16_scales_are_read_as_float16_with_the_same_bits(tmp_path, monkeypatch):
+    """A model quantized from float16 weights (as a GGUF file's Q4_1/Q8_0 tensors: scales and
+    biases float16) registers every weight with float16 copies of them: a step reads the codes
+    and 2 bytes a scale and a bias (not 4), and its logits and greedy decoding are the bits of the
+    float32 weights'. A model with float32 scales (the fixture's) keeps reading float32 ones."""
+    from specstream_mlx.bench.machine import weight_bytes
+    from specstream_mlx.convert import ConvertOptions, convert
+    from specstream_mlx.demo.tiny import make_tiny_model_dir
+
+    if skinny_kernel() is None:
+        pytest.fail(KERNEL_NOT_LOADED)
+    dims = dict(hidden_size=160, intermediate_size=320, num_attention_heads=5, num_key_value_heads=1)
+    src = make_tiny_model_dir(tmp_path / "src", **dims)
+    opts = ConvertOptions(dtype="float16", quantize=True, q_bits=4, q_group_size=32, num_streams=2, stream_layers=1)
+    path = convert(str(src), str(tmp_path / "q4"), opts)
+    prompt = mx.array([5, 9, 33, 70, 12, 8, 41])
+
+    monkeypatch.setenv("SPECSTREAM_STORED", "0")
+    plain, _ = load(str(path), warn=False)
+    want = np.array(plain.base(prompt[None])[0, -1])
+    want_ar, _ = _decode(plain, prompt, n=12)
+    del plain
+    gc.collect()
+    monkeypatch.delenv("SPECSTREAM_STORED")
+
+    model, _ = load(str(path), warn=False)
+    reg = stored_weights.registration(model.base)
+    assert reg.weights == 17 and reg.half == 17
+    # Every registered weight: codes (4 bits) plus a float16 scale and bias per group of 32.
+    packed = sum(n * k // 2 + 2 * 2 * n * (k // 32) for n, k in _registered_shapes(model.base))
+    assert reg.stored_bytes == packed
+    assert (
+        weight_bytes(model.base)
+        == sum(v.nbytes for _, v in tree_flatten(model.base.parameters())) - reg.float_bytes + packed
+    )
+    got = np.array(model.base(prompt[None])[0, -1])
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    got_ar, got_ss = _decode(model, prompt, n=12)
+    assert got_ar == want_ar and got_ss == want_ar
+
+
+def test_float32_scales_stay_float32(quantized_dir):
+    """A model quantized from float32 weights has scales that are not float16 values: the kernel
+    keeps reading its float32 scales and biases (4 bytes each a group)."""
+    if skinny_kernel() is None:
+        pytest.fail(KERNEL_NOT_LOADED)
+    model, _ = load(str(quantized_dir), warn=False)
+    reg = stored_weights.registration(model.base)
+    assert reg.weights == 17 and reg.half == 0
+    packed = sum(n * k // 2 + 2 * 4 * n * (k // 32) for n, k in _registered_shapes(model.base))
+    assert reg.stored_bytes == packed
+
+
+def _registered_shapes(base):
+    """(n, k) of every weight a model registers: its Linear layers and its head (tied: the embedding)."""
+    import mlx.nn as nn
+
+    return [m.weight.shape for _, m in base.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]

@@ -286,6 +286,7 @@ class FloorReport:
     kv_bytes: int = 0
     kv_floor_ms: float = 0.0
     cached_products_ms: List[float] = field(default_factory=list)
+    stored_half: int = 0  # of the weights read as stored, those whose scales the kernel reads as float16
 
     def summary(self) -> str:
         step, prod = statistics.median(self.step_ms), statistics.median(self.products_ms)
@@ -315,7 +316,8 @@ class FloorReport:
             return ""
         limits = f", {self.stored_rows}" if self.stored_rows else ""
         mb = self.stored_float_bytes / 1e6
-        return f" ({self.stored_weights} weights read as stored{limits}, {mb:.0f} MB as float32)"
+        half = f", {self.stored_half} with float16 scales" if self.stored_half else ""
+        return f" ({self.stored_weights} weights read as stored{half}{limits}, {mb:.0f} MB as float32)"
 
 
 def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9, context: int = CONTEXT) -> FloorReport:
@@ -356,6 +358,7 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9, c
         int(kv),
         kv / best.best * 1e3,
         cached,
+        stored.half,
     )
 
 

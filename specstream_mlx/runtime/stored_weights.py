@@ -49,6 +49,8 @@ class Registration:
         stored_bytes: bytes of the registered model weights' stored forms as the kernel reads
             them (codes, scales, biases).
         float_bytes: bytes of the same weights in float32.
+        half: the weights among them whose scales and biases the kernel holds and reads as
+            float16 (every one exactly a float16, as a GGUF file's).
         bits: each registered weight's width (4 or 8), by its pointer.
         row_limits: the most rows a product reads a weight of each width as stored
             (:mod:`.stored_rows`; empty until set: every row count the kernel takes).
@@ -59,6 +61,7 @@ class Registration:
     refused: int = 0
     stored_bytes: int = 0
     float_bytes: int = 0
+    half: int = 0
     bits: Dict[int, int] = field(default_factory=dict)
     row_limits: Dict[int, int] = field(default_factory=dict)
     # (pointer, arrays kept alive) per registered weight.
@@ -129,7 +132,9 @@ def register(model: nn.Module, extra: Sequence = ()) -> Registration:
             done.extra += 1
         else:
             done.weights += 1
-            done.stored_bytes += _held_bytes(pointers[0])
+            held = _held_bytes(pointers[0])
+            done.stored_bytes += held
+            done.half += held < sum(a.nbytes for a in arrays[1:])  # float32 scales and biases as given
             done.float_bytes += w.nbytes
         done._held.append((pointers[0], arrays))
         done.bits[pointers[0]] = form.bits
