@@ -453,11 +453,31 @@ __attribute__((target("f16c"), always_inline)) static inline float stored_bias(
     const struct stored_weight *s, size_t i) {
   return s->biases16 ? _cvtsh_ss(s->biases16[i]) : s->biases[i];
 }
+/* The same with the width a constant (half: s->scales16 is set), for a loop the compiler must
+ * unroll: a branch on the width inside it kept the one-row loop's accumulators on the stack. */
+__attribute__((target("f16c"), always_inline)) static inline float scale_in(const struct stored_weight *s,
+                                                                           size_t i, const int half) {
+  return half ? _cvtsh_ss(s->scales16[i]) : s->scales[i];
+}
+__attribute__((target("f16c"), always_inline)) static inline float bias_in(const struct stored_weight *s, size_t i,
+                                                                          const int half) {
+  return half ? _cvtsh_ss(s->biases16[i]) : s->biases[i];
+}
 
 /* Scaled and offset in two roundings, as MLX expands them: never contracted into one
  * multiply-add (the compiler may, where the target has FMA). */
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
+
+/* Float16 scales and biases i..i+15 of s, widened into sc and bi (the copies are padded: 16
+ * can be read from any index). */
+__attribute__((target("avx2,f16c"), always_inline)) static inline void half_groups(const struct stored_weight *s,
+                                                                                 size_t i, float *sc, float *bi) {
+  _mm256_storeu_ps(sc, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s->scales16 + i))));
+  _mm256_storeu_ps(sc + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s->scales16 + i + 8))));
+  _mm256_storeu_ps(bi, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s->biases16 + i))));
+  _mm256_storeu_ps(bi + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s->biases16 + i + 8))));
+}
 
 /* Expands elements [k0, k1) of row j into dst (k0 and k1 multiples of 16, as registration
  * ensures): the integers widened in element order (four-bit ones two to a byte, the low
@@ -465,9 +485,10 @@ __attribute__((target("f16c"), always_inline)) static inline float stored_bias(
  * elements at a time, from 8 bytes (four bits) split into their nibbles, interleaved in
  * order, or from 16 bytes (eight bits). */
 #define DEFINE_EXPAND(ISA, TARGET, VEC, LANES, WIDEN, CVT, SCALE, SET1, STOREU, ZERO, LOADF, FMA, SUM)           \
+  /* sc and bi hold the scales and biases of groups from gbase on (kk's is kk >> shift). */                      \
   __attribute__((target(TARGET), always_inline)) static inline void expand16_##ISA(                                \
-      const uint8_t *row, const struct stored_weight *s, size_t first, int kk, VEC *out, const int bits,         \
-      const int exact) {                                                                                          \
+      const uint8_t *row, const float *sc, const float *bi, int gbase, int shift, int kk, VEC *out,              \
+      const int bits, const int exact) {                                                                          \
     __m128i bytes;                                                                                                \
     if (bits == 4) {                                                                                              \
       const __m128i low4 = _mm_set1_epi8(15);                                                                     \
@@ -476,8 +497,8 @@ __attribute__((target("f16c"), always_inline)) static inline float stored_bias(
     } else {                                                                                                      \
       bytes = _mm_loadu_si128((const __m128i *)(row + kk));                                                       \
     }                                                                                                             \
-    unsigned g = (unsigned)kk >> s->group_shift;                                                                  \
-    VEC scale = SET1(stored_scale(s, first + g)), bias = SET1(stored_bias(s, first + g));                         \
+    int g = (int)((unsigned)kk >> shift) - gbase;                                                                 \
+    VEC scale = SET1(sc[g]), bias = SET1(bi[g]);                                                                  \
     VEC q0 = CVT(WIDEN(bytes));                                                                                   \
     out[0] = exact ? FMA(q0, scale, bias) : SCALE(q0, scale, bias);                                               \
     if (LANES < 16) {                                                                                             \
@@ -489,12 +510,21 @@ __attribute__((target("f16c"), always_inline)) static inline float stored_bias(
                                                             float *dst) {                                         \
     const uint8_t *row = s->q + (size_t)j * s->row_bytes;                                                         \
     const size_t first = ((size_t)j * s->k) >> s->group_shift;                                                    \
+    const int shift = s->group_shift;                                                                             \
+    float sbuf[16], bbuf[16];                                                                                     \
+    const float *sc = s->scales + first, *bi = s->biases + first;                                                 \
+    int base = 0;                                                                                                 \
     VEC v[16 / LANES];                                                                                            \
     for (int kk = k0; kk < k1; kk += 16) {                                                                        \
+      int g = (int)((unsigned)kk >> shift);                                                                       \
+      if (s->scales16 && (kk == k0 || g >= base + 16)) {                                                          \
+        half_groups(s, first + g, sbuf, bbuf);                                                                    \
+        sc = sbuf, bi = bbuf, base = g;                                                                           \
+      }                                                                                                           \
       if (s->bits == 4)                                                                                           \
-        expand16_##ISA(row, s, first, kk, v, 4, s->exact);                                                        \
+        expand16_##ISA(row, sc, bi, base, shift, kk, v, 4, s->exact);                                             \
       else                                                                                                        \
-        expand16_##ISA(row, s, first, kk, v, 8, s->exact);                                                        \
+        expand16_##ISA(row, sc, bi, base, shift, kk, v, 8, s->exact);                                             \
       for (int h = 0; h < 16 / LANES; h++)                                                                        \
         STOREU(dst + (kk - k0) + h * LANES, v[h]);                                                                \
     }                                                                                                             \
@@ -504,16 +534,23 @@ __attribute__((target("f16c"), always_inline)) static inline float stored_bias(
    * tile's codes are prefetched: an eight-bit 3,072 x 576 product took 61-78 us against 157-195      \
    * (the fastest of 40 rounds over 40 weights, three runs each); into L2 rather than L1: on an AMD    \
    * EPYC (Zen 4) SmolLM2's eight-bit head at one row took 1.53-1.76 against 1.81-2.04 ms            \
-   * (examples/step_products.py, four rounds alternating). */                                             \
+   * (examples/step_products.py, four rounds alternating). Float16 scales and biases (half) are       \
+   * widened 16 groups at a time into the stack, read there as the registrant's float32 ones. */      \
   __attribute__((target(TARGET), always_inline)) static inline void srow_##ISA(                                   \
-      const product_t *p, int j, const int nr, int k0, int k1, const int bits, const int exact) {                 \
+      const product_t *p, int j, const int nr, int k0, int k1, const int bits, const int exact,                  \
+      const int half) {                                                                                           \
     const struct stored_weight *s = p->stored;                                                                    \
     const uint8_t *row[NR];                                                                                       \
+    const float *sc[NR], *bi[NR];                                                                                 \
     size_t first[NR];                                                                                             \
+    float sbuf[NR][16], bbuf[NR][16];                                                                             \
+    int base = half ? INT_MIN / 2 : 0;                                                                            \
     VEC acc[NR];                                                                                                  \
     for (int r = 0; r < nr; r++) {                                                                                \
       first[r] = ((size_t)(j + r) * s->k) >> s->group_shift;                                                      \
       row[r] = s->q + (size_t)(j + r) * s->row_bytes;                                                             \
+      sc[r] = half ? sbuf[r] : s->scales + first[r];                                                              \
+      bi[r] = half ? bbuf[r] : s->biases + first[r];                                                              \
       acc[r] = ZERO();                                                                                            \
     }                                                                                                             \
     for (int kk = k0; kk < k1; kk += 16) {                                                                        \
@@ -523,8 +560,14 @@ __attribute__((target("f16c"), always_inline)) static inline float stored_bias(
       if (((unsigned)kk * bits / 8 & 63) == 0) /* the next NR rows' codes, a line at a time */                    \
         for (int r = 0; r < nr; r++)                                                                              \
           _mm_prefetch((const char *)(row[r] + (unsigned)kk * bits / 8 + NR * s->row_bytes), _MM_HINT_T1);        \
+      int g = (int)((unsigned)kk >> s->group_shift);                                                              \
+      if (half && g >= base + 16) {                                                                               \
+        base = g;                                                                                                 \
+        for (int r = 0; r < nr; r++)                                                                              \
+          half_groups(s, first[r] + g, sbuf[r], bbuf[r]);                                                         \
+      }                                                                                                           \
       for (int r = 0; r < nr; r++) {                                                                              \
-        expand16_##ISA(row[r], s, first[r], kk, w, bits, exact);                                                  \
+        expand16_##ISA(row[r], sc[r], bi[r], base, s->group_shift, kk, w, bits, exact);                           \
         for (int h = 0; h < 16 / LANES; h++)                                                                      \
           acc[r] = FMA(av[h], w[h], acc[r]);                                                                      \
       }                                                                                                           \
@@ -533,22 +576,29 @@ __attribute__((target("f16c"), always_inline)) static inline float stored_bias(
       store(p, 0, j + r, SUM(acc[r]));                                                                            \
   }                                                                                                               \
   __attribute__((target(TARGET), always_inline)) static inline void srows_at_##ISA(                              \
-      const product_t *p, int j, int j1, int k0, int k1, const int bits, const int exact) {                       \
+      const product_t *p, int j, int j1, int k0, int k1, const int bits, const int exact, const int half) {       \
     for (; j + NR <= j1; j += NR)                                                                                 \
-      srow_##ISA(p, j, NR, k0, k1, bits, exact);                                                                  \
+      srow_##ISA(p, j, NR, k0, k1, bits, exact, half);                                                            \
     for (; j < j1; j++)                                                                                           \
-      srow_##ISA(p, j, 1, k0, k1, bits, exact);                                                                   \
+      srow_##ISA(p, j, 1, k0, k1, bits, exact, half);                                                             \
   }                                                                                                               \
-  __attribute__((target(TARGET))) static void srows_##ISA(const product_t *p, int j, int j1, int k0, int k1) {     \
+  __attribute__((target(TARGET), always_inline)) static inline void srows_half_##ISA(                            \
+      const product_t *p, int j, int j1, int k0, int k1, const int half) {                                        \
     const struct stored_weight *s = p->stored;                                                                    \
     if (s->bits == 4 && s->exact)                                                                                 \
-      srows_at_##ISA(p, j, j1, k0, k1, 4, 1);                                                                     \
+      srows_at_##ISA(p, j, j1, k0, k1, 4, 1, half);                                                               \
     else if (s->bits == 4)                                                                                        \
-      srows_at_##ISA(p, j, j1, k0, k1, 4, 0);                                                                     \
+      srows_at_##ISA(p, j, j1, k0, k1, 4, 0, half);                                                               \
     else if (s->exact)                                                                                            \
-      srows_at_##ISA(p, j, j1, k0, k1, 8, 1);                                                                     \
+      srows_at_##ISA(p, j, j1, k0, k1, 8, 1, half);                                                               \
     else                                                                                                          \
-      srows_at_##ISA(p, j, j1, k0, k1, 8, 0);                                                                     \
+      srows_at_##ISA(p, j, j1, k0, k1, 8, 0, half);                                                               \
+  }                                                                                                               \
+  __attribute__((target(TARGET))) static void srows_##ISA(const product_t *p, int j, int j1, int k0, int k1) {     \
+    if (p->stored->scales16)                                                                                      \
+      srows_half_##ISA(p, j, j1, k0, k1, 1);                                                                      \
+    else                                                                                                          \
+      srows_half_##ISA(p, j, j1, k0, k1, 0);                                                                      \
   }
 
 __attribute__((target("avx2,fma"))) static inline __m256 scale_avx2(__m256 w, __m256 s, __m256 b) {
@@ -598,11 +648,16 @@ __attribute__((target("avx512f"), always_inline)) static inline void codes32_avx
  * tile's codes are prefetched (60 against 65 us for the product above). */
 enum { PNR = 8 };
 __attribute__((target("avx512f,f16c"), always_inline)) static inline void srow4_packed_avx512(
-    const product_t *p, int j, const int nr, int k0, int k1) {
+    const product_t *p, int j, const int nr, int k0, int k1, const int half) {
   const struct stored_weight *s = p->stored;
   const uint8_t *row[PNR];
   size_t first[PNR];
   __m512 acc[PNR], table[PNR];
+  /* Float16 scales and biases widened 16 groups at a time (half): the loop then reads float32
+   * ones from the stack as it reads the registrant's, where converting two values at every
+   * group made a compute-bound one-row product 1.09x as long. */
+  float sbuf[PNR][16], bbuf[PNR][16];
+  int base = INT_MIN / 2; /* the group at sbuf[r][0] */
   for (int r = 0; r < nr; r++) {
     first[r] = ((size_t)(j + r) * s->k) >> s->group_shift;
     row[r] = s->packed + (size_t)(j + r) * s->row_bytes;
@@ -615,9 +670,17 @@ __attribute__((target("avx512f,f16c"), always_inline)) static inline void srow4_
     if (((unsigned)kk & 127) == 0) /* the next 8 rows' codes: one line for 4 steps */
       for (int r = 0; r < nr; r++)
         _mm_prefetch((const char *)(row[r] + (unsigned)kk / 2 + PNR * s->row_bytes), _MM_HINT_T0);
+    if (half && (int)g >= base + 16) { /* the copies are padded: 16 from any group can be read */
+      base = (int)g;
+      for (int r = 0; r < nr; r++) {
+        _mm512_storeu_ps(sbuf[r], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s->scales16 + first[r] + g))));
+        _mm512_storeu_ps(bbuf[r], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s->biases16 + first[r] + g))));
+      }
+    }
     for (int r = 0; r < nr; r++) {
       if (g != group)
-        table[r] = table16_avx512(stored_scale(s, first[r] + g), stored_bias(s, first[r] + g), s->exact);
+        table[r] = half ? table16_avx512(sbuf[r][g - base], bbuf[r][g - base], s->exact)
+                        : table16_avx512(s->scales[first[r] + g], s->biases[first[r] + g], s->exact);
       __m512i lo, hi;
       codes32_avx512(row[r] + (unsigned)kk / 2, &lo, &hi);
       acc[r] = _mm512_fmadd_ps(a0, _mm512_permutexvar_ps(lo, table[r]), acc[r]);
@@ -629,14 +692,22 @@ __attribute__((target("avx512f,f16c"), always_inline)) static inline void srow4_
     store(p, 0, j + r, _mm512_reduce_add_ps(acc[r]));
 }
 
+__attribute__((target("avx512f,f16c"), always_inline)) static inline void srows4_packed_at_avx512(
+    const product_t *p, int j, int j1, int k0, int k1, const int half) {
+  for (; j + PNR <= j1; j += PNR)
+    srow4_packed_avx512(p, j, PNR, k0, k1, half);
+  for (; j + NR <= j1; j += NR)
+    srow4_packed_avx512(p, j, NR, k0, k1, half);
+  for (; j < j1; j++)
+    srow4_packed_avx512(p, j, 1, k0, k1, half);
+}
+
 __attribute__((target("avx512f,f16c"))) static void srows4_packed_avx512(
     const product_t *p, int j, int j1, int k0, int k1) {
-  for (; j + PNR <= j1; j += PNR)
-    srow4_packed_avx512(p, j, PNR, k0, k1);
-  for (; j + NR <= j1; j += NR)
-    srow4_packed_avx512(p, j, NR, k0, k1);
-  for (; j < j1; j++)
-    srow4_packed_avx512(p, j, 1, k0, k1);
+  if (p->stored->scales16)
+    srows4_packed_at_avx512(p, j, j1, k0, k1, 1);
+  else
+    srows4_packed_at_avx512(p, j, j1, k0, k1, 0);
 }
 
 /* Two to FUSED_ROWS rows of a (a tree pass's) by weights read stored, AVX-512: each weight
@@ -1657,7 +1728,8 @@ static int exact_products(const float *scales, size_t count, int bits) {
 __attribute__((target("f16c"))) static uint16_t *exact_halves(const float *v, size_t count) {
   if (!__builtin_cpu_supports("f16c"))
     return NULL;
-  uint16_t *h = malloc(count * sizeof(uint16_t));
+  /* 16 more, zeros: a loop may widen 16 values from any index (srow4_packed_avx512) */
+  uint16_t *h = calloc(count + 16, sizeof(uint16_t));
   for (size_t i = 0; h != NULL && i < count; i++) {
     h[i] = _cvtss_sh(v[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     float back = _cvtsh_ss(h[i]);
