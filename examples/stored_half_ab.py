@@ -42,6 +42,7 @@ def main() -> int:
 
     from specstream_mlx import load
     from specstream_mlx.bench.machine import median_ms, plain_step_ms, timing_prompt, weight_bytes
+    from specstream_mlx.io.loading import ModelLoadError
     from specstream_mlx.method.msa import ss_forward, stream_logits
     from specstream_mlx.method.tree import Tree
     from specstream_mlx.platform_info import _symbol, blas_words, skinny_kernel
@@ -61,8 +62,13 @@ def main() -> int:
     order = (1, 0) if args.half_first else (0, 1)
     for on in order:  # where each copy lands in memory can move it a few percent (an A/A run: 1.03)
         before = half_set(on)
-        models[on], _ = load(args.model, warn=False)
-        half_set(before)
+        try:
+            models[on], _ = load(args.model, warn=False)
+        except (ModelLoadError, ValueError) as e:
+            print(f"stored_half_ab.py: {e}", file=sys.stderr)
+            return 2
+        finally:
+            half_set(before)
     sizes = {on: weight_bytes(m.base) for on, m in models.items()}
     if sizes[0] == sizes[1]:
         print(f"stored_half_ab.py: {args.model} has no scales read as float16 here", file=sys.stderr)

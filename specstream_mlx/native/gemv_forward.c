@@ -1733,7 +1733,7 @@ __attribute__((target("f16c"))) static uint16_t *exact_halves(const float *v, si
   for (size_t i = 0; h != NULL && i < count; i++) {
     h[i] = _cvtss_sh(v[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     float back = _cvtsh_ss(h[i]);
-    if (memcmp(&back, v + i, sizeof back) != 0) { /* -0.0 stays -0.0; a NaN never compares equal */
+    if (memcmp(&back, v + i, sizeof back) != 0) { /* bit for bit: -0.0 stays -0.0 */
       free(h);
       h = NULL;
     }
