@@ -453,16 +453,6 @@ __attribute__((target("f16c"), always_inline)) static inline float stored_bias(
     const struct stored_weight *s, size_t i) {
   return s->biases16 ? _cvtsh_ss(s->biases16[i]) : s->biases[i];
 }
-/* The same with the width a constant (half: s->scales16 is set), for a loop the compiler must
- * unroll: a branch on the width inside it kept the one-row loop's accumulators on the stack. */
-__attribute__((target("f16c"), always_inline)) static inline float scale_in(const struct stored_weight *s,
-                                                                           size_t i, const int half) {
-  return half ? _cvtsh_ss(s->scales16[i]) : s->scales[i];
-}
-__attribute__((target("f16c"), always_inline)) static inline float bias_in(const struct stored_weight *s, size_t i,
-                                                                          const int half) {
-  return half ? _cvtsh_ss(s->biases16[i]) : s->biases[i];
-}
 
 /* Scaled and offset in two roundings, as MLX expands them: never contracted into one
  * multiply-add (the compiler may, where the target has FMA). */
@@ -672,10 +662,8 @@ __attribute__((target("avx512f,f16c"), always_inline)) static inline void srow4_
         _mm_prefetch((const char *)(row[r] + (unsigned)kk / 2 + PNR * s->row_bytes), _MM_HINT_T0);
     if (half && (int)g >= base + 16) { /* the copies are padded: 16 from any group can be read */
       base = (int)g;
-      for (int r = 0; r < nr; r++) {
-        _mm512_storeu_ps(sbuf[r], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s->scales16 + first[r] + g))));
-        _mm512_storeu_ps(bbuf[r], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s->biases16 + first[r] + g))));
-      }
+      for (int r = 0; r < nr; r++)
+        half_groups(s, first[r] + g, sbuf[r], bbuf[r]);
     }
     for (int r = 0; r < nr; r++) {
       if (g != group)
@@ -1881,24 +1869,28 @@ void specstream_stored_unregister(const float *w) {
   pthread_mutex_unlock(&stored_lock);
 }
 
-/* Products of up to `rows` rows by the registered weight w read its stored form, more rows its
- * float32 weight (the same bits either way). Returns 1, or 0 when w is not registered. */
-int specstream_stored_set_rows(const float *w, int rows) {
-  int found = 0;
-  pthread_mutex_lock(&stored_lock);
+/* The entry registered for w, or NULL; the caller holds stored_lock. */
+static struct stored_weight *registered(const float *w) {
   size_t h = stored_slot(w);
   for (int i = 0; i < STORED_SLOTS; i++) {
     struct stored_weight *e = atomic_load(&stored_table[(h + i) % STORED_SLOTS]);
     if (e == NULL)
-      break;
-    if (e != &stored_gone && e->w == w) {
-      atomic_store(&e->max_rows, rows < 0 ? 0 : rows);
-      found = 1;
-      break;
-    }
+      return NULL;
+    if (e != &stored_gone && e->w == w)
+      return e;
   }
+  return NULL;
+}
+
+/* Products of up to `rows` rows by the registered weight w read its stored form, more rows its
+ * float32 weight (the same bits either way). Returns 1, or 0 when w is not registered. */
+int specstream_stored_set_rows(const float *w, int rows) {
+  pthread_mutex_lock(&stored_lock);
+  struct stored_weight *e = registered(w);
+  if (e != NULL)
+    atomic_store(&e->max_rows, rows < 0 ? 0 : rows);
   pthread_mutex_unlock(&stored_lock);
-  return found;
+  return e != NULL;
 }
 
 /* Bytes a product of the registered weight w reads (its codes, scales and biases as held),
@@ -1906,16 +1898,10 @@ int specstream_stored_set_rows(const float *w, int rows) {
 long long specstream_stored_bytes(const float *w) {
   long long bytes = 0;
   pthread_mutex_lock(&stored_lock);
-  size_t h = stored_slot(w);
-  for (int i = 0; i < STORED_SLOTS; i++) {
-    struct stored_weight *e = atomic_load(&stored_table[(h + i) % STORED_SLOTS]);
-    if (e == NULL)
-      break;
-    if (e != &stored_gone && e->w == w) {
-      size_t groups = (size_t)e->n * (e->k / e->group);
-      bytes = (long long)((size_t)e->n * e->row_bytes + 2 * groups * (e->scales16 ? sizeof(uint16_t) : sizeof(float)));
-      break;
-    }
+  const struct stored_weight *e = registered(w);
+  if (e != NULL) {
+    size_t groups = (size_t)e->n * (e->k / e->group);
+    bytes = (long long)((size_t)e->n * e->row_bytes + 2 * groups * (e->scales16 ? sizeof(uint16_t) : sizeof(float)));
   }
   pthread_mutex_unlock(&stored_lock);
   return bytes;
