@@ -387,7 +387,7 @@ struct stored_weight {
   size_t row_bytes;
   const float *scales, *biases; /* row j's k / group of each at j * (k / group) */
   /* The same scales and biases as float16, owned, where every one of them is exactly a float16
-   * (a GGUF file's are): what products read then (stored_scale), a sixth fewer bytes of a
+   * (a GGUF file's are): what products read then (widened by half_groups), a sixth fewer bytes of a
    * four-bit weight with groups of 32 than with float32 ones; or NULL. */
   uint16_t *scales16, *biases16;
   int group_shift;              /* log2(group): an element's group is kk >> group_shift */
