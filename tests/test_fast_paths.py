@@ -91,6 +91,26 @@ def test_floor_times_each_weights_products_from_the_caches(monkeypatch):
     assert "(121 weights read as stored, 121 with float16 scales, 538 MB as float32)" in stored.summary()
 
 
+def test_floor_words_the_products_arithmetic_at_the_machines_product_rate():
+    """``floor`` also says how long a step's multiply-adds take at this machine's float32
+    product rate, and from how many rows at once their arithmetic, not their bytes, bounds
+    them; a report without the rate (one written before it was measured) says nothing."""
+    from specstream_mlx.bench import machine
+
+    m = _model()
+    assert machine.step_multiply_adds(m) == sum(w.size for w in machine.product_weights(m))
+    assert 0 < machine.gemm_rate(size=64, reps=1) < float("inf")
+    bandwidth = {"one_thread": 1e10, "all_threads": 2e10, "threads": 2}
+    plain = machine.FloorReport("tiny", 1000, bandwidth, 2.5, [10.0], [6.0], load=[0.1])
+    assert "multiply-adds" not in plain.summary()
+    # 2.5 ms of bytes against 1 ms of multiply-adds a row: from 3 rows on the arithmetic bounds them.
+    counted = machine.FloorReport(
+        "tiny", 1000, bandwidth, 2.5, [10.0], [6.0], load=[0.1], multiply_adds=100_000_000, gemm_rate=1e11
+    )
+    assert "its 100 M multiply-adds take 1.00 ms at this machine's float32 product rate (100 G/s" in counted.summary()
+    assert "bound by their arithmetic, not the bytes, from 3 rows on" in counted.summary()
+
+
 @pytest.mark.parametrize("factor", [1.0, 0.5])
 def test_rope_from_angles_equals_mx_fast_rope(factor):
     args = ModelArgs.from_dict({**CFG, "partial_rotary_factor": factor})

@@ -142,6 +142,28 @@ def time_cached_products(model, reps: int, repeat: int = CACHED_REPEAT) -> float
     )
 
 
+# The side of the square float32 product whose rate stands for the machine's arithmetic.
+GEMM_SIZE = 1024
+
+
+def gemm_rate(size: int = GEMM_SIZE, reps: int = 5) -> float:
+    """Multiply-adds a second of one ``size`` x ``size`` float32 matrix product, the fastest
+    of ``reps``: the rate the arithmetic of a product cannot beat here, whatever its bytes (on
+    the CPU backend the BLAS's own, a little below the cores' peak). A product of a few rows is
+    bound by its bytes where its multiply-adds take less time than that at this rate, by its
+    arithmetic otherwise."""
+    import mlx.core as mx
+
+    a, b = mx.random.normal((size, size)), mx.random.normal((size, size))
+    mx.eval(a, b)
+    return size**3 / min(timings(lambda: mx.eval(a @ b), reps))
+
+
+def step_multiply_adds(model) -> int:
+    """Multiply-adds of one row's matrix products in a step: every weight element once."""
+    return sum(i * o for i, o in product_shapes(model))
+
+
 def kv_bytes(model, rows: float) -> float:
     """Bytes of keys and values one plain step reads with ``rows`` rows in the cache (its
     own included): every layer's rows, a sliding-window layer's at most its window, in the
@@ -268,6 +290,9 @@ class FloorReport:
         context: prompt tokens before the timed steps.
         kv_bytes: bytes of keys and values a timed step reads, on average (:func:`kv_bytes`).
         kv_floor_ms: kv_bytes ÷ the best bandwidth: what the context adds to the floor.
+        multiply_adds: multiply-adds of the step's products (:func:`step_multiply_adds`).
+        gemm_rate: multiply-adds a second of a large float32 product (:func:`gemm_rate`), the
+            best of the rounds: the products' arithmetic at this rate is their compute floor.
     """
 
     model: str
@@ -287,6 +312,8 @@ class FloorReport:
     kv_floor_ms: float = 0.0
     cached_products_ms: List[float] = field(default_factory=list)
     stored_half: int = 0  # of the weights read as stored, those whose scales the kernel reads as float16
+    multiply_adds: int = 0
+    gemm_rate: float = 0.0
 
     def summary(self) -> str:
         step, prod = statistics.median(self.step_ms), statistics.median(self.products_ms)
@@ -301,8 +328,19 @@ class FloorReport:
             f"plain step {step:.1f} ms ({1e3 / step:.1f} tok/s) = {step / self.floor_ms:.2f}x the floor "
             f"({step / both:.2f}x with the keys and values); "
             f"its matrix products alone {prod:.1f} ms ({prod / self.floor_ms:.2f}x){self._cached_words()}, "
-            f"everything else {step - prod:.1f} ms\n"
+            f"everything else {step - prod:.1f} ms\n{self._arithmetic_words()}"
             f"BLAS {self.blas}; 1-min load {min(self.load):.2f}-{max(self.load):.2f}"
+        )
+
+    def _arithmetic_words(self) -> str:
+        if not (self.multiply_adds and self.gemm_rate):
+            return ""
+        ms = self.multiply_adds / self.gemm_rate * 1e3
+        return (
+            f"its {self.multiply_adds / 1e6:.0f} M multiply-adds take {ms:.2f} ms at this machine's float32 product "
+            f"rate ({self.gemm_rate / 1e9:.0f} G/s, a {GEMM_SIZE} x {GEMM_SIZE} product): products of several rows "
+            f"at once (a tree pass's) are bound by their arithmetic, not the bytes, from "
+            f"{int(self.floor_ms / ms) + 1} rows on\n"
         )
 
     def _cached_words(self) -> str:
@@ -330,12 +368,13 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9, c
     from ..runtime.stored_weights import registration
 
     m, _ = load(name, warn=False)
-    steps, prods, cached, bws, loads = [], [], [], [], []
+    steps, prods, cached, bws, loads, rates = [], [], [], [], [], []
     for _ in range(rounds):
         steps.append(statistics.median(plain_step_ms(m.base, tokens, context)))
         prods.append(time_model_products(m.base, reps))
         cached.append(time_cached_products(m.base, reps))
         bws.append(read_bandwidth())
+        rates.append(gemm_rate())
         loads.append(os.getloadavg()[0])
     best = max(bws, key=lambda b: b.best)
     wb = weight_bytes(m.base)
@@ -359,6 +398,8 @@ def measure_floor(name: str, tokens: int = 64, rounds: int = 3, reps: int = 9, c
         kv / best.best * 1e3,
         cached,
         stored.half,
+        step_multiply_adds(m.base),
+        max(rates),
     )
 
 
