@@ -95,6 +95,8 @@ def test_floor_words_the_products_arithmetic_at_the_machines_product_rate():
     """``floor`` also says how long a step's multiply-adds take at this machine's float32
     product rate, and from how many rows at once their arithmetic, not their bytes, bounds
     them; a report without the rate (one written before it was measured) says nothing."""
+    from dataclasses import asdict
+
     from specstream_mlx.bench import machine
 
     m = _model()
@@ -109,6 +111,8 @@ def test_floor_words_the_products_arithmetic_at_the_machines_product_rate():
     )
     assert "its 100 M multiply-adds take 1.00 ms at this machine's float32 product rate (100 G/s" in counted.summary()
     assert "bound by their arithmetic, not the bytes, from 3 rows on" in counted.summary()
+    slow = machine.FloorReport(**{**asdict(counted), "gemm_rate": 2e10})  # 5 ms of multiply-adds a row
+    assert "take 5.00 ms" in slow.summary() and "from one row on" in slow.summary()
 
 
 @pytest.mark.parametrize("factor", [1.0, 0.5])

@@ -336,11 +336,12 @@ class FloorReport:
         if not (self.multiply_adds and self.gemm_rate):
             return ""
         ms = self.multiply_adds / self.gemm_rate * 1e3
+        rows = int(self.floor_ms / ms) + 1  # the fewest rows whose multiply-adds outlast the bytes
         return (
             f"its {self.multiply_adds / 1e6:.0f} M multiply-adds take {ms:.2f} ms at this machine's float32 product "
             f"rate ({self.gemm_rate / 1e9:.0f} G/s, a {GEMM_SIZE} x {GEMM_SIZE} product): products of several rows "
             f"at once (a tree pass's) are bound by their arithmetic, not the bytes, from "
-            f"{int(self.floor_ms / ms) + 1} rows on\n"
+            f"{'one row' if rows == 1 else f'{rows} rows'} on\n"
         )
 
     def _cached_words(self) -> str:
