@@ -414,6 +414,11 @@ static atomic_llong stored_served; /* products served from stored forms, all tol
  * (specstream_stored_half_set, for A/B in one process): the same values, fewer bytes a step. */
 static atomic_int stored_half = 1;
 
+/* Bytes of one of s's scales or biases as the kernel holds them. */
+static inline size_t held_width(const struct stored_weight *s) {
+  return s->scales16 ? sizeof(uint16_t) : sizeof(float);
+}
+
 /* A weight's first slot: its cache line's number, Fibonacci-hashed. */
 static inline size_t stored_slot(const float *w) { return ((size_t)w >> 6) * 0x9E3779B97F4A7C15ull >> (64 - STORED_BITS); }
 
@@ -467,6 +472,21 @@ __attribute__((target("avx2,f16c"), always_inline)) static inline void half_grou
   _mm256_storeu_ps(sc + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s->scales16 + i + 8))));
   _mm256_storeu_ps(bi, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s->biases16 + i))));
   _mm256_storeu_ps(bi + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s->biases16 + i + 8))));
+}
+
+/* The register loops' float16 scales and biases: where group g is past the 16 that sc and bi hold
+ * for each of the nr weight rows (row r's groups start at first[r]; *base is the group at
+ * sc[r][0]), the next 16 from g widened into them (the copies are padded: 16 from any group can
+ * be read). */
+__attribute__((target("avx2,f16c"), always_inline)) static inline void half_rows(const struct stored_weight *s,
+                                                                               const size_t *first, int nr, int g,
+                                                                               int *base, float (*sc)[16],
+                                                                               float (*bi)[16]) {
+  if (g < *base + 16)
+    return;
+  *base = g;
+  for (int r = 0; r < nr; r++)
+    half_groups(s, first[r] + g, sc[r], bi[r]);
 }
 
 /* Expands elements [k0, k1) of row j into dst (k0 and k1 multiples of 16, as registration
@@ -550,12 +570,8 @@ __attribute__((target("avx2,f16c"), always_inline)) static inline void half_grou
       if (((unsigned)kk * bits / 8 & 63) == 0) /* the next NR rows' codes, a line at a time */                    \
         for (int r = 0; r < nr; r++)                                                                              \
           _mm_prefetch((const char *)(row[r] + (unsigned)kk * bits / 8 + NR * s->row_bytes), _MM_HINT_T1);        \
-      int g = (int)((unsigned)kk >> s->group_shift);                                                              \
-      if (half && g >= base + 16) {                                                                               \
-        base = g;                                                                                                 \
-        for (int r = 0; r < nr; r++)                                                                              \
-          half_groups(s, first[r] + g, sbuf[r], bbuf[r]);                                                         \
-      }                                                                                                           \
+      if (half)                                                                                                   \
+        half_rows(s, first, nr, (int)((unsigned)kk >> s->group_shift), &base, sbuf, bbuf);                       \
       for (int r = 0; r < nr; r++) {                                                                              \
         expand16_##ISA(row[r], sc[r], bi[r], base, s->group_shift, kk, w, bits, exact);                           \
         for (int h = 0; h < 16 / LANES; h++)                                                                      \
@@ -660,11 +676,8 @@ __attribute__((target("avx512f,f16c"), always_inline)) static inline void srow4_
     if (((unsigned)kk & 127) == 0) /* the next 8 rows' codes: one line for 4 steps */
       for (int r = 0; r < nr; r++)
         _mm_prefetch((const char *)(row[r] + (unsigned)kk / 2 + PNR * s->row_bytes), _MM_HINT_T0);
-    if (half && (int)g >= base + 16) { /* the copies are padded: 16 from any group can be read */
-      base = (int)g;
-      for (int r = 0; r < nr; r++)
-        half_groups(s, first[r] + g, sbuf[r], bbuf[r]);
-    }
+    if (half)
+      half_rows(s, first, nr, (int)g, &base, sbuf, bbuf);
     for (int r = 0; r < nr; r++) {
       if (g != group)
         table[r] = half ? table16_avx512(sbuf[r][g - base], bbuf[r][g - base], s->exact)
@@ -757,11 +770,8 @@ __attribute__((target("avx512f,f16c"), always_inline)) static inline void stile_
           _mm_prefetch((const char *)(row[t] + (unsigned)kk / 2 + nr * s->row_bytes), _MM_HINT_T0);
       }
     }
-    if (half && (int)g >= base + 16) { /* the copies are padded: 16 from any group can be read */
-      base = (int)g;
-      for (int t = 0; t < nr; t++)
-        half_groups(s, first[t] + g, sbuf[t], bbuf[t]);
-    }
+    if (half)
+      half_rows(s, first, nr, (int)g, &base, sbuf, bbuf);
     __m512 w0[4], w1[4];
     for (int t = 0; t < nr; t++) {
       const float scale1 = half ? sbuf[t][g - base] : s->scales[first[t] + g];
@@ -1163,7 +1173,7 @@ static void q8_pack(struct stored_weight *s) {
   int blocks = s->k / Q8_BLOCK, jbs = (s->n + Q8_ROWS - 1) / Q8_ROWS;
   size_t block_bytes = (size_t)Q8_ROWS * Q8_BLOCK * s->bits / 8;
   uint8_t *q8 = calloc((size_t)jbs * blocks, block_bytes);
-  size_t width = s->scales16 ? sizeof(uint16_t) : sizeof(float); /* the scales' as registration keeps them */
+  size_t width = held_width(s);
   char *sc = calloc((size_t)jbs * blocks * Q8_ROWS, width);
   char *bi = calloc((size_t)jbs * blocks * Q8_ROWS, width);
   if (!q8 || !sc || !bi) {
@@ -1655,7 +1665,7 @@ static void publish_next(const product_t *p) {
     row[0] = found->row_bytes;
     ptr[1] = (const char *)found->q8_scales;
     ptr[2] = (const char *)found->q8_biases;
-    row[1] = row[2] = (size_t)k / Q8_BLOCK * (found->scales16 ? sizeof(uint16_t) : sizeof(float));
+    row[1] = row[2] = (size_t)k / Q8_BLOCK * held_width(found);
   }
   if (s) {
     size_t groups = (size_t)k >> s->group_shift;
@@ -1664,7 +1674,7 @@ static void publish_next(const product_t *p) {
     row[0] = s->row_bytes;
     ptr[1] = s->scales16 ? (const char *)s->scales16 : (const char *)s->scales;
     ptr[2] = s->biases16 ? (const char *)s->biases16 : (const char *)s->biases;
-    row[1] = row[2] = groups * (s->scales16 ? sizeof(uint16_t) : sizeof(float));
+    row[1] = row[2] = groups * held_width(s);
   }
   size_t per_row = row[0] + row[1] + row[2], rows = (size_t)n / 2;
   if (rows * per_row > most)
@@ -1925,7 +1935,7 @@ long long specstream_stored_bytes(const float *w) {
   const struct stored_weight *e = registered(w);
   if (e != NULL) {
     size_t groups = (size_t)e->n * (e->k / e->group);
-    bytes = (long long)((size_t)e->n * e->row_bytes + 2 * groups * (e->scales16 ? sizeof(uint16_t) : sizeof(float)));
+    bytes = (long long)((size_t)e->n * e->row_bytes + 2 * groups * held_width(e));
   }
   pthread_mutex_unlock(&stored_lock);
   return bytes;
