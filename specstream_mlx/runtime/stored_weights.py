@@ -84,13 +84,13 @@ def _kernel():
     return register, unregister
 
 
-def _held_bytes(pointer: int) -> int:
-    """Bytes a product of the registered weight at ``pointer`` reads: its codes, scales and
-    biases as the kernel holds them (scales and biases that are all exactly float16, as a GGUF
-    file's, in float16)."""
+def _held_bytes():
+    """The kernel's ``bytes(pointer)``: what a product of the registered weight at ``pointer``
+    reads, its codes, scales and biases as the kernel holds them (scales and biases that are all
+    exactly float16, as a GGUF file's, in float16)."""
     fn = _symbol("specstream_stored_bytes")
     fn.restype, fn.argtypes = ctypes.c_longlong, [ctypes.c_void_p]
-    return int(fn(pointer))
+    return fn
 
 
 def _release(unregister, held: List[Tuple[int, tuple]]) -> None:
@@ -118,6 +118,7 @@ def register(model: nn.Module, extra: Sequence = ()) -> Registration:
         if isinstance(module, (nn.Linear, nn.Embedding))
     ]
     weights += [(e.weight, e.form, False) for e in extra]
+    held_bytes = _held_bytes()
     for w, form, parameter in weights:
         if form is None or w.dtype != mx.float32:
             continue
@@ -132,7 +133,7 @@ def register(model: nn.Module, extra: Sequence = ()) -> Registration:
             done.extra += 1
         else:
             done.weights += 1
-            held = _held_bytes(pointers[0])
+            held = held_bytes(pointers[0])
             done.stored_bytes += held
             done.half += held < sum(a.nbytes for a in arrays[1:])  # float32 scales and biases as given
             done.float_bytes += w.nbytes
