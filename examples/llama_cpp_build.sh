@@ -20,8 +20,17 @@ print(next(pathlib.Path(next(iter(spec.submodule_search_locations))).glob('*.ggu
 threads=${SPECSTREAM_SKINNY_THREADS:-$(nproc)}
 [ "$threads" -gt 8 ] && threads=8
 
+# Without AMX: on an Intel Xeon (Emerald Rapids) VM whose kernel grants AMX to a process that
+# asks (a tile instruction runs there after arch_prctl), this version's AMX kernel for Q4_1
+# stopped llama-bench's first batch with SIGILL at a `tilezero`; compiled out, llama.cpp runs
+# its AVX-512 kernels, as on CPUs without AMX. A build with other flags is configured anew.
+flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
 llama_cpp_tool() {
   local tool=$peer/build/bin/$1
+  if [ "$(cat "$peer/build/flags" 2>/dev/null)" != "$flags" ]; then
+    rm -rf "$peer/build"
+  fi
   if [ ! -x "$tool" ]; then
     echo "building llama.cpp's $1 from llama-cpp-python $version's sources in $peer (once; a few minutes)" >&2
     mkdir -p "$peer"
@@ -37,7 +46,9 @@ llama_cpp_tool() {
       rm -rf "$peer/unpack" "$peer/download"
     fi
     PATH=$peer/tools/bin:$PATH cmake -S "$peer/src" -B "$peer/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF > "$peer/configure.log" 2>&1
+      -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+      -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" > "$peer/configure.log" 2>&1
+    echo "$flags" > "$peer/build/flags"
     PATH=$peer/tools/bin:$PATH cmake --build "$peer/build" --target "$1" -j "$threads" > "$peer/build-$1.log" 2>&1
   fi
   [ -x "$tool" ] || { echo "llama.cpp's $1 did not build: see $peer/configure.log and $peer/build-$1.log" >&2; return 1; }
