@@ -8,9 +8,9 @@ pruning threshold (default: the model's own) and ``/merge=R`` for the hosted str
 up to which a pass computes their logits in the main rows' LM-head product
 (``msa.MERGED_STREAM_ROWS``; 0: after the verdict, for the accepted host only; op-by-op
 passes, as fixed trees run by default: a compiled pass keeps the setting it was traced
-with). Rounds alternate ``ar`` and every item (3 rounds by default, ``ROUNDS=N``), and
-report the median ratio to ``ar`` of the same round (and the pass's cost in plain steps,
-τ ÷ that ratio), so drifts of a shared machine hit every item alike.
+with). Rounds alternate ``ar`` and every item, ``ar`` decoding right before each (3 rounds by
+default, ``ROUNDS=N``), and report the median ratio to that ``ar`` run (and the pass's cost in
+plain steps, τ ÷ that ratio), so drifts of a shared machine hit every item alike.
 
 Decodes the model's first N held-out bench prompts (default 16, up to 64 tokens,
 stopping at EOS) once to warm up and once timed, per tree. tokens/s excludes the
@@ -78,9 +78,11 @@ def main() -> int:
     ratios = {s: [] for s, _, _ in items}
     taus, pruned_share, ar_rates = {}, {}, []
     for _ in range(rounds):
-        ar, _, _ = run("ar")
-        ar_rates.append(ar)
+        # ar right before every item: on a shared host the speed drifts within a round, and
+        # an item measured minutes after the round's only ar run carried that drift.
         for s, tree, options in items:
+            ar, _, _ = run("ar")
+            ar_rates.append(ar)
             tps, taus[s], pruned_share[s] = run("ss", tree, options)
             ratios[s].append(tps / ar)
     print(f"ar           {statistics.median(ar_rates):7.1f} tok/s (median)")
