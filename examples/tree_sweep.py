@@ -40,6 +40,23 @@ def split_items(text: str) -> "list[str]":
     return re.split(r",(?=(?:cartesian|topk|dynamic|chain|auto)\b)", text)
 
 
+def sweep_rounds(run, items, rounds: int):
+    """``rounds`` rounds of ``ar`` and every item, ``ar`` decoding right before each: on a shared
+    host the speed drifts within a round, and an item measured minutes after a round's only
+    ``ar`` run carried that drift. ``run(mode, tree=None, options=None)`` -> (tokens/s, τ,
+    pruned share). Returns (each item's ratios to its ``ar`` run, its τ, its pruned share,
+    every ``ar`` rate)."""
+    ratios = {s: [] for s, _, _ in items}
+    taus, pruned_share, ar_rates = {}, {}, []
+    for _ in range(rounds):
+        for s, tree, options in items:
+            ar, _, _ = run("ar")
+            ar_rates.append(ar)
+            tps, taus[s], pruned_share[s] = run("ss", tree, options)
+            ratios[s].append(tps / ar)
+    return ratios, taus, pruned_share, ar_rates
+
+
 def main() -> int:
     name, specs = sys.argv[1], split_items(sys.argv[2])
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 16
@@ -75,16 +92,7 @@ def main() -> int:
     run("ar")
     for _, tree, options in items:  # warm-up (and --tree auto's cost measurement)
         run("ss", tree, options)
-    ratios = {s: [] for s, _, _ in items}
-    taus, pruned_share, ar_rates = {}, {}, []
-    for _ in range(rounds):
-        # ar right before every item: on a shared host the speed drifts within a round, and
-        # an item measured minutes after the round's only ar run carried that drift.
-        for s, tree, options in items:
-            ar, _, _ = run("ar")
-            ar_rates.append(ar)
-            tps, taus[s], pruned_share[s] = run("ss", tree, options)
-            ratios[s].append(tps / ar)
+    ratios, taus, pruned_share, ar_rates = sweep_rounds(run, items, rounds)
     print(f"ar           {statistics.median(ar_rates):7.1f} tok/s (median)")
     for s, _, _ in items:
         ratio = statistics.median(ratios[s])

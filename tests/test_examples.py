@@ -37,6 +37,25 @@ def test_tree_sweep_keeps_the_commas_inside_a_tree():
     assert got == ["dynamic:8@1/prune=0", "dynamic:8,3@1/prune=0", "topk:2,3", "auto", "chain:4"]
 
 
+def test_tree_sweep_divides_each_item_by_the_ar_run_right_before_it():
+    """On a host whose speed drifts, an item is set against the ``ar`` run next to it: the
+    sweep had run ``ar`` once at a round's head, and an item at the end of the round read a
+    drift of the host as a cost of its own."""
+    sweep_rounds = _module("tree_sweep").sweep_rounds
+    clock = {"runs": 0}
+
+    def run(mode, tree=None, options=None):  # the host slows by a tenth at every run; ss = ar
+        clock["runs"] += 1
+        speed = 100.0 * 0.9 ** clock["runs"]
+        return speed, 1.0 if mode == "ar" else 1.5, 0.0
+
+    items = [("a", "tree-a", {}), ("b", "tree-b", {}), ("c", "tree-c", {})]
+    ratios, taus, pruned, ar_rates = sweep_rounds(run, items, 2)
+    assert len(ar_rates) == 6 and taus == {"a": 1.5, "b": 1.5, "c": 1.5}
+    for s in "abc":  # every item one run after its ar: the same tenth, whatever its place
+        assert [round(r, 6) for r in ratios[s]] == [0.9, 0.9]
+
+
 def test_skinny_rows_ab_refuses_bad_rows_and_settings_in_one_line():
     """A bad row count or setting is named in one line before any process is started."""
     import subprocess
