@@ -2,7 +2,7 @@
 product worker that reads the next weight ahead,
 MLX's strided element-wise kernels with vectorised loops, and the size from which a product by
 a thin operand (attention's) is split between the threads are worth, in one process; up to
-how many rows a quantized weight is read as stored; and 8-bit activations.
+how many rows a quantized weight is read as stored; and integer activations.
 
     env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/lock_spin_ab.py [--model smollm2] [--tries 100,0] [--rounds 12]
@@ -17,7 +17,7 @@ how many rows a quantized weight is read as stored; and 8-bit activations.
     env $(.venv/bin/python -m specstream_mlx.blas_env) \\
         .venv/bin/python examples/lock_spin_ab.py --setting stored-rows [--tries 48,-1]
     SPECSTREAM_PRODUCTS=q8 env $(.venv/bin/python -m specstream_mlx.blas_env) \\
-        .venv/bin/python examples/lock_spin_ab.py --setting q8 [--tries 0,1]
+        .venv/bin/python examples/lock_spin_ab.py --setting q8 [--tries 0,1,2]
 
 The forwarder's library (``native/lock_spin.c``), preloaded, makes a contended
 ``pthread_mutex_lock`` try a number of times before it sleeps and a ``pthread_cond_wait``
@@ -27,12 +27,13 @@ waiting worker prefetches the first KB of the weight that came next last time
 ``specstream_mlx/jit_strided.py`` rewrites them, run a vectorised loop unless switched off;
 the kernel splits a product by a thin operand (one head's keys) between its threads from a
 number of its elements on; a registered quantized weight is read as stored up to a number of
-rows (``runtime/stored_rows.py``); with ``SPECSTREAM_PRODUCTS=q8`` (at load: the weights'
-8-bit-activation layout) the kernel multiplies them by 8-bit activations while switched on. This
+rows (``runtime/stored_rows.py``); with ``SPECSTREAM_PRODUCTS=q8`` or ``q16`` (at load: the
+weights' integer-activation layout) the kernel multiplies them by 8-bit activations (1) or by
+16-bit ones as two 8-bit planes (2) while switched on. This
 script sets one of them (``--setting lock-spin``, tries;
 ``cond-spin``, microseconds; ``ahead``, KB; ``strided``, 1 on or 0 off; ``thin-min``, elements,
--1 the default, 1073741824 never; ``stored-rows``, rows, -1 the limits measured at load; ``q8``, 1
-on or 0 off) to each of
+-1 the default, 1073741824 never; ``stored-rows``, rows, -1 the limits measured at load; ``q8``,
+0 off, 1 or 2 planes) to each of
 ``--tries`` in turn (the first is the reference) within one process, round by round, and
 times under each: plain decoding as ``ar`` runs it (ms a token, the engine's pipelined loop
 over the compiled step, 40 tokens after a ``--context``-token prompt, default 128), and
@@ -148,14 +149,14 @@ def main() -> int:
 
         if not q8_products():
             print(
-                "lock_spin_ab.py: 8-bit activations are not on here: start with SPECSTREAM_PRODUCTS=q8 "
+                "lock_spin_ab.py: integer activations are not on here: start with SPECSTREAM_PRODUCTS=q8 (or q16) "
                 "where the product kernel serves products (x86-64 Linux, AVX2)",
                 file=sys.stderr,
             )
             return 2
 
-        def setter(on):
-            set_q8_products(bool(on))
+        def setter(planes):
+            set_q8_products(planes)
 
     cache = make_cache(sm)
     prefill(base, timing_prompt(base, args.context), cache, 512)
@@ -194,7 +195,7 @@ def main() -> int:
     what = {"lock-spin": "tries", "ahead": "KB ahead", "strided": "strided loops on", "thin-min": "thin split from"}
     what["cond-spin"] = "condition waits poll, us"
     what["stored-rows"] = "stored up to rows (-1: measured)"
-    what["q8"] = "8-bit activations on"
+    what["q8"] = "activation planes (0: float32, 1: 8-bit, 2: 16-bit)"
     what = what[args.setting]
     print_tables(what, tries, {"step": step, "passes": passes, "all_hosts": all_hosts}, rates, args.prompts)
     return 0

@@ -64,7 +64,8 @@ expanded in registers rather than into a buffer, 1-9, default 9),
 default 1024; 0: none);
 ``SPECSTREAM_PRODUCTS=q8`` (weights read as stored are multiplied
 by 8-bit activations: faster, no longer the float32 products' bits, a row's outputs the same
-bits in any product; default ``exact``);
+bits in any product; default ``exact``), ``q16`` (by 16-bit activations taken as two planes of
+8-bit codes: the integer products' arithmetic twice, a 2^8 times finer step);
 ``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none),
 ``SPECSTREAM_COND_SPIN_US`` (how long a condition wait polls before it sleeps, default 200; 0: none).
 ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` | ``mimalloc`` | ``glibc`` (none
@@ -353,9 +354,10 @@ def configured_choice(malloc: bool = True) -> BlasChoice:
     if prefetch and prefetch not in PREFETCH_MODES:
         raise BlasSettingError(f"{PREFETCH_ENV}={prefetch!r}: expected nta, t0, t1 or off")
     products = os.environ.get(PRODUCTS_ENV, "")
-    if products and products not in ("exact", "q8"):
+    if products and products not in ("exact", "q8", "q16"):
         raise BlasSettingError(
-            f"{PRODUCTS_ENV}={products!r}: expected exact (the float32 products' bits) or q8 (8-bit activations)"
+            f"{PRODUCTS_ENV}={products!r}: expected exact (the float32 products' bits), q8 (8-bit activations) "
+            "or q16 (16-bit activations as two 8-bit planes)"
         )
     isa = os.environ.get(ISA_ENV, "")
     if isa and isa not in ("avx2", "avx512"):
@@ -623,7 +625,7 @@ PREFETCH_MODES = ("off", "nta", "t0", "t1")  # the kernel's codes 0-3, and PREFE
 KBLOCK_ENV = "SPECSTREAM_SKINNY_KBLOCK"  # the kernel's depth block: a number of columns, 0: none
 AHEAD_ENV = "SPECSTREAM_SKINNY_AHEAD_KB"  # how much of the next weight a waiting worker reads ahead
 ISA_ENV = "SPECSTREAM_SKINNY_ISA"
-# exact | q8: how the kernel multiplies weights read as stored (docs/DESIGN.md decision 46)
+# exact | q8 | q16: how the kernel multiplies weights read as stored (docs/DESIGN.md decision 46)
 PRODUCTS_ENV = "SPECSTREAM_PRODUCTS"
 # The native libraries' whole-number settings: what each counts, its least and its most. They
 # are read in C with atoi, where a word or a negative number would leave the default, turn a
@@ -658,24 +660,31 @@ def skinny_ahead_kb() -> int:
     return max(int(kb()), 0) if kb is not None else 0
 
 
-def q8_products() -> Optional[bool]:
-    """Whether the product kernel multiplies weights read as stored by 8-bit activations
-    (``SPECSTREAM_PRODUCTS=q8``, read by the kernel itself; docs/DESIGN.md decision 46); None
-    where it cannot here (the kernel does not serve this process)."""
+def q8_products() -> Optional[int]:
+    """How the product kernel multiplies weights read as stored (read by the kernel itself;
+    docs/DESIGN.md decision 46): 0 by the float32 activations, 1 by 8-bit ones
+    (``SPECSTREAM_PRODUCTS=q8``), 2 by 16-bit ones taken as two planes of 8-bit codes
+    (``SPECSTREAM_PRODUCTS=q16``); None where it cannot here (the kernel does not serve this
+    process)."""
     state = _symbol("specstream_q8_state")
     code = int(state()) if state is not None else -1
-    return None if code < 0 else bool(code)
+    return None if code < 0 else code
 
 
-def set_q8_products(on: bool) -> Optional[bool]:
-    """Turns the kernel's 8-bit activations on or off in this process (weights registered while
-    ``SPECSTREAM_PRODUCTS=q8`` was set carry their layout); returns the state before, None
-    where the kernel cannot use them here."""
+def set_q8_products(planes: int) -> Optional[int]:
+    """Sets the kernel's integer activations in this process: 0 off, 1 8-bit, 2 16-bit (weights
+    registered while ``SPECSTREAM_PRODUCTS`` was ``q8`` or ``q16`` carry their layout); returns
+    the state before (:func:`q8_products`), None where the kernel cannot use them here."""
     before = q8_products()
     fn = _symbol("specstream_q8_set")
     if before is not None and fn is not None:
-        fn(ctypes.c_int(int(on)))
+        fn(ctypes.c_int(int(planes)))
     return before
+
+
+def activation_words(planes: Optional[int]) -> str:
+    """What :func:`q8_products`'s state multiplies stored weights by, in a few words."""
+    return {1: "8-bit activations", 2: "16-bit activations (two 8-bit planes)"}.get(planes or 0, "")
 
 
 def lock_spins() -> int:
@@ -729,7 +738,7 @@ def forwarder_words() -> str:
     ahead = skinny_ahead_kb()
     if ahead and threads > 1:
         prefetches += f", {ahead} KB read ahead"
-    q8 = ", 8-bit activations" if q8_products() else ""
+    q8 = f", {activation_words(q8_products())}" if q8_products() else ""
     return f"{gemv}, {least}-{most} rows by the skinny kernel ({isa}, {threads} threads{prefetches}{q8}){locks}"
 
 

@@ -61,3 +61,16 @@ def quantized_dir(tmp_path_factory):
     src = make_tiny_model_dir(tmp_path_factory.mktemp("src"), **dims)
     opts = ConvertOptions(dtype="float32", quantize=True, q_bits=4, q_group_size=32, num_streams=2, stream_layers=1)
     return convert(str(src), str(tmp_path_factory.mktemp("q4") / "m"), opts)
+
+
+@pytest.fixture
+def float32_products():
+    """The product kernel multiplies weights read as stored by the float32 activations within
+    the test (``SPECSTREAM_PRODUCTS=exact``; the default takes 16-bit integer activations,
+    docs/DESIGN.md decision 46): for tests of the float32 products' bits."""
+    from specstream_mlx.platform_info import set_q8_products
+
+    before = set_q8_products(0)
+    yield
+    if before:
+        set_q8_products(before)

@@ -205,11 +205,14 @@ def test_the_setting_picks_the_form_and_a_bad_one_is_named(tiny_model_dir, monke
         choose_attention(sm.base)
     monkeypatch.setenv("SPECSTREAM_ATTENTION", "auto")
     monkeypatch.setattr(choice, "measured_forms", lambda layout: Forms("composed", "fused"))
+    monkeypatch.setattr(choice, "q8_products", lambda: 0)  # float32 products (SPECSTREAM_PRODUCTS=exact)
     assert choose_attention(sm.base) == Forms("composed", "fused")
-    # With 8-bit activations on, one form for both: a pass's rows must reach every product as a
-    # plain step's bits to round to its codes (docs/DESIGN.md decision 46).
-    monkeypatch.setattr(choice, "q8_products", lambda: True)
-    assert choose_attention(sm.base) == Forms.both("composed")
+    # With integer activations on (16-bit, the default, or 8-bit), one form for both: a pass's
+    # rows must reach every product as a plain step's bits to round to its codes
+    # (docs/DESIGN.md decision 46).
+    for planes in (2, 1):
+        monkeypatch.setattr(choice, "q8_products", lambda planes=planes: planes)
+        assert choose_attention(sm.base) == Forms.both("composed")
     monkeypatch.setattr(choice, "q8_products", lambda: None)  # a CPU without them
     assert choose_attention(sm.base) == Forms("composed", "fused")
 
@@ -222,6 +225,8 @@ def test_every_architecture_gets_a_measured_form(hf_models, tmp_path, monkeypatc
     model, _ = load_model(dst)
     forms = choose_attention(model, "auto")
     (entry,) = json.loads((tmp_path / "attention.json").read_text()).values()
-    assert forms == Forms(entry["form"], entry["one_row"])
+    # with integer activations on (the default where the product kernel serves) one form for both
+    want = Forms.both(entry["form"]) if choice.q8_products() else Forms(entry["form"], entry["one_row"])
+    assert forms == want
     layout = entry["layout"]
     assert (layout["heads"], layout["head_dim"]) == (model.args.num_attention_heads, model.args.head_dim)

@@ -609,7 +609,7 @@ def test_a_bad_prefetch_setting_is_refused_in_one_line():
         ("SPECSTREAM_SKINNY_SPIN_US", ("0", "50"), ("-5", "long")),
         ("SPECSTREAM_SKINNY_YIELD", ("0", "1"), ("2", "yes")),
         ("SPECSTREAM_SKINNY_ISA", ("avx2", "avx512"), ("sse", "AVX2")),
-        ("SPECSTREAM_PRODUCTS", ("exact", "q8"), ("Q8", "int8", " q8")),  # the kernel compares them with strcmp
+        ("SPECSTREAM_PRODUCTS", ("exact", "q8", "q16"), ("Q8", "int8", " q8", "q16 ")),  # strcmp in the kernel
     ],
 )
 def test_every_kernel_setting_is_checked_before_the_kernel_reads_it(monkeypatch, name, good, bad):
@@ -882,6 +882,7 @@ def test_weights_read_as_stored_give_the_float32_products_bits(isa):
         pytest.fail("the kernel needs AVX2 and FMA: this CPU cannot run the product kernel at all")
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("SPECSTREAM_SKINNY")}
     env.update(choice.env())
+    env["SPECSTREAM_PRODUCTS"] = "exact"  # the float32 products (the default takes 16-bit activations)
     if isa == "avx2":
         env["SPECSTREAM_SKINNY_ISA"] = "avx2"
     if isa == "avx512-buffer":  # 2-9 rows through the buffer, as from 10 rows on

@@ -1,4 +1,5 @@
-"""The product kernel's 8-bit activations (``SPECSTREAM_PRODUCTS=q8``, docs/DESIGN.md decision 46).
+"""The product kernel's integer activations (``SPECSTREAM_PRODUCTS=q8``: 8-bit; ``q16``: 16-bit as
+two planes of 8-bit codes; docs/DESIGN.md decision 46).
 
 The kernel reads its settings once, when it first serves a product, and builds a weight's
 8-bit-activation layout when the weight is registered: each check runs in a fresh process
@@ -10,10 +11,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.test_fast_paths import _cpu_flags
 
 Q8_CHECK = r"""
-import ctypes, hashlib, json
+import ctypes, hashlib, json, os
 import mlx.core as mx, numpy as np
 from specstream_mlx.platform_info import _symbol, forwarder_words, q8_products, set_q8_products
 from specstream_mlx.runtime.stored_weights import _kernel, _pointer
@@ -34,15 +37,20 @@ def form(k, n, bits, group, f16):
     return w, q, s, b
 
 
+PLANES = 2 if os.environ["SPECSTREAM_PRODUCTS"] == "q16" else 1
+TOP = np.float32(127 * 256 + 127 if PLANES == 2 else 127)
+
+
 def scheme(x, w, q, s, b, bits, group):
     # What the kernel computes, in float64: each row quantized per block of 32 (scale
-    # max|x| / 127, codes rounded to even), then per block scale * d * sum(codes * q) +
-    # bias * d * sum(codes).
+    # max|x| / TOP, codes rounded to even; with two planes each code is its high and low byte,
+    # multiplied apart, which sums to the same integers), then per block
+    # scale * d * sum(codes * q) + bias * d * sum(codes).
     m, k = x.shape
     blocks = x.reshape(m, k // 32, 32)
     amax = np.abs(blocks).max(-1, keepdims=True)
-    d = (amax / np.float32(127)).astype(np.float64)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    d = (amax / TOP).astype(np.float64)
+    inv = np.where(amax > 0, TOP / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     codes = np.rint(blocks * inv).astype(np.float64)
     n = w.shape[0]
     codes_w = mx.dequantize(q, mx.ones_like(s), mx.zeros_like(b), group, bits)
@@ -84,11 +92,11 @@ for bits, group, k, n, f16 in SHAPES:
         "digest": hashlib.sha256(whole.tobytes()).hexdigest(),
     }
     # Turned off in the process: the stored form's exact products, the float32 weight's bits.
-    set_q8_products(False)
+    set_q8_products(0)
     off = np.array(mx.array(x[:9]) @ w.T)
     case["off_exact_bits"] = bool(np.array_equal(off.view(np.uint32), exact9.view(np.uint32)))
     case["off_served"] = q8_served() - before - served
-    set_q8_products(True)
+    set_q8_products(PLANES)
     unregister(_pointer(w))
     out["cases"].append(case)
 print(json.dumps(out))
@@ -111,19 +119,27 @@ def _q8_capable() -> bool:
     return {"avx2", "fma"} <= _cpu_flags()
 
 
-def test_eight_bit_activations_give_a_row_the_same_bits_in_any_product():
-    """With ``SPECSTREAM_PRODUCTS=q8`` on an x86-64 CPU with AVX2, every product by a registered
-    weight (4 and 8 bits, groups of 32 to 128, any width, 1 to 300 rows) is computed from 8-bit
-    activations: each row's outputs are the same bits whichever product carries it (what keeps
-    greedy speculative decoding equal to plain decoding), they are what the scheme computes in
-    float64 to float32's rounding, and within the scheme's error of the float32 product; turned
-    off in the process, the same weight's products are exact again. The AVX2 tiles (forced
-    with ``SPECSTREAM_SKINNY_ISA=avx2``) give the same bits as the AVX512-VNNI ones where the
-    CPU has them. Where the CPU cannot, the setting leaves every product exact and the kernel
-    says so."""
+# setting: the kernel's state, its words, and how far from the float32 product its outputs are
+# (relative to the largest): 8-bit codes about 1% of a block's largest value, 16-bit ones 2^8
+# times finer.
+SETTINGS = {"q8": (1, "8-bit activations", (1e-4, 2e-2)), "q16": (2, "16-bit activations", (1e-6, 2e-4))}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_integer_activations_give_a_row_the_same_bits_in_any_product(setting):
+    """With ``SPECSTREAM_PRODUCTS=q8`` (or ``q16``) on an x86-64 CPU with AVX2, every product by
+    a registered weight (4 and 8 bits, groups of 32 to 128, any width, 1 to 300 rows) is
+    computed from 8-bit activations (16-bit ones as two planes of 8-bit codes): each row's
+    outputs are the same bits whichever product carries it (what keeps greedy speculative
+    decoding equal to plain decoding), they are what the scheme computes in float64 to
+    float32's rounding, and within the scheme's error of the float32 product; turned off in the
+    process, the same weight's products are exact again. The AVX2 tiles (forced with
+    ``SPECSTREAM_SKINNY_ISA=avx2``) give the same bits as the AVX512-VNNI ones where the CPU has
+    them. Where the CPU cannot, the setting leaves every product exact and the kernel says so."""
+    state, words, (least, most) = SETTINGS[setting]
     runs = {}
     for isa in ("native", "avx2"):
-        settings = {"SPECSTREAM_PRODUCTS": "q8"}
+        settings = {"SPECSTREAM_PRODUCTS": setting}
         if isa == "avx2":
             settings["SPECSTREAM_SKINNY_ISA"] = "avx2"
         out = subprocess.run(
@@ -136,16 +152,16 @@ def test_eight_bit_activations_give_a_row_the_same_bits_in_any_product():
         assert out.returncode == 0, out.stderr
         runs[isa] = res = json.loads(out.stdout.strip().splitlines()[-1])
         if not _q8_capable():
-            assert res["state"] is None and "8-bit" not in res["words"], res
+            assert res["state"] is None and "-bit activations" not in res["words"], res
             assert all(c["served"] == 0 and c["vs_exact"] < 1e-5 for c in res["cases"]), res
             continue
-        assert res["state"] is True and "8-bit activations" in res["words"], res
+        assert res["state"] == state and words in res["words"], res
         for case in res["cases"]:
             assert all(case["same_bits_by_rows"].values()), case
             # one product for the whole, one per block of rows for each row count
             assert case["served"] == 1 + sum(-(-80 // m) for m in (1, 2, 3, 7, 8, 9, 13, 48, 49, 80)), case
             assert case["vs_scheme"] < 2e-6, case
-            assert 1e-4 < case["vs_exact"] < 2e-2, case  # 8-bit activations: close, and not exact
+            assert least < case["vs_exact"] < most, case  # close, and not exact
             assert case["off_served"] == 0 and case["off_exact_bits"], case
     assert [c["digest"] for c in runs["avx2"]["cases"]] == [c["digest"] for c in runs["native"]["cases"]]
 
@@ -184,16 +200,17 @@ print(json.dumps({"served": served() - before, "logits": logits.tolist(), "ar": 
 """
 
 
-def test_a_quantized_model_decodes_with_eight_bit_activations_and_ss_still_equals_ar(quantized_dir):
-    """A quantized model loaded with ``SPECSTREAM_PRODUCTS=q8``: its products take 8-bit
-    activations (on a CPU with AVX512-VNNI), its logits stay near the exact products', and
-    greedy speculative decoding gives plain decoding's tokens with trees of 5 and 9 nodes: a
-    pass's main rows are a step's bits, so their 8-bit codes are the step's too."""
+def test_a_quantized_model_decodes_with_integer_activations_and_ss_still_equals_ar(quantized_dir):
+    """A quantized model loaded with ``SPECSTREAM_PRODUCTS=q8`` (or ``q16``, the default): its
+    products take 8-bit (16-bit) activations (on a CPU with AVX2), its logits stay near the exact
+    products', and greedy speculative decoding gives plain decoding's tokens with trees of 5 and
+    9 nodes: a pass's main rows are a step's bits, so their integer codes are the step's too."""
     runs = {}
-    for setting in ("exact", "q8"):
+    for setting in ("exact", "q8", "q16", "default"):
+        settings = {} if setting == "default" else {"SPECSTREAM_PRODUCTS": setting}
         out = subprocess.run(
             [sys.executable, "-c", MODEL_CHECK, str(quantized_dir)],
-            env=_product_env(SPECSTREAM_PRODUCTS=setting),
+            env=_product_env(**settings),
             capture_output=True,
             text=True,
             timeout=300,
@@ -202,17 +219,26 @@ def test_a_quantized_model_decodes_with_eight_bit_activations_and_ss_still_equal
         runs[setting] = json.loads(out.stdout.strip().splitlines()[-1])
     import numpy as np
 
-    exact, q8 = runs["exact"], runs["q8"]
+    exact = runs["exact"]
     assert exact["served"] == 0
-    for run in (exact, q8):
+    for run in runs.values():
         assert all(tokens == run["ar"] for tokens in run["ss"].values()), run
-    want, got = np.array(exact["logits"]), np.array(q8["logits"])
-    if not _q8_capable():
-        assert q8["served"] == 0 and np.array_equal(got, want)
-        return
-    assert q8["served"] > 0
-    assert not np.array_equal(got, want)
-    # A random tiny model: 8-bit activations move its logits by a few per cent of their range
-    # (the products themselves are checked against the scheme above).
+    want = np.array(exact["logits"])
     scale = np.abs(want).max()
-    assert np.abs(got - want).max() < 0.15 * scale and np.abs(got - want).mean() < 0.05 * scale
+    errors = {}
+    for setting in ("q8", "q16"):
+        got = np.array(runs[setting]["logits"])
+        if not _q8_capable():
+            assert runs[setting]["served"] == 0 and np.array_equal(got, want)
+            continue
+        assert runs[setting]["served"] > 0
+        assert not np.array_equal(got, want)
+        errors[setting] = np.abs(got - want).max() / scale
+    if not _q8_capable():
+        return
+    # A random tiny model: 8-bit activations move its logits by a few per cent of their range
+    # (the products themselves are checked against the scheme above), 16-bit ones by far less.
+    assert errors["q8"] < 0.15 and np.abs(np.array(runs["q8"]["logits"]) - want).mean() < 0.05 * scale
+    assert errors["q16"] < 1e-3 and errors["q16"] < errors["q8"] / 30, errors
+    # Unset, the setting is q16: the same logits and tokens.
+    assert runs["default"] == runs["q16"]

@@ -44,7 +44,9 @@ def test_the_setting_is_auto_or_a_row_count(monkeypatch):
         stored_rows.configured_rows()
 
 
-def test_products_past_the_limit_read_the_float32_weight_with_the_same_bits(quantized_dir, monkeypatch):
+def test_products_past_the_limit_read_the_float32_weight_with_the_same_bits(
+    quantized_dir, monkeypatch, float32_products
+):
     """With a limit of 3 rows, a 3-row product reads the stored form and a 4-row one the float32
     weight (the kernel serves nothing from the stored form), each the same bits as with the
     float32 weights throughout (SPECSTREAM_STORED=0); the limit is kept on the registration and
@@ -79,7 +81,7 @@ def test_products_past_the_limit_read_the_float32_weight_with_the_same_bits(quan
     assert model_key(model.base, model.streams, "greedy", False) != key  # and under another kernel
 
 
-def test_measured_limits_are_kept_per_machine_and_model(quantized_dir, monkeypatch, tmp_path):
+def test_measured_limits_are_kept_per_machine_and_model(quantized_dir, monkeypatch, tmp_path, float32_products):
     """`auto` measures once (announced), keeps the verdict in the user cache and reads it back in
     the next load without measuring (a kernel of another version measures again); a real
     measurement times every row count up to two float32 wins running, leaves every weight read

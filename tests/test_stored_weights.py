@@ -35,7 +35,9 @@ def _decode(model, prompt, n=24):
     return ar, _take(ss_steps(model.base, prompt, SamplingParams(), streams=model.streams, tree=spec), n)
 
 
-def test_a_quantized_model_decodes_from_its_stored_weights_with_the_same_bits(quantized_dir, monkeypatch):
+def test_a_quantized_model_decodes_from_its_stored_weights_with_the_same_bits(
+    quantized_dir, monkeypatch, float32_products
+):
     """Loaded on the CPU backend, every layer's weight and the tied head are registered with
     the product kernel, which then serves the decoding products from the stored form; the
     logits of a step are the same bits as with the float32 weights (SPECSTREAM_STORED=0), plain
@@ -83,7 +85,7 @@ def test_the_registrations_go_with_the_model(quantized_dir):
     assert _registered() == before
 
 
-def test_the_draft_heads_rows_are_read_as_stored_with_the_same_bits(quantized_dir, tmp_path):
+def test_the_draft_heads_rows_are_read_as_stored_with_the_same_bits(quantized_dir, tmp_path, float32_products):
     """Streams with a draft vocabulary: their head (the LM head's rows of those entries,
     read twice a pass) is registered with the model's weights; its products are served from
     the stored rows and give the full head's logits at those entries bit for bit; it goes
@@ -122,7 +124,7 @@ def test_the_draft_heads_rows_are_read_as_stored_with_the_same_bits(quantized_di
     assert _registered() == before
 
 
-def test_float16_scales_are_read_as_float16_with_the_same_bits(tmp_path, monkeypatch):
+def test_float16_scales_are_read_as_float16_with_the_same_bits(tmp_path, monkeypatch, float32_products):
     """A model quantized from float16 weights (as a GGUF file's Q4_1/Q8_0 tensors: scales and
     biases float16) registers every weight with float16 copies of them: a step reads the codes
     and 2 bytes a scale and a bias (not 4), and its logits and greedy decoding are the bits of the

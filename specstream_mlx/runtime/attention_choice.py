@@ -189,7 +189,7 @@ def choose_attention(model, setting: Optional[str] = None) -> Forms:
         return Forms.both(setting)
     forms = measured_forms(HeadLayout.of(model))
     if forms.rows != forms.one_row and q8_products():
-        # 8-bit activations round a pass's rows to a plain step's codes only where the rows
+        # Integer activations (8- or 16-bit) round a pass's rows to a plain step's codes only where the rows
         # reach each product as the step's bits, which takes one attention form for both
         # (docs/DESIGN.md decision 46): otherwise greedy ss parts from ar at near-ties.
         return Forms.both(forms.rows)

@@ -112,12 +112,12 @@ def time_forms(reg: Registration, reps: int = REPS) -> Dict[int, Dict[int, Dict[
     row counts running for every width. Leaves every weight read as stored at every row count.
     Timed with the kernel's 8-bit activations off: they serve every row count alike, and the
     limits are for the products that are the float32 weight's bits."""
-    q8 = set_q8_products(False)
+    q8 = set_q8_products(0)
     try:
         return _time_forms(reg, reps)
     finally:
         if q8:
-            set_q8_products(True)
+            set_q8_products(q8)
 
 
 def _time_forms(reg: Registration, reps: int) -> Dict[int, Dict[int, Dict[str, float]]]:
