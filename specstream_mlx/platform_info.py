@@ -62,10 +62,11 @@ on only),
 expanded in registers rather than into a buffer, 1-9, default 9),
 ``SPECSTREAM_SKINNY_AHEAD_KB`` (how much of the next weight a waiting worker reads ahead,
 default 1024; 0: none);
-``SPECSTREAM_PRODUCTS=q8`` (weights read as stored are multiplied
-by 8-bit activations: faster, no longer the float32 products' bits, a row's outputs the same
-bits in any product; default ``exact``), ``q16`` (by 16-bit activations taken as two planes of
-8-bit codes: the integer products' arithmetic twice, a 2^8 times finer step);
+``SPECSTREAM_PRODUCTS`` = ``q16`` | ``q8`` | ``exact`` (how weights read as stored are
+multiplied: by the activations taken as 16-bit integers, two planes of 8-bit codes, the
+default; by 8-bit activations, faster in a tree pass, coarser; or by the float32 activations,
+the float32 products' bits; with integer activations a row's outputs are the same bits in any
+product);
 ``SPECSTREAM_LOCK_SPIN`` (the tries of a contended mutex before it sleeps, default 100; 0: none),
 ``SPECSTREAM_COND_SPIN_US`` (how long a condition wait polls before it sleeps, default 200; 0: none).
 ``SPECSTREAM_MALLOC`` = ``jemalloc`` | ``tcmalloc`` | ``mimalloc`` | ``glibc`` (none

@@ -13,6 +13,21 @@ def _module(name):
     return mod
 
 
+def _refused_in_one_line(script: str, cases) -> None:
+    """Each (arguments, words) of ``cases`` makes ``script`` exit non-zero with one line on
+    stderr that holds ``words``, nothing on stdout and no traceback."""
+    import subprocess
+    import sys
+
+    for args, words in cases:
+        out = subprocess.run(
+            [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode != 0 and out.stdout == "", out
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0] and "Traceback" not in out.stderr, out.stderr
+
+
 def test_profile_threads_reads_perf_script_with_indented_thread_lines():
     """``perf script -F tid,ip,sym,dso`` starts a sample's thread line with a space on some
     perf versions: those samples were taken for frames of the previous one and the tool
@@ -58,35 +73,35 @@ def test_tree_sweep_divides_each_item_by_the_ar_run_right_before_it():
 
 def test_skinny_rows_ab_refuses_bad_rows_and_settings_in_one_line():
     """A bad row count or setting is named in one line before any process is started."""
-    import subprocess
-    import sys
-
-    for args, words in [
-        (["--rows", "1,0"], "--rows '1,0'"),
-        (["--rows", "9,x"], "--rows '9,x'"),
-        (["--settings", "default;PREFETCH"], "setting 'PREFETCH'"),
-    ]:
-        out = subprocess.run(
-            [sys.executable, str(EXAMPLES / "skinny_rows_ab.py"), *args], capture_output=True, text=True, timeout=60
-        )
-        assert out.returncode != 0 and out.stdout == "", out
-        lines = out.stderr.strip().splitlines()
-        assert len(lines) == 1 and words in lines[0] and "Traceback" not in out.stderr, out.stderr
+    _refused_in_one_line(
+        "skinny_rows_ab.py",
+        [
+            (["--rows", "1,0"], "--rows '1,0'"),
+            (["--rows", "9,x"], "--rows '9,x'"),
+            (["--settings", "default;PREFETCH"], "setting 'PREFETCH'"),
+        ],
+    )
 
 
 def test_chain_pass_cost_refuses_bad_rows_and_counts_in_one_line():
     """A bad row count or count of rounds is named in one line before any model is loaded."""
-    import subprocess
-    import sys
+    _refused_in_one_line(
+        "chain_pass_cost.py",
+        [
+            (["--rows", "2,0"], "--rows '2,0'"),
+            (["--rows", "9,x"], "--rows '9,x'"),
+            (["--rows", "2", "--reps", "0"], "--reps 0"),
+        ],
+    )
 
-    for args, words in [
-        (["--rows", "2,0"], "--rows '2,0'"),
-        (["--rows", "9,x"], "--rows '9,x'"),
-        (["--rows", "2", "--reps", "0"], "--reps 0"),
-    ]:
-        out = subprocess.run(
-            [sys.executable, str(EXAMPLES / "chain_pass_cost.py"), *args], capture_output=True, text=True, timeout=60
-        )
-        assert out.returncode != 0 and out.stdout == "", out
-        lines = out.stderr.strip().splitlines()
-        assert len(lines) == 1 and words in lines[0] and "Traceback" not in out.stderr, out.stderr
+
+def test_prompt_products_ab_refuses_bad_lengths_and_rounds_in_one_line():
+    """A bad prompt length or count of rounds is named in one line before any model is loaded."""
+    _refused_in_one_line(
+        "prompt_products_ab.py",
+        [
+            (["--tokens", "16,0"], "--tokens '16,0'"),
+            (["--tokens", "16,x"], "--tokens '16,x'"),
+            (["--rounds", "0"], "--rounds 0"),
+        ],
+    )
