@@ -721,8 +721,9 @@ def cond_spin_paused() -> Iterator[None]:
         setter(before)
 
 
-def forwarder_words() -> str:
-    """What the forwarder's library adds to the BLAS, as a phrase for a report ('' without it)."""
+def forwarder_words(activations: bool = True) -> str:
+    """What the forwarder's library adds to the BLAS, as a phrase for a report ('' without it);
+    without ``activations``, leaving out how it multiplies weights read as stored."""
     if not gemv_forwarding():
         return ""
     spins, waits = lock_spins(), cond_spin_us()
@@ -739,7 +740,7 @@ def forwarder_words() -> str:
     ahead = skinny_ahead_kb()
     if ahead and threads > 1:
         prefetches += f", {ahead} KB read ahead"
-    q8 = f", {activation_words(q8_products())}" if q8_products() else ""
+    q8 = f", {activation_words(q8_products())}" if activations and q8_products() else ""
     return f"{gemv}, {least}-{most} rows by the skinny kernel ({isa}, {threads} threads{prefetches}{q8}){locks}"
 
 

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from specstream_mlx.platform_info import skinny_kernel
+from specstream_mlx.platform_info import set_q8_products, skinny_kernel
 from specstream_mlx.runtime import step_costs, stored_rows, stored_weights
 from specstream_mlx.runtime.loaded_model import load
 from specstream_mlx.runtime.step_costs import model_key
@@ -102,6 +102,12 @@ def test_measured_limits_are_kept_per_machine_and_model(quantized_dir, monkeypat
 
     assert stored_rows.measured_limits(reg, measure, log=said.append) == {4: 3}
     assert stored_rows.measured_limits(reg, measure, log=said.append) == {4: 3}
+    # Measured with integer activations off, the limits serve every activation setting: a
+    # process that multiplies by 16- or 8-bit activations reads them back too.
+    for planes in (2, 1):
+        set_q8_products(planes)
+        assert stored_rows.measured_limits(reg, measure, log=said.append) == {4: 3}
+    set_q8_products(0)
     assert len(calls) == 1 and len(said) == 1 and "once" in said[0]
     store = tmp_path / "cache" / "stored_rows.json"
     table = json.loads(store.read_text())
