@@ -355,7 +355,7 @@ def configured_choice(malloc: bool = True) -> BlasChoice:
     if prefetch and prefetch not in PREFETCH_MODES:
         raise BlasSettingError(f"{PREFETCH_ENV}={prefetch!r}: expected nta, t0, t1 or off")
     products = os.environ.get(PRODUCTS_ENV, "")
-    if products and products not in ("exact", "q8", "q16"):
+    if products and products not in PRODUCTS_SETTINGS:
         raise BlasSettingError(
             f"{PRODUCTS_ENV}={products!r}: expected exact (the float32 products' bits), q8 (8-bit activations) "
             "or q16 (16-bit activations as two 8-bit planes)"
@@ -628,6 +628,7 @@ AHEAD_ENV = "SPECSTREAM_SKINNY_AHEAD_KB"  # how much of the next weight a waitin
 ISA_ENV = "SPECSTREAM_SKINNY_ISA"
 # exact | q8 | q16: how the kernel multiplies weights read as stored (docs/DESIGN.md decision 46)
 PRODUCTS_ENV = "SPECSTREAM_PRODUCTS"
+PRODUCTS_SETTINGS = ("exact", "q8", "q16")  # PRODUCTS_ENV's values, by the kernel's state (q8_products)
 # The native libraries' whole-number settings: what each counts, its least and its most. They
 # are read in C with atoi, where a word or a negative number would leave the default, turn a
 # mechanism off or run the kernel on one thread without a word (configured_choice checks).
@@ -740,7 +741,8 @@ def forwarder_words(activations: bool = True) -> str:
     ahead = skinny_ahead_kb()
     if ahead and threads > 1:
         prefetches += f", {ahead} KB read ahead"
-    q8 = f", {activation_words(q8_products())}" if activations and q8_products() else ""
+    planes = q8_products() if activations else 0
+    q8 = f", {activation_words(planes)}" if planes else ""
     return f"{gemv}, {least}-{most} rows by the skinny kernel ({isa}, {threads} threads{prefetches}{q8}){locks}"
 
 

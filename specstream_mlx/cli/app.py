@@ -320,7 +320,7 @@ def doctor(
     from ..io.loading import dequantize_on_cpu
 
     if dequantize_on_cpu():
-        from ..platform_info import activation_words, q8_products, skinny_kernel
+        from ..platform_info import PRODUCTS_SETTINGS, activation_words, q8_products, skinny_kernel
 
         reads = (
             "; the product kernel reads 4- and 8-bit weights as stored (SPECSTREAM_STORED=0: the float32 ones) "
@@ -332,7 +332,7 @@ def doctor(
         if reads and q8 is not None:
             reads += (
                 f", and multiplies them by {activation_words(q8)} at every row count "
-                f"(SPECSTREAM_PRODUCTS={'q16' if q8 == 2 else 'q8'}; not the float32 products' bits)"
+                f"(SPECSTREAM_PRODUCTS={PRODUCTS_SETTINGS[q8]}; not the float32 products' bits)"
                 if q8
                 else "; SPECSTREAM_PRODUCTS=q8 or q16 would multiply them by 8-bit or 16-bit activations"
             )

@@ -110,7 +110,7 @@ def time_forms(reg: Registration, reps: int = REPS) -> Dict[int, Dict[int, Dict[
     """Median seconds of every registered weight's product of each width, stored and float32,
     by row count (``LADDER``), until the float32 form has been the faster (``MARGIN``) at two
     row counts running for every width. Leaves every weight read as stored at every row count.
-    Timed with the kernel's 8-bit activations off: they serve every row count alike, and the
+    Timed with the kernel's integer activations off: they serve every row count alike, and the
     limits are for the products that are the float32 weight's bits."""
     q8 = set_q8_products(0)
     try:
